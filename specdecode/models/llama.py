@@ -1,0 +1,182 @@
+"""A Llama-family transformer (Llama, Mistral, Qwen2, SmolLM2) in plain PyTorch.
+
+Built for speculative decoding: the forward takes a batch of new tokens that may form a token tree
+(tree attention mask, explicit positions), writes their keys/values into a preallocated cache,
+computes logits only where asked, and can return the hidden states of chosen layers.
+Projections are fused (q|k|v and gate|up) so one step issues few large matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [B, n_selected, V]
+    hidden: list[torch.Tensor]  # one [B, n, H] per requested layer
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones, blend in between
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
+        return torch.where(wavelen < old_len / high, inv_freq, out)
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.split = (q_dim, kv_dim, kv_dim)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.write(layer, k, v, start)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, layer, start, mask) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len,
+            batch_size=batch_size, dtype=self.dtype, device=self.device,
+        )
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the given positions, from a table built once in float64 then cast."""
+        need = int(positions.max()) + 1
+        table = self._rope_cache
+        if table is None or table[0].shape[0] < need or table[0].dtype != self.dtype:
+            size = max(need, self.config.max_position_embeddings)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(self.config))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
+            self._rope_cache = table
+        return table[0][positions], table[1][positions]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        *,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        logits_at: slice | torch.Tensor | None = slice(None),
+        hidden_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """Run `tokens` [B, n] after the `cache.length` cached ones.
+
+        positions: [n] absolute positions (default: consecutive after the cache).
+        tree_mask: [n, n] bool, True where node i may attend to node j (itself and its ancestors);
+            None means a causal chain.
+        logits_at: which of the n positions need logits (None: none, e.g. during prefill).
+        """
+        _, n = tokens.shape
+        start = cache.length
+        if positions is None:
+            positions = torch.arange(start, start + n, device=tokens.device)
+        cos, sin = self.rope(positions)
+        mask = self._attention_mask(start, n, tree_mask)
+        x = self.embed(tokens)
+        hidden = []
+        wanted = set(hidden_layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, start, mask)
+            if i in wanted:
+                hidden.append(x)
+        cache.length = start + n
+        logits = None
+        if logits_at is not None:
+            logits = self.lm_head(self.norm(x[:, logits_at]))
+        return ForwardOutput(logits, hidden)
+
+    def _attention_mask(self, start: int, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
+        if n == 1:
+            return None  # one query sees the whole cache
+        if tree_mask is None:
+            tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        prefix = torch.ones(n, start, dtype=torch.bool, device=self.device)
+        return torch.cat((prefix, tree_mask.to(self.device)), dim=1)

@@ -1,0 +1,60 @@
+"""A separate, smaller draft model with the target's tokenizer, drafting a chain token by token.
+
+Its KV cache follows the committed sequence: before each proposal it rolls back to the longest
+prefix it already holds and feeds the rest, so rejected guesses cost nothing to undo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import KVCache, Transformer
+from ..sampling import sample
+from ..tree import DraftTree
+from .base import Proposer
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+
+    def __init__(self, model: Transformer, vocab_size: int) -> None:
+        self.model = model
+        self.vocab_size = vocab_size  # the target's: q must live on the same support as p
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []
+
+    def begin(self, prompt: list[int], max_len: int) -> None:
+        self.cache = self.model.new_cache(max_len)
+        self.cached = []
+
+    def propose(self, tokens, k, params, generator) -> DraftTree:
+        if self.cache is None:
+            raise RuntimeError("DraftModelProposer.begin() must be called before propose()")
+        common = 0
+        limit = min(len(self.cached), len(tokens) - 1)  # always feed at least the last token
+        while common < limit and self.cached[common] == tokens[common]:
+            common += 1
+        self.cache.rollback(common)
+        logits = self._logits(tokens[common:])
+        drafted: list[int] = []
+        probs: list[torch.Tensor | None] = []
+        for i in range(k):
+            if params.greedy:
+                drafted.append(int(logits.argmax()))
+                probs.append(None)
+            else:
+                q = params.probs(logits)
+                drafted.append(sample(q, generator))
+                probs.append(q)
+            if i < k - 1:
+                logits = self._logits(drafted[-1:])
+        self.cached = tokens + drafted[:-1]
+        return DraftTree.chain(tokens[-1], drafted, probs)
+
+    def _logits(self, new_tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([new_tokens], device=self.model.device)
+        logits = self.model.forward(ids, self.cache, logits_at=slice(-1, None)).logits[0, -1]
+        vocab = self.vocab_size
+        if logits.shape[-1] >= vocab:  # padded embedding rows are never real tokens
+            return logits[:vocab]
+        return torch.cat((logits, logits.new_full((vocab - logits.shape[-1],), float("-inf"))))
