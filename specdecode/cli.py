@@ -1,0 +1,129 @@
+"""Command line: `specdecode generate PROMPT --method ...` (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .api import METHODS, LLM, GenerationOutput
+
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
+    g.add_argument("--method", choices=METHODS, default="prompt-lookup")
+    g.add_argument("--draft", help="draft model for --method draft (registry name, HF dir or .gguf)")
+    g.add_argument("--k", type=int, default=4, help="tokens guessed per step (tree depth)")
+    g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram matched")
+    g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram matched")
+    g.add_argument("--branches", type=int, default=1, help="prompt-lookup: continuations merged into a tree")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
+    g.add_argument("--compare", action="store_true", help="also run plain decoding, interleaved, and compare")
+    g.add_argument("--repeats", type=int, default=3, help="--compare: runs of each method (median reported)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        err.print(f"[red]error:[/red] {e}")
+        return 2
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    with err.status(f"loading {args.model}..."):
+        llm = LLM.load(args.model, dtype=args.dtype)
+    options = dict(
+        method=args.method, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+        chat=args.chat, max_ngram=args.max_ngram, min_ngram=args.min_ngram, branches=args.branches,
+    )
+    if args.compare:
+        return compare(llm, prompt, options, args.repeats, as_json=args.json)
+    if args.json:
+        out = llm.generate(prompt, **options)
+        print(json.dumps(output_record(out), indent=2))
+        return 0
+    stream = llm.generate(prompt, stream=True, **options)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    show_stats([stream.output])
+    return 0
+
+
+def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -> int:
+    """Plain decoding vs the chosen method on the same prompt, alternating order so drift hits both."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    plain_options = {**options, "method": "none"}
+    llm.generate(prompt, **{**options, "max_new_tokens": 8})  # warm-up: first calls pay one-off costs
+    llm.generate(prompt, **{**plain_options, "max_new_tokens": 8})
+    spec_runs: list[GenerationOutput] = []
+    plain_runs: list[GenerationOutput] = []
+    for r in range(repeats):
+        order = [(options, spec_runs), (plain_options, plain_runs)]
+        for opts, runs in order if r % 2 == 0 else order[::-1]:
+            with err.status(f"run {r + 1}/{repeats}: {opts['method']}..."):
+                runs.append(llm.generate(prompt, **opts))
+    speedups = [s.stats.tokens_per_second / p.stats.tokens_per_second for s, p in zip(spec_runs, plain_runs)]
+    same = all(s.token_ids == plain_runs[0].token_ids for s in spec_runs + plain_runs)
+    greedy = options["temperature"] == 0
+    if as_json:
+        print(json.dumps({
+            "speculative": [output_record(o) for o in spec_runs], "plain": [output_record(o) for o in plain_runs],
+            "speedup_median": statistics.median(speedups), "speedups": speedups,
+            "outputs_match": same if greedy else None,
+        }, indent=2))
+        return 0
+    print(spec_runs[-1].text)
+    show_stats([spec_runs[-1], plain_runs[-1]])
+    match = ("[green]yes[/green]" if same else "[red]NO[/red]") if greedy else "n/a (sampling)"
+    err.print(
+        f"speedup over plain decoding: [bold]{statistics.median(speedups):.2f}x[/bold] "
+        f"(median of {repeats}, min {min(speedups):.2f}x, max {max(speedups):.2f}x); outputs identical: {match}"
+    )
+    return 0 if same or not greedy else 1
+
+
+def output_record(out: GenerationOutput) -> dict:
+    return {"text": out.text, "finish_reason": out.finish_reason, "method": out.method,
+            "token_ids": out.token_ids, "stats": out.stats.as_dict()}
+
+
+def show_stats(outputs: list[GenerationOutput]) -> None:
+    table = Table(title="generation stats", title_justify="left")
+    for col in ("method", "tokens", "tokens/s", "accept rate", "tau", "target fwd", "target s", "draft s", "prefill s"):
+        table.add_column(col, justify="right")
+    for o in outputs:
+        s = o.stats
+        table.add_row(o.method, str(s.new_tokens), f"{s.tokens_per_second:.1f}", f"{s.acceptance_rate:.2f}",
+                      f"{s.tau:.2f}", str(s.target_forwards), f"{s.target_seconds:.2f}", f"{s.draft_seconds:.3f}",
+                      f"{s.prefill_seconds:.2f}")
+    err.print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Incremental detokenization with stop strings: emit text as soon as it is final, never past a stop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class IncrementalText:
+    """Collects generated tokens; `add` reports a completed stop string, `ready` returns new final text.
+
+    Text is held back while it ends in an incomplete UTF-8 sequence or could be the start of a stop
+    string, so a stream never shows characters that a later token would take back.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.tokens: list[int] = []
+        self.text = ""
+        self.stopped = False
+        self._emitted = 0  # characters already returned by ready()
+        self._checked = 0  # text before this holds no stop string
+        self._stale = False  # tokens added since the text was last decoded
+
+    def add(self, token: int) -> bool:
+        """Append one token; True when this token completed a stop string (the text is cut before it)."""
+        self.tokens.append(token)
+        self._stale = True
+        if not self.stop:
+            return False
+        self._decode()
+        longest = max(map(len, self.stop))
+        lo = max(0, self._checked - longest + 1)
+        hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return True
+        self._checked = len(self.text)
+        return False
+
+    def ready(self) -> str:
+        """Text that is final now and was not returned before."""
+        self._decode()
+        end = len(self.text)
+        if not self.stopped:
+            end = len(self.text.rstrip("\ufffd"))  # an incomplete multi-byte character
+            end -= self._stop_prefix_len(self.text[:end])
+        piece = self.text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return piece
+
+    def finish(self) -> str:
+        """Everything not returned yet: the request is over, nothing will be taken back."""
+        self._decode()
+        piece = self.text[self._emitted :]
+        self._emitted = len(self.text)
+        return piece
+
+    def _decode(self) -> None:
+        if self._stale and not self.stopped:
+            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self._stale = False
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
