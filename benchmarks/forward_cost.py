@@ -68,8 +68,8 @@ def main() -> None:
         f"torch {torch.__version__}. Command: `python benchmarks/forward_cost.py "
         f"--context {args.context} --repeats {args.repeats} --dtype {args.dtype}`",
         "",
-        "| tokens | ours ms (median, min-max) | transformers ms (median, min-max) | ours vs 1 token | theirs vs 1 token "
-        "| transformers / ours |",
+        "| tokens | ours ms (median, min-max) | transformers ms (median, min-max) | ours vs 1 token "
+        "| theirs vs 1 token | transformers / ours |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     base = {who: statistics.median(times[(who, sizes[0])]) for who in ("ours", "transformers")}

@@ -195,7 +195,8 @@ def check_same_tokenizer(target, draft) -> None:
     if problems:
         raise ValueError(
             "the draft model's tokenizer does not match the target's: " + "; ".join(problems)
-            + ". Use a draft trained with the target's tokenizer (same family), or another method such as prompt-lookup."
+            + ". Use a draft trained with the target's tokenizer (same family), "
+            "or another method such as prompt-lookup."
         )
 
 

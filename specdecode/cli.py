@@ -10,7 +10,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .api import METHODS, LLM, GenerationOutput
+from .api import LLM, METHODS, GenerationOutput
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
@@ -88,7 +88,8 @@ def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -
         for opts, runs in order if r % 2 == 0 else order[::-1]:
             with err.status(f"run {r + 1}/{repeats}: {opts['method']}..."):
                 runs.append(llm.generate(prompt, **opts))
-    speedups = [s.stats.tokens_per_second / p.stats.tokens_per_second for s, p in zip(spec_runs, plain_runs)]
+    pairs = zip(spec_runs, plain_runs, strict=True)
+    speedups = [s.stats.tokens_per_second / p.stats.tokens_per_second for s, p in pairs]
     same = all(s.token_ids == plain_runs[0].token_ids for s in spec_runs + plain_runs)
     greedy = options["temperature"] == 0
     if as_json:

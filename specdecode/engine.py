@@ -157,15 +157,15 @@ def generate_ids(
     *,
     proposer: Proposer | None = None,
     max_new_tokens: int = 64,
-    params: SamplingParams = SamplingParams(),
+    params: SamplingParams | None = None,
     k: int = 4,
     stop_token_ids: Collection[int] = (),
     seed: int | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Run a whole request on token ids; returns (new tokens, stats)."""
     gen = Generation(
-        target, proposer or NoProposer(), prompt, max_new_tokens=max_new_tokens, params=params, k=k,
-        stop_token_ids=stop_token_ids, seed=seed,
+        target, proposer or NoProposer(), prompt, max_new_tokens=max_new_tokens, k=k,
+        params=params or SamplingParams(), stop_token_ids=stop_token_ids, seed=seed,
     )
     for _ in gen:
         pass

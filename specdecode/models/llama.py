@@ -153,6 +153,7 @@ class Transformer(nn.Module):
         tree_mask: [n, n] bool, True where node i may attend to node j (itself and its ancestors);
             None means a causal chain.
         logits_at: which of the n positions need logits (None: none, e.g. during prefill).
+        hidden_layers: layer indices (negative ones count from the end) whose outputs to return, in that order.
         """
         _, n = tokens.shape
         start = cache.length
@@ -160,18 +161,21 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + n, device=tokens.device)
         cos, sin = self.rope(positions)
         mask = self._attention_mask(start, n, tree_mask)
+        num_layers = len(self.layers)
+        if any(not -num_layers <= i < num_layers for i in hidden_layers):
+            raise IndexError(f"hidden_layers {list(hidden_layers)} out of range for {num_layers} layers")
+        wanted = [i % num_layers for i in hidden_layers]  # negative indices count from the last layer
         x = self.embed(tokens)
-        hidden = []
-        wanted = set(hidden_layers)
+        states = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, mask)
             if i in wanted:
-                hidden.append(x)
+                states[i] = x
         cache.length = start + n
         logits = None
         if logits_at is not None:
             logits = self.lm_head(self.norm(x[:, logits_at]))
-        return ForwardOutput(logits, hidden)
+        return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
 
     def _attention_mask(self, start: int, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
         if n == 1:

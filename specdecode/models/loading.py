@@ -183,6 +183,19 @@ def read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _hf_names(cfg: ModelConfig) -> set[str]:
+    """The HF tensor names (without the `model.` prefix) that load_transformer reads."""
+    names = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}  # a tied checkpoint may still hold lm_head
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        if cfg.attention_bias:
+            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
+
+
 def load_transformer(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
     hf_config = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(hf_config)
@@ -202,6 +215,12 @@ def load_transformer(path: Path, dtype: torch.dtype = torch.float32, device: str
         ours[p + "mlp.w2.weight"] = state[mlp + "down_proj.weight"]
         ours[p + "attn_norm.weight"] = state[p + "input_layernorm.weight"]
         ours[p + "mlp_norm.weight"] = state[p + "post_attention_layernorm.weight"]
+    # Refuse weights this runtime has no place for (e.g. Llama's o_proj bias when attention_bias is set,
+    # or mlp_bias) instead of silently dropping them and computing different logits.
+    unused = sorted(k for k in state if k not in _hf_names(cfg) and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"{path}: checkpoint tensors not supported by this runtime: {', '.join(unused[:4])}"
+                         + (f" and {len(unused) - 4} more" if len(unused) > 4 else ""))
     with torch.device("meta"):
         model = Transformer(cfg)
     model.load_state_dict(ours, strict=True, assign=True)
