@@ -36,7 +36,7 @@ class GenerationStats:
     @property
     def tau(self) -> float:
         """Mean tokens committed per target forward (accepted guesses + 1); 1.0 for plain decoding."""
-        return (self.accepted + self.target_forwards) / self.target_forwards if self.target_forwards else 0.0
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -138,16 +138,17 @@ class Generation:
         stats.target_seconds += time.perf_counter() - t1
         stats.target_forwards += 1
         stats.drafted += tree.num_drafted
-        stats.accepted += verdict.num_accepted
 
         new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
         for i, token in enumerate(new):  # stop exactly at the first stop token, never past it
             if token in self.stop_token_ids:
                 self.finish_reason = "stop"
-                return new[: i + 1]
+                new = new[: i + 1]
+                break
         if len(new) >= remaining:
-            self.finish_reason = "length"
-            return new[:remaining]
+            self.finish_reason = self.finish_reason or "length"
+            new = new[:remaining]
+        stats.accepted += min(verdict.num_accepted, len(new))  # guesses cut by a stop were not used
         return new
 
 

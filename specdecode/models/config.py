@@ -24,6 +24,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # Mistral: a token sees only the last `sliding_window` positions
     model_type: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -36,6 +37,8 @@ class ModelConfig:
                 f"({', '.join(SUPPORTED_MODEL_TYPES)})."
             )
         num_heads = hf["num_attention_heads"]
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or None
         rope_theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -54,6 +57,7 @@ class ModelConfig:
             rope_scaling=rope,
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
             model_type=model_type,
         )
 
@@ -76,6 +80,7 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "sliding_window": self.sliding_window,
             "hidden_act": "silu",
         }
         return out

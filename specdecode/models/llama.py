@@ -160,7 +160,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + n, device=tokens.device)
         cos, sin = self.rope(positions)
-        mask = self._attention_mask(start, n, tree_mask)
+        mask = self._attention_mask(start, positions, tree_mask)
         num_layers = len(self.layers)
         if any(not -num_layers <= i < num_layers for i in hidden_layers):
             raise IndexError(f"hidden_layers {list(hidden_layers)} out of range for {num_layers} layers")
@@ -177,10 +177,17 @@ class Transformer(nn.Module):
             logits = self.lm_head(self.norm(x[:, logits_at]))
         return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
 
-    def _attention_mask(self, start: int, n: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
-        if n == 1:
-            return None  # one query sees the whole cache
+    def _attention_mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None):
+        """[n, start + n] bool (True = attend), or None when every query may see every cached key."""
+        n, window = positions.shape[-1], self.config.sliding_window
+        windowed = window is not None and int(positions.max()) >= window
+        if n == 1 and not windowed:
+            return None
         if tree_mask is None:
             tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         prefix = torch.ones(n, start, dtype=torch.bool, device=self.device)
-        return torch.cat((prefix, tree_mask.to(self.device)), dim=1)
+        mask = torch.cat((prefix, tree_mask.to(self.device)), dim=1)
+        if windowed:  # keys more than `window - 1` positions behind the query are out of sight
+            key_pos = torch.cat((torch.arange(start, device=self.device), positions.to(self.device)))
+            mask &= (positions.to(self.device)[:, None] - key_pos[None, :]) < window
+        return mask

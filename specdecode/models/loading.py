@@ -117,6 +117,10 @@ GGUF_NAMES = {
 }
 
 
+GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+
+
 def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """GGUF -> (HF config dict, HF-named float32 state dict)."""
     import gguf
@@ -139,12 +143,15 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         name = t.name
         if name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
+            if kind not in GGUF_NAMES:
+                raise ValueError(f"{path.name}: GGUF tensor {name!r} is not supported (not a Llama/Qwen2 block)")
             if arch == "llama" and kind in ("attn_q", "attn_k"):  # llama.cpp permutes only llama's q/k
                 w = _unpermute(w, n_heads if kind == "attn_q" else n_kv)
             name = f"model.layers.{layer}.{GGUF_NAMES[kind]}.{suffix}"
-        else:
-            name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                    "output.weight": "lm_head.weight"}[name]
+        elif name in GGUF_TOP_NAMES:
+            name = GGUF_TOP_NAMES[name]
+        else:  # e.g. rope_freqs.weight: Llama 3.1 RoPE scaling, which this converter does not read yet
+            raise ValueError(f"{path.name}: GGUF tensor {name!r} is not supported; use the HF checkpoint instead")
         tensors[name] = w.contiguous()
     vocab = field(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     config = {

@@ -52,7 +52,10 @@ class DraftModelProposer(Proposer):
         return DraftTree.chain(tokens[-1], drafted, probs)
 
     def _logits(self, new_tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([new_tokens], device=self.model.device)
+        # A draft with a smaller (unpadded) vocabulary cannot embed the target's extra ids; should the target
+        # ever emit one, feed a stand-in: only the draft's guesses suffer, never the output.
+        draft_vocab = self.model.config.vocab_size
+        ids = torch.tensor([[t if t < draft_vocab else 0 for t in new_tokens]], device=self.model.device)
         logits = self.model.forward(ids, self.cache, logits_at=slice(-1, None)).logits[0, -1]
         vocab = self.vocab_size
         if logits.shape[-1] >= vocab:  # padded embedding rows are never real tokens

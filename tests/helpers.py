@@ -1,0 +1,135 @@
+"""Tiny random models for fast, offline tests.
+
+Weights are scaled so next-token distributions are peaked (greedy decoding is non-trivial and free
+of near-ties in float64) and greedy text has some repeats (prompt lookup gets guesses right), and a
+"related" draft (the target plus a little noise) agrees with the target often but not always, so both
+the accept and the reject paths get exercised.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from specdecode.models import ModelConfig, Transformer
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(
+        vocab_size=56, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int, gain: float = 1.25, head_gain: float = 6.0) -> None:
+    """Overwrite every parameter in place with seeded random values.
+
+    Embeddings ~ N(0, 1); block matrices ~ N(0, gain^2 / fan_in) (gain 1.25: the residual stream mixes the
+    current token with its context, so greedy text is varied but has some repeats, which prompt lookup
+    can guess); the output head ~ N(0, head_gain^2 / hidden) (peaked distributions, top-1 mass ~0.8);
+    norm weights ~ 1 + N(0, 0.1^2); biases ~ N(0, 0.2^2).
+    Works for our Transformer and for transformers' models alike (parameters are recognised by name).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        z = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+        if "norm" in name:
+            value = 1 + 0.1 * z
+        elif name.endswith("bias"):
+            value = 0.2 * z
+        elif "embed" in name:
+            value = z
+        elif "lm_head" in name:
+            value = z * head_gain / param.shape[1] ** 0.5
+        else:
+            value = z * gain / param.shape[1] ** 0.5
+        param.copy_(value.to(param.dtype))
+
+
+def tiny_model(seed: int, dtype: torch.dtype = torch.float64, *, gain: float = 1.25, head_gain: float = 6.0,
+               **overrides) -> Transformer:
+    """A random tiny Transformer (see randomize_); `overrides` go to tiny_config."""
+    model = Transformer(tiny_config(**overrides))
+    randomize_(model, seed, gain, head_gain)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def noisy_copy(model: Transformer, seed: int, noise: float = 0.05) -> Transformer:
+    """The model with N(0, noise * std(w)) added to every weight: a draft that mostly agrees with it."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    for param in draft.parameters():
+        scale = noise * float(param.std()) if param.numel() > 1 else noise
+        param.add_(scale * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype))
+    draft._rope_cache = None
+    return draft
+
+
+@torch.no_grad()
+def resize_vocab(model: Transformer, vocab_size: int, seed: int = 0) -> Transformer:
+    """Copy of `model` with its embedding/lm_head truncated or padded (padding rows random) to `vocab_size`.
+
+    The shared rows keep their values, so on the shared vocabulary the draft behaves like the original.
+    """
+    cfg = dataclasses.replace(model.config, vocab_size=vocab_size)
+    out = Transformer(cfg).to(model.dtype)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    for key in ("embed.weight", "lm_head.weight"):
+        old = state[key]
+        new = float(old.std()) * torch.randn(vocab_size, old.shape[1], generator=gen, dtype=torch.float64)
+        new = new.to(old.dtype)
+        n = min(vocab_size, old.shape[0])
+        new[:n] = old[:n]
+        state[key] = new
+    out.load_state_dict(state)
+    return out.eval().requires_grad_(False)
+
+
+def prefix_layers(model: Transformer, num_layers: int) -> Transformer:
+    """The model's first `num_layers` blocks with its own embedding, final norm and head (a shallow draft)."""
+    cfg = dataclasses.replace(model.config, num_layers=num_layers)
+    out = Transformer(cfg).to(model.dtype)
+    state = {k: v for k, v in model.state_dict().items()
+             if not k.startswith("layers.") or int(k.split(".")[1]) < num_layers}
+    out.load_state_dict(state)
+    return out.eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------ HF checkpoints
+
+
+def hf_config(model_type: str = "llama", **overrides):
+    """A tiny transformers config of the given family (llama, qwen2, mistral)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type]
+    base = dict(
+        vocab_size=60, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if model_type == "mistral":
+        base["sliding_window"] = None  # our runtime has full attention; a window only matters past its length
+    base.update(overrides)
+    return cls(**base)
+
+
+def save_hf_checkpoint(path: Path, model_type: str = "llama", seed: int = 0, **overrides):
+    """Write a random tiny checkpoint with transformers' save_pretrained (safetensors); return the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)  # every parameter, so transformers' own (unseeded) init does not matter
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # randomize_ kept the tie
+    model.save_pretrained(str(path))  # safetensors is transformers' default format
+    return model.eval()
