@@ -46,6 +46,32 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
 
 
+class Linear(nn.Linear):
+    """nn.Linear with a faster CPU path for the few-token matmuls of decoding and verification.
+
+    MKL runs `x @ W.T` for a handful of rows at a third of the memory bandwidth or less, so a step that
+    verifies 8 tokens used to cost 2x a 1-token step. oneDNN with its weight layout prepacked once streams
+    W near full bandwidth whatever the row count, so verifying a few tokens costs almost the same as one
+    (numbers in benchmarks/results/forward_cost.md). Other devices and dtypes keep F.linear.
+    """
+
+    _packed: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not (ONEDNN and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)) or w.requires_grad:
+            return F.linear(x, w, self.bias)
+        key = (w.data_ptr(), w._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed[1], self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -56,8 +82,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.wqkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
-        self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.wo = Linear(q_dim, cfg.hidden_size, bias=False)
         self.split = (q_dim, kv_dim, kv_dim)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
@@ -76,8 +102,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -104,7 +130,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
