@@ -39,13 +39,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=3, help="--compare: runs of each method (median reported)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+
+    b = sub.add_parser("bench", help="Spec-Bench: speedup and tau per category, with transformers as peers")
+    b.add_argument("--model", default="smollm2-135m-instruct")
+    b.add_argument("--methods", default="none,prompt-lookup", help="comma list: none, prompt-lookup, draft:PATH")
+    b.add_argument("--categories", default="all", help="'all' or a comma list of Spec-Bench categories")
+    b.add_argument("--prompts-per-category", type=int, default=10)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--k", default="4", help="tokens guessed per step; a comma list sweeps K")
+    b.add_argument("--temperature", default="0", help="a comma list sweeps temperatures")
+    b.add_argument("--peers", choices=["none", "transformers"], default="none")
+    b.add_argument("--questions", help="Spec-Bench question.jsonl (default: ../shared/data/eval/spec_bench)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return cmd_generate(args)
+        return cmd_bench(args) if args.command == "bench" else cmd_generate(args)
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 2
@@ -71,6 +84,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(piece, end="", flush=True)
     print()
     show_stats([stream.output])
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
+    from .bench.data import DEFAULT_QUESTIONS
+
+    ks = [int(k) for k in args.k.split(",")]
+    temperatures = [float(t) for t in args.temperature.split(",")]
+    if any(k < 1 for k in ks) or any(t < 0 for t in temperatures) or args.prompts_per_category < 1:
+        raise ValueError("--k values and --prompts-per-category must be >= 1, temperatures >= 0")
+    categories = "all" if args.categories == "all" else args.categories.split(",")
+    questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
+    cfg = BenchConfig(
+        model=args.model, methods=parse_methods(args.methods, ks, peers=args.peers == "transformers"),
+        questions=questions, temperatures=temperatures, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        command="specdecode " + " ".join(sys.argv[1:]),
+    )
+    results = run_benchmark(cfg)
+    out = Path(args.out)
+    save_results(results, out)
+    report = write_report(results, out)
+    err.print(f"wrote {out / 'results.json'} and {report}")
+    print(report.read_text())
     return 0
 
 

@@ -1,0 +1,39 @@
+"""Spec-Bench prompts: the standard speculative-decoding benchmark (never train on them)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2].parent / "shared/data/eval/spec_bench/question.jsonl"
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int
+    category: str
+    prompt: str  # the first user turn
+
+
+def load_questions(
+    path: str | Path = DEFAULT_QUESTIONS, categories: str | list[str] = "all", per_category: int | None = None
+) -> list[Question]:
+    """Questions in file order, the first `per_category` of each selected category."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Spec-Bench questions not found at {path}; pass --questions PATH")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    known = list(dict.fromkeys(r["category"] for r in rows))
+    wanted = known if categories == "all" else list(categories)
+    unknown = [c for c in wanted if c not in known]
+    if unknown:
+        raise ValueError(f"unknown Spec-Bench categories {unknown}; known: {', '.join(known)}")
+    taken: dict[str, int] = {}
+    out = []
+    for r in rows:
+        c = r["category"]
+        if c in wanted and (per_category is None or taken.get(c, 0) < per_category):
+            taken[c] = taken.get(c, 0) + 1
+            out.append(Question(r["question_id"], c, r["turns"][0]))
+    return out

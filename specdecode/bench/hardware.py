@@ -1,0 +1,40 @@
+"""The physical limit of plain decoding: every token reads all weights once from memory."""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+
+def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Best-of-N read bandwidth (a reduction over a buffer far larger than any cache), in GB/s."""
+    buf = torch.ones(megabytes * 2**20 // 4)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decoding step streams: every distinct parameter once (tied embeddings count once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"

@@ -1,0 +1,111 @@
+"""What a benchmark run compares: our methods and transformers' `generate` as peers, behind one call."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..api import LLM
+
+
+def output_hash(token_ids: list[int]) -> str:
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Method:
+    """One column of the benchmark: a label and how to run a prompt with it."""
+
+    label: str
+    kind: str  # "ours" | "transformers"
+    method: str  # none | prompt-lookup | draft
+    k: int = 0
+    draft: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, runner: Runners, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
+        if self.kind == "ours":
+            return runner.ours(self, prompt_ids, max_new_tokens, temperature, seed)
+        return runner.transformers(self, prompt_ids, max_new_tokens, temperature, seed)
+
+
+def parse_methods(spec: str, ks: list[int], peers: bool) -> list[Method]:
+    """'none,prompt-lookup,draft:PATH' (+ K sweep) -> methods; `none` always first, peers last."""
+    methods: list[Method] = [Method("none", "ours", "none")]
+    drafts: list[str] = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        name, _, arg = item.partition(":")
+        if name == "none":
+            continue
+        if name not in ("prompt-lookup", "draft"):
+            raise ValueError(f"unknown method {name!r} in --methods (none, prompt-lookup, draft:PATH)")
+        if name == "draft" and not arg:
+            raise ValueError("draft needs a path: --methods draft:PATH")
+        if name == "draft":
+            drafts.append(arg)
+        for k in ks:
+            label = name if len(ks) == 1 else f"{name}@k={k}"
+            methods.append(Method(label, "ours", name, k=k, draft=arg or None))
+    if peers:
+        methods.append(Method("hf-plain", "transformers", "none"))
+        methods.append(Method("hf-prompt-lookup", "transformers", "prompt-lookup", k=max(ks)))
+        for d in drafts:
+            methods.append(Method("hf-assisted", "transformers", "draft", draft=d))
+    return methods
+
+
+class Runners:
+    """Holds the loaded models: ours, and transformers' own copy of the same checkpoint for the peers."""
+
+    def __init__(self, llm: LLM, checkpoint_dir: str, need_peers: bool) -> None:
+        self.llm = llm
+        self.checkpoint_dir = checkpoint_dir
+        self._hf = None
+        self._hf_drafts: dict[str, Any] = {}
+        if need_peers:
+            self._hf = self._load_hf(checkpoint_dir)
+
+    @staticmethod
+    def _load_hf(path: str):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def ours(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
+        out = self.llm.generate(prompt_ids, method=m.method, draft=m.draft, k=m.k, max_new_tokens=max_new_tokens,
+                                temperature=temperature, seed=seed, **m.options)
+        s = out.stats
+        return {"new_tokens": len(out.token_ids), "seconds": s.seconds, "drafted": s.drafted,
+                "accepted": s.accepted, "target_forwards": s.target_forwards, "tau": s.tau,
+                "output_hash": output_hash(out.token_ids)}
+
+    def transformers(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+                     seed: int) -> dict:
+        from ..models import resolve
+
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": sorted(self.llm.stop_token_ids),
+                                  "pad_token_id": self.llm.tokenizer.pad_token_id}
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        if m.method == "prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = m.k
+        elif m.method == "draft":
+            path = str(resolve(m.draft))
+            if path not in self._hf_drafts:
+                self._hf_drafts[path] = self._load_hf(path)
+            kwargs["assistant_model"] = self._hf_drafts[path]
+        ids = torch.tensor([prompt_ids])
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self._hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        seconds = time.perf_counter() - started
+        new = out[0, len(prompt_ids):].tolist()
+        return {"new_tokens": len(new), "seconds": seconds, "drafted": None, "accepted": None,
+                "target_forwards": None, "tau": None, "output_hash": output_hash(new)}

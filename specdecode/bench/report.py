@@ -1,0 +1,169 @@
+"""Turns results.json into report.md and PNG plots: speedup and tau per category, speedup vs K."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+OVERALL = "overall"
+
+
+@dataclass
+class Cell:
+    """One (temperature, category, method) aggregate."""
+
+    prompts: int
+    tokens: int
+    seconds: float
+    speedup: float  # total ratio: method tokens/s over `none` tokens/s on the same prompts
+    speedups: list[float]  # per prompt
+    tau: float | None
+    acceptance: float | None
+    same_as_none: float | None  # share of prompts whose output equals plain decoding's (greedy only)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def aggregate(results: dict) -> dict[float, dict[str, dict[str, Cell]]]:
+    """temperature -> category (and 'overall') -> method label -> Cell."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    base: dict[tuple, dict] = {}
+    for r in results["records"]:
+        for cat in (r["category"], OVERALL):
+            groups[(r["temperature"], cat, r["method"])].append(r)
+        if r["method"] == "none":
+            base[(r["temperature"], r["question_id"])] = r
+    out: dict[float, dict[str, dict[str, Cell]]] = defaultdict(lambda: defaultdict(dict))
+    for (temp, cat, label), recs in groups.items():
+        bases = [base[(temp, r["question_id"])] for r in recs]
+        tokens, seconds = sum(r["new_tokens"] for r in recs), sum(r["seconds"] for r in recs)
+        base_tps = sum(b["new_tokens"] for b in bases) / sum(b["seconds"] for b in bases)
+        ours = recs[0]["kind"] == "ours"
+        forwards = sum(r["target_forwards"] or 0 for r in recs) if ours else 0
+        drafted = sum(r["drafted"] or 0 for r in recs) if ours else 0
+        out[temp][cat][label] = Cell(
+            prompts=len(recs), tokens=tokens, seconds=seconds,
+            speedup=(tokens / seconds) / base_tps if seconds and base_tps else 0.0,
+            speedups=[(r["new_tokens"] / r["seconds"]) / (b["new_tokens"] / b["seconds"])
+                      for r, b in zip(recs, bases, strict=True) if r["seconds"] and b["seconds"]],
+            tau=tokens / forwards if forwards else None,
+            acceptance=sum(r["accepted"] or 0 for r in recs) / drafted if drafted else None,
+            same_as_none=(sum(r["output_hash"] == b["output_hash"] for r, b in zip(recs, bases, strict=True))
+                          / len(recs)) if temp == 0 else None,
+        )
+    return out
+
+
+def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def write_report(results: dict, out: Path) -> Path:
+    table = aggregate(results)
+    labels = [m["label"] for m in results["methods"]]
+    lines = [
+        f"# Spec-Bench: {results['model']}",
+        "",
+        f"- date: {results['date']}",
+        f"- machine: {results['machine']}",
+        f"- command: `{results['command']}`",
+        f"- max new tokens: {results['max_new_tokens']}; methods interleaved per prompt (rotating order) after a warm-up",
+        f"- physical limit: memory bandwidth {results['memory_bandwidth_gbs']:.1f} GB/s, weights "
+        f"{results['weight_bytes'] / 1e6:.0f} MB per token -> plain decoding can reach at most "
+        f"{results['plain_decoding_bound_tokens_per_s']:.1f} tokens/s",
+        "",
+        "speedup = tokens/s over plain decoding (`none`) on the same prompts in the same run (total ratio); "
+        "per-prompt speedups as median [min–max]; tau = tokens per target forward; "
+        "`= none` = share of prompts whose greedy output equals plain decoding's, token for token.",
+    ]
+    for temp, cats in table.items():
+        overall = cats[OVERALL]
+        lines += ["", f"## Temperature {temp}", "", "| method | tokens/s | speedup | per-prompt speedup | tau | "
+                  "acceptance | = none |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for label in labels:
+            c = overall.get(label)
+            if c is None:
+                continue
+            spread = (f"{statistics.median(c.speedups):.2f} [{min(c.speedups):.2f}–{max(c.speedups):.2f}]"
+                      if c.speedups else "–")
+            lines.append(f"| {label} | {c.tokens_per_second:.1f} | {c.speedup:.2f}x | {spread} | {fmt(c.tau)} | "
+                         f"{fmt(c.acceptance)} | {fmt(c.same_as_none, '.0%')} |")
+        lines += peer_lines(overall)
+        lines += ["", "Per category: speedup (tau)", "",
+                  "| category | " + " | ".join(labels[1:]) + " |", "|---|" + "---:|" * (len(labels) - 1)]
+        for cat in [c for c in cats if c != OVERALL] + [OVERALL]:
+            row = [f"{cats[cat][m].speedup:.2f}x ({fmt(cats[cat][m].tau)})" if m in cats[cat] else "–"
+                   for m in labels[1:]]
+            lines.append(f"| {cat} | " + " | ".join(row) + " |")
+    for png in plot(table, labels, out):
+        lines += ["", f"![{png.stem}]({png.name})"]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def peer_lines(overall: dict[str, Cell]) -> list[str]:
+    pairs = [("none", "hf-plain"), ("prompt-lookup", "hf-prompt-lookup"), ("draft", "hf-assisted")]
+    out = []
+    for ours, theirs in pairs:
+        if ours in overall and theirs in overall and overall[theirs].tokens_per_second:
+            ratio = overall[ours].tokens_per_second / overall[theirs].tokens_per_second
+            out.append(f"- ours `{ours}` vs transformers `{theirs}`: {ratio:.2f}x the tokens/s")
+    return [""] + out if out else []
+
+
+def plot(table, labels: list[str], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for temp, cats in table.items():
+        names = [c for c in cats if c != OVERALL] + [OVERALL]
+        for metric, ylabel in (("speedup", "speedup over plain decoding"), ("tau", "tokens per target forward")):
+            shown = [m for m in labels[1:] if any(getattr(cats[c].get(m), metric, None) for c in names)]
+            if not shown:
+                continue
+            fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.9), 4.5))
+            width = 0.8 / len(shown)
+            for j, m in enumerate(shown):
+                vals = [getattr(cats[c].get(m), metric, None) or 0 for c in names]
+                ax.bar([i + j * width for i in range(len(names))], vals, width, label=m)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=35, ha="right")
+            if metric == "speedup":
+                ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{metric} per category (temperature {temp})")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = out / f"{metric}_T{temp}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+        swept = defaultdict(dict)
+        for m in labels:
+            match = re.fullmatch(r"(.+)@k=(\d+)", m)
+            if match and m in cats[OVERALL]:
+                swept[match.group(1)][int(match.group(2))] = cats[OVERALL][m].speedup
+        if swept:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for name, curve in swept.items():
+                ks = sorted(curve)
+                ax.plot(ks, [curve[k] for k in ks], marker="o", label=name)
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_xlabel("K (tokens guessed per step)")
+            ax.set_ylabel("overall speedup")
+            ax.set_title(f"speedup vs K (temperature {temp})")
+            ax.legend()
+            fig.tight_layout()
+            path = out / f"speedup_vs_k_T{temp}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written

@@ -1,0 +1,98 @@
+"""Runs a benchmark: every prompt through every method, interleaved, with a warm-up and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..api import LLM
+from ..models import resolve
+from .data import Question
+from .hardware import machine_description, memory_bandwidth_gbs, weight_bytes
+from .methods import Method, Runners
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    methods: list[Method]
+    questions: list[Question]
+    temperatures: list[float]
+    max_new_tokens: int
+    seed: int = 0
+    command: str = ""
+
+
+def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
+    llm = llm or LLM.load(cfg.model)
+    needs_peers = any(m.kind == "transformers" for m in cfg.methods)
+    runners = Runners(llm, str(resolve(cfg.model)), need_peers=needs_peers)
+    prompts = {q.question_id: llm.encode(q.prompt, chat=True) for q in cfg.questions}
+    context = llm.model.config.max_position_embeddings
+    for q in cfg.questions:
+        if len(prompts[q.question_id]) + cfg.max_new_tokens > context:
+            raise ValueError(f"Spec-Bench question {q.question_id} is too long for the model's context ({context})")
+
+    first = prompts[cfg.questions[0].question_id]
+    for m in cfg.methods:  # warm-up: one-off costs (weight packing, allocator growth) stay out of the numbers
+        m.run(runners, first, 8, cfg.temperatures[0], cfg.seed)
+
+    records = []
+    total = len(cfg.questions) * len(cfg.methods) * len(cfg.temperatures)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("benchmark", total=total)
+        speedups: dict[str, list[float]] = {}
+        for temperature in cfg.temperatures:
+            for i, q in enumerate(cfg.questions):
+                order = cfg.methods[i % len(cfg.methods):] + cfg.methods[: i % len(cfg.methods)]  # rotate
+                by_label = {}
+                for m in order:
+                    progress.update(task, description=f"T={temperature} q{q.question_id} {q.category:<14} {m.label:<18}"
+                                    + running(speedups))
+                    rec = m.run(runners, prompts[q.question_id], cfg.max_new_tokens, temperature, cfg.seed + i)
+                    rec.update(question_id=q.question_id, category=q.category, method=m.label, kind=m.kind,
+                               k=m.k, temperature=temperature, prompt_tokens=len(prompts[q.question_id]))
+                    records.append(rec)
+                    by_label[m.label] = rec
+                    progress.advance(task)
+                base = by_label["none"]
+                for label, rec in by_label.items():
+                    if label != "none" and rec["seconds"] and base["seconds"]:
+                        speedups.setdefault(label, []).append(tps(rec) / tps(base))
+
+    bandwidth = memory_bandwidth_gbs()
+    bytes_per_token = weight_bytes(llm.model)
+    return {
+        "model": cfg.model,
+        "command": cfg.command,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperatures": cfg.temperatures,
+        "methods": [asdict(m) for m in cfg.methods],
+        "memory_bandwidth_gbs": bandwidth,
+        "weight_bytes": bytes_per_token,
+        "plain_decoding_bound_tokens_per_s": bandwidth * 1e9 / bytes_per_token,
+        "records": records,
+    }
+
+
+def tps(rec: dict) -> float:
+    return rec["new_tokens"] / rec["seconds"] if rec["seconds"] else 0.0
+
+
+def running(speedups: dict[str, list[float]]) -> str:
+    return "  " + " ".join(f"{k}={statistics.median(v):.2f}x" for k, v in speedups.items() if v)
+
+
+def save_results(results: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1))
+    return path
