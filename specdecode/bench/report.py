@@ -72,7 +72,8 @@ def write_report(results: dict, out: Path) -> Path:
         f"- date: {results['date']}",
         f"- machine: {results['machine']}",
         f"- command: `{results['command']}`",
-        f"- max new tokens: {results['max_new_tokens']}; methods interleaved per prompt (rotating order) after a warm-up",
+        f"- max new tokens: {results['max_new_tokens']}; methods interleaved per prompt (rotating order), "
+        "after a warm-up",
         f"- physical limit: memory bandwidth {results['memory_bandwidth_gbs']:.1f} GB/s, weights "
         f"{results['weight_bytes'] / 1e6:.0f} MB per token -> plain decoding can reach at most "
         f"{results['plain_decoding_bound_tokens_per_s']:.1f} tokens/s",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -71,7 +71,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
     return {
         "model": cfg.model,
         "command": cfg.command,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_description(),
         "max_new_tokens": cfg.max_new_tokens,
         "temperatures": cfg.temperatures,
