@@ -133,3 +133,53 @@ def save_hf_checkpoint(path: Path, model_type: str = "llama", seed: int = 0, **o
         assert model.lm_head.weight is model.model.embed_tokens.weight  # randomize_ kept the tie
     model.save_pretrained(str(path))  # safetensors is transformers' default format
     return model.eval()
+
+
+# ------------------------------------------------------------- a tiny checkpoint with a real tokenizer
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding guesses tokens and the target model verifies them in one pass",
+    "def add(a, b):\n    return a + b\n",
+    "Hello, world! How are you today? 12345 67890",
+]
+
+
+def make_tokenizer(extra_token: str | None = None, eos: str = "<|im_end|>"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token=eos,
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    if extra_token:
+        fast.add_tokens([extra_token])
+    return fast
+
+
+def write_checkpoint(path: Path, tokenizer, seed: int = 0, layers: int = 2) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)  # peaked distributions: greedy text repeats itself, so guesses get accepted
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path

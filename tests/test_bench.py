@@ -1,0 +1,79 @@
+"""The Spec-Bench harness end to end on a tiny checkpoint (no timing assertions), and its arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdecode.bench import aggregate, load_questions, parse_methods
+from specdecode.cli import main as cli_main
+
+from .helpers import make_tokenizer, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("q") / "question.jsonl"
+    rows = [(1, "writing", "the quick brown fox"), (2, "writing", "hello world"), (3, "math", "12345 67890"),
+            (4, "math", "def add(a, b):"), (5, "rag", "how are you today?")]
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t, "second turn"]})
+                              for i, c, t in rows))
+    return path
+
+
+def test_bench_end_to_end(tmp_path: Path, questions: Path, capsys) -> None:
+    ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer())
+    out = tmp_path / "out"
+    code = cli_main(["bench", "--model", str(ckpt), "--methods", f"none,prompt-lookup,draft:{ckpt}",
+                     "--categories", "writing,math", "--prompts-per-category", "2", "--questions", str(questions),
+                     "--max-new-tokens", "8", "--k", "1,2", "--temperature", "0,1.0", "--peers", "transformers",
+                     "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    labels = [m["label"] for m in results["methods"]]
+    assert labels == ["none", "prompt-lookup@k=1", "prompt-lookup@k=2", "draft@k=1", "draft@k=2", "hf-plain",
+                      "hf-prompt-lookup", "hf-assisted"]
+    assert len(results["records"]) == 4 * len(labels) * 2  # prompts x methods x temperatures
+    table = aggregate(results)
+    for label in labels[1:]:  # greedy: every method reproduces plain decoding token for token
+        assert table[0.0]["overall"][label].same_as_none == 1.0, label
+    assert table[0.0]["overall"]["draft@k=2"].acceptance == 1.0  # the draft is the target itself
+    report = (out / "report.md").read_text()
+    assert "## Temperature 0.0" in report and "## Temperature 1.0" in report and "| math |" in report
+    assert "ours `none` vs transformers `hf-plain`" in report
+    for png in ("speedup_T0.0.png", "tau_T0.0.png", "speedup_vs_k_T0.0.png", "speedup_T1.0.png"):
+        assert (out / png).stat().st_size > 1000, png
+
+
+def test_aggregate_uses_total_ratios_against_none_on_the_same_prompts() -> None:
+    def rec(q, method, tokens, seconds, kind="ours", forwards=None, cat="a"):
+        return {"question_id": q, "category": cat, "method": method, "kind": kind, "temperature": 0.0,
+                "new_tokens": tokens, "seconds": seconds, "drafted": 10, "accepted": 5,
+                "target_forwards": forwards or tokens, "output_hash": "h"}
+    results = {"records": [rec(1, "none", 10, 1.0), rec(1, "x", 10, 0.5, forwards=5),
+                           rec(2, "none", 30, 1.0, cat="b"), rec(2, "x", 30, 1.5, forwards=10, cat="b")]}
+    t = aggregate(results)[0.0]
+    assert t["a"]["x"].speedup == pytest.approx(2.0) and t["b"]["x"].speedup == pytest.approx(2 / 3)
+    assert t["overall"]["x"].speedup == pytest.approx((40 / 2.0) / (40 / 2.0))  # total ratio, not a mean
+    assert sorted(t["overall"]["x"].speedups) == pytest.approx([2 / 3, 2.0])
+    assert t["overall"]["x"].tau == pytest.approx(40 / 15) and t["overall"]["x"].acceptance == 0.5
+
+
+def test_questions_and_methods_are_checked(questions: Path) -> None:
+    assert [q.question_id for q in load_questions(questions, ["writing"], 1)] == [1]
+    assert len(load_questions(questions)) == 5
+    with pytest.raises(ValueError, match="unknown Spec-Bench categories"):
+        load_questions(questions, ["poetry"])
+    with pytest.raises(FileNotFoundError, match="--questions"):
+        load_questions(questions.parent / "missing.jsonl")
+    with pytest.raises(ValueError, match="draft needs a path"):
+        parse_methods("none,draft", [4], peers=False)
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods("medusa", [4], peers=False)
+
+
+def test_default_questions_are_spec_bench() -> None:
+    questions = load_questions(per_category=1)
+    assert len(questions) == 13 and {q.category for q in questions} >= {"translation", "rag", "math_reasoning"}
