@@ -40,6 +40,8 @@ def test_bench_end_to_end(tmp_path: Path, questions: Path, capsys) -> None:
     for label in labels[1:]:  # greedy: every method reproduces plain decoding token for token
         assert table[0.0]["overall"][label].same_as_none == 1.0, label
     assert table[0.0]["overall"]["draft@k=2"].acceptance == 1.0  # the draft is the target itself
+    assert table[0.0]["overall"]["hf-plain"].tau == 1.0  # peers' target forwards are counted too
+    assert table[0.0]["overall"]["hf-assisted"].tau > 1.0
     report = (out / "report.md").read_text()
     assert "## Temperature 0.0" in report and "## Temperature 1.0" in report and "| math |" in report
     assert "ours `none` vs transformers `hf-plain`" in report

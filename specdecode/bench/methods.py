@@ -101,11 +101,17 @@ class Runners:
                 self._hf_drafts[path] = self._load_hf(path)
             kwargs["assistant_model"] = self._hf_drafts[path]
         ids = torch.tensor([prompt_ids])
+        calls = []  # every target forward, the prefill included: it yields the first token, as ours does
+        hook = self._hf.register_forward_pre_hook(lambda *_: calls.append(1))
         torch.manual_seed(seed)
         started = time.perf_counter()
-        with torch.inference_mode():
-            out = self._hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        try:
+            with torch.inference_mode():
+                out = self._hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        finally:
+            hook.remove()
         seconds = time.perf_counter() - started
         new = out[0, len(prompt_ids):].tolist()
         return {"new_tokens": len(new), "seconds": seconds, "drafted": None, "accepted": None,
-                "target_forwards": None, "tau": None, "output_hash": output_hash(new)}
+                "target_forwards": len(calls), "tau": len(new) / len(calls) if calls else None,
+                "output_hash": output_hash(new)}

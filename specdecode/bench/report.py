@@ -43,9 +43,8 @@ def aggregate(results: dict) -> dict[float, dict[str, dict[str, Cell]]]:
         bases = [base[(temp, r["question_id"])] for r in recs]
         tokens, seconds = sum(r["new_tokens"] for r in recs), sum(r["seconds"] for r in recs)
         base_tps = sum(b["new_tokens"] for b in bases) / sum(b["seconds"] for b in bases)
-        ours = recs[0]["kind"] == "ours"
-        forwards = sum(r["target_forwards"] or 0 for r in recs) if ours else 0
-        drafted = sum(r["drafted"] or 0 for r in recs) if ours else 0
+        forwards = sum(r["target_forwards"] or 0 for r in recs)
+        drafted = sum(r["drafted"] or 0 for r in recs)
         out[temp][cat][label] = Cell(
             prompts=len(recs), tokens=tokens, seconds=seconds,
             speedup=(tokens / seconds) / base_tps if seconds and base_tps else 0.0,

@@ -65,6 +65,8 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
                 for label, rec in by_label.items():
                     if label != "none" and rec["seconds"] and base["seconds"]:
                         speedups.setdefault(label, []).append(tps(rec) / tps(base))
+                progress.console.log(f"T={temperature} q{q.question_id} {q.category}: none {tps(base):.1f} tok/s;"
+                                     + running(speedups))
 
     bandwidth = memory_bandwidth_gbs()
     bytes_per_token = weight_bytes(llm.model)
@@ -88,6 +90,7 @@ def tps(rec: dict) -> float:
 
 
 def running(speedups: dict[str, list[float]]) -> str:
+    """Median speedup so far per method."""
     return "  " + " ".join(f"{k}={statistics.median(v):.2f}x" for k, v in speedups.items() if v)
 
 
