@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate PROMPT --method ...` (more subcommands join as they land)."""
+"""Command line: `specdecode generate PROMPT --method ...` and `specdecode bench ...`."""
 
 from __future__ import annotations
 

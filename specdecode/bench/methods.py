@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +25,6 @@ class Method:
     method: str  # none | prompt-lookup | draft
     k: int = 0
     draft: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
 
     def run(self, runner: Runners, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         if self.kind == "ours":
@@ -63,7 +62,6 @@ class Runners:
 
     def __init__(self, llm: LLM, checkpoint_dir: str, need_peers: bool) -> None:
         self.llm = llm
-        self.checkpoint_dir = checkpoint_dir
         self._hf = None
         self._hf_drafts: dict[str, Any] = {}
         if need_peers:
@@ -77,7 +75,7 @@ class Runners:
 
     def ours(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         out = self.llm.generate(prompt_ids, method=m.method, draft=m.draft, k=m.k, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed, **m.options)
+                                temperature=temperature, seed=seed)
         s = out.stats
         return {"new_tokens": len(out.token_ids), "seconds": s.seconds, "drafted": s.drafted,
                 "accepted": s.accepted, "target_forwards": s.target_forwards, "tau": s.tau,

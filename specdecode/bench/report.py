@@ -48,8 +48,7 @@ def aggregate(results: dict) -> dict[float, dict[str, dict[str, Cell]]]:
         out[temp][cat][label] = Cell(
             prompts=len(recs), tokens=tokens, seconds=seconds,
             speedup=(tokens / seconds) / base_tps if seconds and base_tps else 0.0,
-            speedups=[(r["new_tokens"] / r["seconds"]) / (b["new_tokens"] / b["seconds"])
-                      for r, b in zip(recs, bases, strict=True) if r["seconds"] and b["seconds"]],
+            speedups=[tps(r) / tps(b) for r, b in zip(recs, bases, strict=True) if r["seconds"] and b["seconds"]],
             tau=tokens / forwards if forwards else None,
             acceptance=sum(r["accepted"] or 0 for r in recs) / drafted if drafted else None,
             same_as_none=(sum(r["output_hash"] == b["output_hash"] for r, b in zip(recs, bases, strict=True))
@@ -58,8 +57,13 @@ def aggregate(results: dict) -> dict[float, dict[str, dict[str, Cell]]]:
     return out
 
 
-def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if x is None else f"{x:{spec}}{suffix}"
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "–" if x is None else f"{x:{spec}}"
+
+
+def tps(rec: dict) -> float:
+    """Tokens per second of one record (0 when it took no time)."""
+    return rec["new_tokens"] / rec["seconds"] if rec["seconds"] else 0.0
 
 
 def write_report(results: dict, out: Path) -> Path:

@@ -15,6 +15,7 @@ from ..models import resolve
 from .data import Question
 from .hardware import machine_description, memory_bandwidth_gbs, weight_bytes
 from .methods import Method, Runners
+from .report import tps
 
 
 @dataclass
@@ -83,10 +84,6 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         "plain_decoding_bound_tokens_per_s": bandwidth * 1e9 / bytes_per_token,
         "records": records,
     }
-
-
-def tps(rec: dict) -> float:
-    return rec["new_tokens"] / rec["seconds"] if rec["seconds"] else 0.0
 
 
 def running(speedups: dict[str, list[float]]) -> str:

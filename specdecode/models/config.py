@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # HF `model_type`s that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
@@ -26,7 +26,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # Mistral: a token sees only the last `sliding_window` positions
     model_type: str = "llama"
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -60,30 +59,3 @@ class ModelConfig:
             sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
             model_type=model_type,
         )
-
-    def to_hf(self) -> dict[str, Any]:
-        """A config.json that transformers can load too."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        out = {
-            "architectures": [arch[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "attention_bias": self.attention_bias,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "sliding_window": self.sliding_window,
-            "hidden_act": "silu",
-        }
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
