@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -11,11 +12,26 @@ from typing import Any
 from .detokenize import IncrementalText
 from .engine import Generation, GenerationStats
 from .models import Transformer, load_transformer, resolve
+from .models.eagle import EagleHead
 from .models.loading import DTYPES
-from .proposers import DraftModelProposer, NoProposer, PromptLookupProposer, Proposer
+from .policy import AcceptanceStats, AdaptiveK, CostModel, FixedK, Policy
+from .proposers import (
+    DraftModelProposer,
+    EagleProposer,
+    HybridProposer,
+    LayerSkipProposer,
+    LookaheadProposer,
+    MedusaProposer,
+    NoProposer,
+    PromptLookupProposer,
+    Proposer,
+)
 from .sampling import SamplingParams
+from .training.medusa import MedusaHeads
 
-METHODS = ("none", "prompt-lookup", "draft")
+METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa")
+# EAGLE heads that ship with the package, by registry name of their target
+SHIPPED_EAGLE = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle"}
 # End-of-turn markers of common chat templates; generation stops at whichever the vocabulary has.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
@@ -48,6 +64,10 @@ class LLM:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.stop_token_ids = stop_token_ids(tokenizer)
         self._drafts: dict[str, LLM] = {}
+        self._heads: dict[str, EagleHead] = {}
+        self._medusa: dict[str, MedusaHeads] = {}
+        self._cost: CostModel | None = None
+        self._acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method and options
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32") -> LLM:
@@ -85,7 +105,17 @@ class LLM:
         max_ngram: int = 3,
         min_ngram: int = 1,
         branches: int = 1,
+        window: int = 4,
+        ngram: int = 3,
+        guesses: int = 4,
+        skip_layers: Sequence[int] | None = None,
+        topk: int = 4,
+        nodes: int = 12,
     ) -> Proposer:
+        """A fresh proposer for `method`; options: prompt lookup (max_ngram, min_ngram, branches),
+        lookahead (window, ngram, guesses), layer-skip (skip_layers, default: searched once and cached),
+        eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes),
+        medusa (draft = trained heads' folder; the tree is sized by the cost model)."""
         if method == "none":
             return NoProposer()
         if method == "prompt-lookup":
@@ -94,7 +124,65 @@ class LLM:
             if draft is None:
                 raise ValueError("method 'draft' needs a draft model: pass draft=<registry name, HF dir or .gguf>")
             return DraftModelProposer(self.draft_model(draft).model, self.model.config.vocab_size)
+        if method == "lookahead":
+            return LookaheadProposer(window=window, ngram=ngram, guesses=guesses)
+        if method == "layer-skip":
+            return LayerSkipProposer(self.model, self.skip_layers() if skip_layers is None else skip_layers)
+        if method == "eagle":
+            return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes)
+        if method == "medusa":
+            return MedusaProposer(self.medusa_heads(draft), self.model.config.vocab_size, cost=self.cost_model())
+        if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
+            model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
+            return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches), model_draft)
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+    def skip_layers(self) -> list[int]:
+        """Layers the layer-skip draft leaves out: searched once per model and cached (see tune_layer_skip)."""
+        from .proposers.layer_skip import load_skip_search
+
+        result = load_skip_search(self.model)
+        if result is None:
+            logging.getLogger("specdecode").warning(
+                "searching which layers of %s to skip for self-speculation (once; cached): "
+                "run `specdecode tune layer-skip` to see it progress", self.name)
+            result = self.tune_layer_skip()
+        return result.draft_layers
+
+    def tune_layer_skip(self, n_texts: int = 6, max_tokens: int = 128, progress=None):
+        """Search the layers to skip on calibration text (never the benchmark), save and return the result."""
+        from .proposers.layer_skip import calibration_tokens, save_skip_layers, search_skip_layers
+
+        texts = calibration_tokens(self.tokenizer, n_texts=n_texts, max_tokens=max_tokens)
+        result = search_skip_layers(self.model, texts, self.cost_model(), progress=progress)
+        save_skip_layers(self.model, result)
+        return result
+
+    def eagle_head(self, path: str | os.PathLike | None = None) -> EagleHead:
+        """A trained EAGLE head for this model (loaded once): `path`, or the one shipped for it."""
+        if path is None:
+            path = SHIPPED_EAGLE.get(self.name.lower())
+            if path is None or not path.exists():
+                raise ValueError(f"no EAGLE head ships for {self.name!r}: train one (`specdecode train eagle "
+                                 "--target ... --out DIR`) and pass draft=DIR (--draft DIR)")
+        key = str(Path(path).expanduser().resolve())
+        if key not in self._heads:
+            head = EagleHead.load(key, dtype=self.model.dtype, device=self.model.device)
+            head.check_target(self.model)
+            self._heads[key] = head
+        return self._heads[key]
+
+    def medusa_heads(self, path: str | os.PathLike | None) -> MedusaHeads:
+        """Trained Medusa heads for this model (loaded once)."""
+        if path is None:
+            raise ValueError("method 'medusa' needs trained heads: train them (`specdecode train medusa --target ... "
+                             "--out DIR`) and pass draft=DIR (--draft DIR)")
+        key = str(Path(path).expanduser().resolve())
+        if key not in self._medusa:
+            heads = MedusaHeads.load(key, dtype=self.model.dtype, device=self.model.device)
+            heads.check_target(self.model)
+            self._medusa[key] = heads
+        return self._medusa[key]
 
     def draft_model(self, draft: str | os.PathLike | LLM) -> LLM:
         if isinstance(draft, LLM):
@@ -107,6 +195,30 @@ class LLM:
         check_same_tokenizer(self.tokenizer, llm.tokenizer)
         return llm
 
+    def cost_model(self) -> CostModel:
+        """The target's forward cost on this machine (measured once, then read from the cache dir)."""
+        if self._cost is None:
+            self._cost = CostModel.for_model(self.model)
+        return self._cost
+
+    def policy(self, k: int | str, proposer: Proposer, key: str = "") -> Policy:
+        """k = 'auto': the cost model decides each step; an int: always guess k tokens."""
+        if k == "auto":
+            if isinstance(proposer, NoProposer):
+                return FixedK(0)
+            key = key or proposer.name
+            if isinstance(proposer, HybridProposer):  # its model draft gets a cost-aware policy of its own
+                draft_stats = self._acceptance.setdefault(key + "|draft", AcceptanceStats())
+                proposer.draft_policy = AdaptiveK(self.cost_model(), draft_stats, cheap=False)
+            stats = self._acceptance.setdefault(key, AcceptanceStats())
+            return AdaptiveK(self.cost_model(), stats, cheap=proposer.cheap,
+                             tree_size=getattr(proposer, "tree_size", None))
+        if isinstance(k, str):
+            if not k.isdigit():
+                raise ValueError(f"k must be 'auto' or an integer >= 0 (tokens guessed per step), got {k!r}")
+            k = int(k)
+        return FixedK(k)
+
     # -------------------------------------------------------------------------------- generation
     def generate(
         self,
@@ -114,7 +226,7 @@ class LLM:
         *,
         method: str = "none",
         draft: str | os.PathLike | LLM | None = None,
-        k: int = 4,
+        k: int | str = "auto",
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -128,8 +240,10 @@ class LLM:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         proposer = self.proposer(method, draft, **proposer_options)
         ids = self.encode(prompt, chat=chat)
+        key = f"{method}|{draft}|{sorted(proposer_options.items())}"
+        policy = FixedK(k) if isinstance(k, int) else self.policy(k, proposer, key)
         gen = Generation(
-            self.model, proposer, ids, max_new_tokens=max_new_tokens, params=params, k=k,
+            self.model, proposer, ids, max_new_tokens=max_new_tokens, params=params, k=policy,
             stop_token_ids=self.stop_token_ids, seed=seed,
         )
         stops = [stop] if isinstance(stop, str) else list(stop or ())

@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate PROMPT --method ...` and `specdecode bench ...`."""
+"""Command line: `specdecode generate PROMPT --method ...`, `bench`, `tune` and `train`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from .api import LLM, METHODS, GenerationOutput
+from .server.cli import add_parser as add_serve_parser
+from .server.cli import cmd_serve
+from .training.cli import add_train_parser, cmd_train
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
@@ -23,11 +26,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
     g.add_argument("--method", choices=METHODS, default="prompt-lookup")
-    g.add_argument("--draft", help="draft model for --method draft (registry name, HF dir or .gguf)")
-    g.add_argument("--k", type=int, default=4, help="tokens guessed per step (tree depth)")
+    g.add_argument("--draft", help="--method draft: the draft model (registry name, HF dir or .gguf); "
+                   "--method eagle: a trained head's folder (default: the one shipped for the model); "
+                   "--method medusa: trained heads' folder")
+    g.add_argument("--k", default="auto", help="tokens guessed per step (tree depth), or 'auto': the cost model "
+                   "picks each step's depth from measured forward cost and acceptance")
     g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram matched")
     g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram matched")
     g.add_argument("--branches", type=int, default=1, help="prompt-lookup: continuations merged into a tree")
+    g.add_argument("--window", type=int, default=4, help="lookahead: Jacobi window columns")
+    g.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size (levels = ngram - 1)")
+    g.add_argument("--guesses", type=int, default=4, help="lookahead: pool n-grams verified per step")
+    g.add_argument("--skip-layers", help="layer-skip: comma list of layers to skip (default: searched once, cached)")
+    g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
+    g.add_argument("--nodes", type=int, default=12, help="eagle: most guessed tokens sent to the target per step")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -40,13 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
 
+    t = sub.add_parser("tune", help="measure and cache what the adaptive policy and layer-skip use")
+    t.add_argument("what", choices=["cost", "layer-skip"],
+                   help="cost: time target forwards by size (the cost model); layer-skip: search layers to skip")
+    t.add_argument("--model", default="smollm2-135m-instruct")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    t.add_argument("--texts", type=int, default=6, help="layer-skip: calibration texts (training data)")
+    t.add_argument("--max-tokens", type=int, default=128, help="layer-skip: tokens per calibration text")
+
+    add_train_parser(sub)
+
+    add_serve_parser(sub)
+
     b = sub.add_parser("bench", help="Spec-Bench: speedup and tau per category, with transformers as peers")
     b.add_argument("--model", default="smollm2-135m-instruct")
     b.add_argument("--methods", default="none,prompt-lookup", help="comma list: none, prompt-lookup, draft:PATH")
     b.add_argument("--categories", default="all", help="'all' or a comma list of Spec-Bench categories")
     b.add_argument("--prompts-per-category", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--k", default="4", help="tokens guessed per step; a comma list sweeps K")
+    b.add_argument("--k", default="auto", help="tokens guessed per step or 'auto'; a comma list sweeps K (auto,2,4)")
     b.add_argument("--temperature", default="0", help="a comma list sweeps temperatures")
     b.add_argument("--peers", choices=["none", "transformers"], default="none")
     b.add_argument("--questions", help="Spec-Bench question.jsonl (default: ../shared/data/eval/spec_bench)")
@@ -58,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return cmd_bench(args) if args.command == "bench" else cmd_generate(args)
+        commands = {"bench": cmd_bench, "generate": cmd_generate, "tune": cmd_tune, "train": cmd_train}
+        commands["serve"] = cmd_serve
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 2
@@ -72,7 +98,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         method=args.method, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
         chat=args.chat, max_ngram=args.max_ngram, min_ngram=args.min_ngram, branches=args.branches,
+        window=args.window, ngram=args.ngram, guesses=args.guesses,
+        skip_layers=[int(i) for i in args.skip_layers.split(",")] if args.skip_layers else None,
     )
+    if args.method == "eagle":
+        options.update(topk=args.topk, nodes=args.nodes)
     if args.compare:
         return compare(llm, prompt, options, args.repeats, as_json=args.json)
     if args.json:
@@ -87,16 +117,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    with err.status(f"loading {args.model}..."):
+        llm = LLM.load(args.model, dtype=args.dtype)
+    if args.what == "cost":
+        from .policy import CostModel
+
+        with err.status("timing target forwards..."):
+            cost = CostModel.measure(llm.model)
+        CostModel.save(llm.model, cost)
+        table = Table(title=f"target forward ms ({cost.machine})", title_justify="left")
+        table.add_column("tokens", justify="right")
+        for c in cost.contexts:
+            table.add_column(f"context {c}", justify="right")
+        for i, n in enumerate(cost.sizes):
+            table.add_row(str(n), *(f"{row[i] * 1e3:.1f}" for row in cost.seconds))
+        err.print(table)
+        return 0
+
+    def show(step) -> None:
+        err.print(f"skip {step.skipped}: agreement {step.agreement:.3f}, predicted {step.speedup:.2f}x (k={step.k})")
+
+    with err.status("searching layers to skip (teacher-forced agreement on training text)..."):
+        result = llm.tune_layer_skip(n_texts=args.texts, max_tokens=args.max_tokens, progress=show)
+    if result.pays:
+        err.print(f"layer-skip drafts without layers {result.skipped}: predicted {result.speedup:.2f}x")
+    else:
+        err.print(f"layer skipping does not pay for this model on this machine; `--method layer-skip` uses "
+                  f"{result.draft_layers} and the adaptive policy decides when to draft")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
     from .bench.data import DEFAULT_QUESTIONS
 
-    ks = [int(k) for k in args.k.split(",")]
+    ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
-    if any(k < 1 for k in ks) or any(t < 0 for t in temperatures) or args.prompts_per_category < 1:
-        raise ValueError("--k values and --prompts-per-category must be >= 1, temperatures >= 0")
+    if any(k != "auto" and k < 1 for k in ks) or any(t < 0 for t in temperatures) or args.prompts_per_category < 1:
+        raise ValueError("--k values (or auto) and --prompts-per-category must be >= 1, temperatures >= 0")
     categories = "all" if args.categories == "all" else args.categories.split(",")
     questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
     cfg = BenchConfig(

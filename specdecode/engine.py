@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .models import Transformer
+from .policy import FixedK, Policy, StepRecord
 from .proposers import NoProposer, Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
@@ -59,23 +60,23 @@ class Generation:
         *,
         max_new_tokens: int,
         params: SamplingParams,
-        k: int,
+        k: int | Policy,
         stop_token_ids: Collection[int] = (),
         seed: int | None = None,
     ) -> None:
+        """k: a fixed number of tokens to guess per step, or a Policy that decides each step (AdaptiveK)."""
         context = target.config.max_position_embeddings
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if k < 0:
-            raise ValueError(f"k (tokens to guess per step) must be >= 0, got {k}")
+        self.policy = k if isinstance(k, Policy) else FixedK(k)
         if len(prompt) + max_new_tokens > context:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
                 f"of {context} tokens: shorten the prompt or lower max_new_tokens"
             )
-        self.target, self.proposer, self.params, self.k = target, proposer, params, k
+        self.target, self.proposer, self.params = target, proposer, params
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tokens = list(prompt)
@@ -103,39 +104,51 @@ class Generation:
         stats, target, prompt = self.stats, self.target, self.tokens
         cache = target.new_cache(len(prompt) + self.max_new_tokens + MAX_DRAFT_NODES)
         self.proposer.begin(list(prompt), cache.max_len)
+        layers = self.proposer.hidden_layers
         if len(prompt) > 1:  # the cache holds every committed token but the last (the next root)
-            target.forward(torch.tensor([prompt[:-1]], device=target.device), cache, logits_at=None)
+            out = target.forward(torch.tensor([prompt[:-1]], device=target.device), cache, logits_at=None,
+                                 hidden_layers=layers)
+            if layers:
+                self.proposer.observe_hidden(0, [h[0] for h in out.hidden])
         stats.prefill_seconds = time.perf_counter() - started
         try:
             while self.finish_reason is None:
                 new = self._step(cache)
-                self.tokens.extend(new)
                 stats.new_tokens += len(new)
                 stats.seconds = time.perf_counter() - started
                 yield new
         finally:
             stats.seconds = time.perf_counter() - started
+            self.policy.finish(self.tokens)
 
     def _step(self, cache) -> list[int]:
         stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
-        k = min(self.k, remaining - 1)  # the target adds one token of its own to any accepted guesses
+        context = cache.length
+        # the target adds one token of its own to any accepted guesses, so guess at most remaining - 1
+        k = self.policy.depth_to_propose(context, remaining - 1)
         t0 = time.perf_counter()
-        tree = self.proposer.propose(self.tokens, k, self.params, self.generator) if k > 0 else None
-        tree = tree if tree is not None and tree.num_drafted else DraftTree.root_only(self.tokens[-1])
-        if tree.num_drafted > MAX_DRAFT_NODES:
-            raise ValueError(f"{self.proposer.name} proposed {tree.num_drafted} tokens; at most {MAX_DRAFT_NODES}")
+        root = DraftTree.root_only(self.tokens[-1])
+        proposal = self.proposer.propose(self.tokens, k, self.params, self.generator) if k > 0 else root
+        tree = self.policy.choose(proposal, context)
+        nodes = tree.num_drafted + (len(tree.extra.tokens) if tree.extra is not None else 0)
+        if nodes > MAX_DRAFT_NODES:
+            raise ValueError(f"{self.proposer.name} sent {nodes} tokens besides the root; at most {MAX_DRAFT_NODES}")
         t1 = time.perf_counter()
-        start = cache.length
-        out = self.target.forward(
-            torch.tensor([tree.tokens], device=self.target.device),
-            cache,
-            positions=(start + tree.depths()).to(self.target.device),
-            tree_mask=tree.attention_mask(),
-        )
-        verdict = verify(tree, out.logits[0], self.params, self.generator)
-        cache.keep(start, verdict.path)
+        tokens, positions, mask = tree.forward_inputs(context)
+        device = self.target.device
+        layers = self.proposer.hidden_layers
+        out = self.target.forward(torch.tensor([tokens], device=device), cache, positions=positions.to(device),
+                                  tree_mask=mask, hidden_layers=layers)
+        logits = out.logits[0]
+        verdict = verify(tree, logits[: len(tree)], self.params, self.generator)
+        cache.keep(context, verdict.path)
+        if layers:
+            path = torch.tensor(verdict.path, device=device)
+            self.proposer.observe_hidden(context, [h[0, path] for h in out.hidden])
+        self.proposer.observe(tree, verdict, logits[len(tree) :])
+        t2 = time.perf_counter()
         stats.draft_seconds += t1 - t0
-        stats.target_seconds += time.perf_counter() - t1
+        stats.target_seconds += t2 - t1
         stats.target_forwards += 1
         stats.drafted += tree.num_drafted
 
@@ -149,6 +162,9 @@ class Generation:
             self.finish_reason = self.finish_reason or "length"
             new = new[:remaining]
         stats.accepted += min(verdict.num_accepted, len(new))  # guesses cut by a stop were not used
+        start = len(self.tokens)
+        self.tokens.extend(new)
+        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, t1 - t0, t2 - t1))
         return new
 
 
@@ -159,7 +175,7 @@ def generate_ids(
     proposer: Proposer | None = None,
     max_new_tokens: int = 64,
     params: SamplingParams | None = None,
-    k: int = 4,
+    k: int | Policy = 4,
     stop_token_ids: Collection[int] = (),
     seed: int | None = None,
 ) -> tuple[list[int], GenerationStats]:

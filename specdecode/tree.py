@@ -4,6 +4,10 @@ Node 0 is the root: the last committed token, whose keys/values are not cached y
 is a guess for the token after its parent. A chain is a tree with one child per node.
 Each guessed node records the draft distribution q it was drawn from (None = a point mass on the
 token, e.g. an n-gram lookup or a greedy draft), which is what lossless sampling needs.
+
+A proposer may also ride extra nodes along in the same target forward (lookahead decoding's Jacobi
+window): they see the committed prefix, the root and each other as `extra.mask` says, no guess ever
+sees them, nothing about them is verified and their cache entries are dropped after the step.
 """
 
 from __future__ import annotations
@@ -15,10 +19,19 @@ import torch
 
 
 @dataclass
+class ExtraNodes:
+    tokens: list[int]
+    offsets: list[int]  # position - root position (>= 1)
+    mask: torch.Tensor  # [m, m] bool: extra node i sees extra node j (the root and prefix always)
+
+
+@dataclass
 class DraftTree:
     tokens: list[int]
     parents: list[int]  # parents[0] == -1; parents[i] < i
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q per node (root: None)
+    bucket: int = 0  # the proposer's confidence class (e.g. n-gram length matched): acceptance is tracked per class
+    extra: ExtraNodes | None = None
     _children: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -40,7 +53,7 @@ class DraftTree:
         return cls([root, *tokens], list(range(-1, n)), [None, *(probs or [None] * n)])
 
     @classmethod
-    def from_paths(cls, root: int, paths: Sequence[Sequence[int]]) -> DraftTree:
+    def from_paths(cls, root: int, paths: Sequence[Sequence[int]], bucket: int = 0) -> DraftTree:
         """Merge token paths (point-mass guesses) into a trie; shared prefixes become one branch."""
         tokens, parents = [root], [-1]
         index: dict[tuple[int, int], int] = {}
@@ -53,7 +66,7 @@ class DraftTree:
                     tokens.append(tok)
                     parents.append(node)
                 node = index[key]
-        return cls(tokens, parents)
+        return cls(tokens, parents, bucket=bucket)
 
     # ------------------------------------------------------------------------------------ geometry
     def __len__(self) -> int:
@@ -80,6 +93,53 @@ class DraftTree:
         for i, p in enumerate(self.parents[1:], start=1):
             depth[i] = depth[p] + 1
         return torch.tensor(depth)
+
+    @property
+    def depth(self) -> int:
+        return int(self.depths().max())
+
+    def paths(self) -> list[list[int]]:
+        """Guessed tokens from the root to each leaf."""
+        leaves = [i for i in range(len(self.tokens)) if not self.children(i)]
+        out = []
+        for leaf in leaves:
+            path, node = [], leaf
+            while node > 0:
+                path.append(self.tokens[node])
+                node = self.parents[node]
+            out.append(path[::-1])
+        return [p for p in out if p]
+
+    def truncate(self, depth: int) -> DraftTree:
+        """The nodes at most `depth` guesses deep (parents come first, so indices stay ordered)."""
+        depths = self.depths().tolist()
+        if max(depths) <= depth:
+            return self
+        keep = [i for i, d in enumerate(depths) if d <= depth]
+        new_index = {old: new for new, old in enumerate(keep)}
+        return DraftTree(
+            [self.tokens[i] for i in keep],
+            [-1] + [new_index[self.parents[i]] for i in keep[1:]],
+            [self.draft_probs[i] for i in keep],
+            bucket=self.bucket,
+            extra=self.extra,
+        )
+
+    def without_extra(self) -> DraftTree:
+        return self if self.extra is None else DraftTree(self.tokens, self.parents, self.draft_probs, self.bucket)
+
+    def forward_inputs(self, start: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """Tokens, absolute positions and [n, n] mask (None = causal chain) for the target forward at `start`."""
+        positions, mask = start + self.depths(), self.attention_mask()
+        if self.extra is None:
+            return self.tokens, positions, mask
+        n, m = len(self.tokens), len(self.extra.tokens)
+        full = torch.zeros(n + m, n + m, dtype=torch.bool)
+        full[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril() if mask is None else mask
+        full[n:, 0] = True
+        full[n:, n:] = self.extra.mask | torch.eye(m, dtype=torch.bool)
+        positions = torch.cat((positions, start + torch.tensor(self.extra.offsets, dtype=positions.dtype)))
+        return self.tokens + self.extra.tokens, positions, full
 
     def attention_mask(self) -> torch.Tensor | None:
         """[n, n] bool: node i sees itself and its ancestors. None for a chain (plain causal)."""

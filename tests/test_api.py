@@ -4,6 +4,8 @@ text generation, streaming, stop strings, errors that say what to do, and the CL
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,18 @@ from specdecode.cli import main as cli_main
 from specdecode.models import loading
 
 from .helpers import make_tokenizer, write_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache_dir(tmp_path_factory) -> Iterator[None]:
+    """The adaptive policy's cost table and the layer-skip search are cached per model: keep these apart."""
+    old = os.environ.get("SPECDECODE_CACHE")
+    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["SPECDECODE_CACHE"]
+    else:
+        os.environ["SPECDECODE_CACHE"] = old
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +60,41 @@ def test_methods_agree(llm, plain, checkpoint):
     assert draft.token_ids == plain.token_ids
     assert lookup.stats.drafted > 0
     assert draft.stats.acceptance_rate == 1.0  # the draft is the target itself
+
+
+@pytest.mark.parametrize("k", ["auto", 3, "2"])
+@pytest.mark.parametrize("method,options", [
+    ("lookahead", {}), ("lookahead", {"window": 2, "ngram": 4, "guesses": 2}),
+    ("layer-skip", {"skip_layers": [1]}), ("hybrid", {"skip_layers": [0]}), ("hybrid", {"draft": "CHECKPOINT"}),
+])
+def test_every_method_and_k_through_the_api(llm, plain, checkpoint, method, options, k):
+    options = {key: checkpoint if value == "CHECKPOINT" else value for key, value in options.items()}
+    out = llm.generate(PROMPT, max_new_tokens=60, method=method, k=k, **options)
+    assert out.token_ids == plain.token_ids and out.method == method
+
+
+def test_layer_skip_search_runs_once_and_is_reused(tmp_path, capsys, monkeypatch):
+    deep = write_checkpoint(tmp_path / "deep", make_tokenizer(), layers=4)
+    assert cli_main(["tune", "layer-skip", "--model", str(deep), "--texts", "2", "--max-tokens", "48"]) == 0
+    assert "skip" in capsys.readouterr().err
+    saved = list((Path(os.environ["SPECDECODE_CACHE"]) / "layer_skip").glob("*.json"))
+    assert len(saved) == 1
+    llm = specdecode.load(deep, dtype="float64")
+    chosen = llm.skip_layers()
+    assert chosen and all(0 < i < 3 for i in chosen)  # first and last layers are always kept
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched again instead of reading the cache")
+
+    monkeypatch.setattr(specdecode.LLM, "tune_layer_skip", no_search)
+    plain = llm.generate(PROMPT, max_new_tokens=30)
+    assert llm.generate(PROMPT, max_new_tokens=30, method="layer-skip", k=2).token_ids == plain.token_ids
+
+
+def test_cli_tune_cost_prints_the_table(checkpoint, capsys):
+    assert cli_main(["tune", "cost", "--model", str(checkpoint)]) == 0
+    err = capsys.readouterr().err
+    assert "context" in err and "64" in err
 
 
 def test_stream_pieces_join_to_the_full_text(llm, plain):
@@ -114,6 +163,9 @@ def test_sampling_is_reproducible_with_a_seed(llm):
     ({"top_k": -1}, "top_k"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"k": -1}, "k (tokens to guess"),
+    ({"k": "many"}, "k must be 'auto' or an integer"),
+    ({"method": "layer-skip", "skip_layers": [0, 1]}, "cannot skip all 2 layers"),
+    ({"method": "lookahead", "window": 0}, "window"),
     ({"method": "telepathy"}, "unknown method"),
     ({"method": "draft"}, "needs a draft model"),
     ({"max_new_tokens": 250}, "exceeds the model's context of 256 tokens"),

@@ -23,18 +23,20 @@ def questions(tmp_path_factory) -> Path:
     return path
 
 
-def test_bench_end_to_end(tmp_path: Path, questions: Path, capsys) -> None:
+def test_bench_end_to_end(tmp_path: Path, questions: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # the auto policy's cost table goes here
     ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer())
     out = tmp_path / "out"
     code = cli_main(["bench", "--model", str(ckpt), "--methods", f"none,prompt-lookup,draft:{ckpt}",
                      "--categories", "writing,math", "--prompts-per-category", "2", "--questions", str(questions),
-                     "--max-new-tokens", "8", "--k", "1,2", "--temperature", "0,1.0", "--peers", "transformers",
+                     "--max-new-tokens", "8", "--k", "auto,1,2", "--temperature", "0,1.0", "--peers", "transformers",
                      "--out", str(out)])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     labels = [m["label"] for m in results["methods"]]
-    assert labels == ["none", "prompt-lookup@k=1", "prompt-lookup@k=2", "draft@k=1", "draft@k=2", "hf-plain",
-                      "hf-prompt-lookup", "hf-assisted"]
+    assert labels == ["none", "prompt-lookup@k=auto", "prompt-lookup@k=1", "prompt-lookup@k=2", "draft@k=auto",
+                      "draft@k=1", "draft@k=2", "hf-plain", "hf-prompt-lookup", "hf-assisted"]
+    assert list((tmp_path / "cache" / "costs").glob("*.json"))
     assert len(results["records"]) == 4 * len(labels) * 2  # prompts x methods x temperatures
     table = aggregate(results)
     for label in labels[1:]:  # greedy: every method reproduces plain decoding token for token
@@ -72,8 +74,16 @@ def test_questions_and_methods_are_checked(questions: Path) -> None:
         load_questions(questions.parent / "missing.jsonl")
     with pytest.raises(ValueError, match="draft needs a path"):
         parse_methods("none,draft", [4], peers=False)
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="medusa needs a path"):
         parse_methods("medusa", [4], peers=False)
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods("jacobi", [4], peers=False)
+    with pytest.raises(ValueError, match="bad K"):
+        parse_methods("prompt-lookup@x", [4], peers=False)
+    methods = parse_methods("none@0,prompt-lookup@2,lookahead,hybrid:d@auto", ["auto", 4], peers=False)
+    assert [(m.label, m.k, m.draft) for m in methods] == [
+        ("none", 0, None), ("none@k=0", 0, None), ("prompt-lookup@k=2", 2, None), ("lookahead@k=auto", "auto", None),
+        ("lookahead@k=4", 4, None), ("hybrid@k=auto", "auto", "d")]
 
 
 def test_default_questions_are_spec_bench() -> None:

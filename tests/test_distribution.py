@@ -21,7 +21,8 @@ from scipy.stats import chisquare
 import specdecode.verify
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 from specdecode.sampling import SamplingParams
 
 from .helpers import noisy_copy, tiny_model
@@ -98,6 +99,11 @@ class Case:
     params: SamplingParams
     tokens: int  # generated tokens compared; 3 lets a chain guess 2 deep (k is clamped to tokens - 1)
     samples: int = 3000
+    adaptive: bool = False  # depth chosen by AdaptiveK, which learns across the samples
+
+
+# Verifying costs 1 + 0.3 per extra token: the adaptive policy's choices depend on what it has seen.
+STEEP = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 19.9], [1.0, 19.9]])
 
 
 CASES = {
@@ -108,6 +114,14 @@ CASES = {
     "draft": Case(lambda t, d: DraftModelProposer(d, V), SamplingParams(temperature=1.0), 3),
     "draft-top-p": Case(lambda t, d: DraftModelProposer(d, V), SamplingParams(temperature=1.2, top_k=6, top_p=0.8),
                         2),
+    "prompt-lookup-tree-auto": Case(lambda t, d: PromptLookupProposer(branches=3), SamplingParams(temperature=1.0),
+                                    3, adaptive=True),
+    "hybrid": Case(lambda t, d: HybridProposer(PromptLookupProposer(branches=2), DraftModelProposer(d, V)),
+                   SamplingParams(temperature=1.0), 3),
+    "hybrid-auto": Case(lambda t, d: HybridProposer(PromptLookupProposer(), DraftModelProposer(d, V),
+                                                    AdaptiveK(STEEP, AcceptanceStats(), cheap=False)),
+                        SamplingParams(temperature=1.0), 3, adaptive=True),
+    "draft-auto": Case(lambda t, d: DraftModelProposer(d, V), SamplingParams(temperature=1.0), 3, adaptive=True),
 }
 
 
@@ -115,8 +129,10 @@ def sample_counts(target: Transformer, draft: Transformer, case: Case, samples: 
     proposer = case.proposer(target, draft)
     counts: Counter = Counter()
     totals = Counter()
+    shared = AcceptanceStats()
     for seed in range(samples):
-        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=4, max_new_tokens=case.tokens,
+        k = AdaptiveK(STEEP, shared, cheap=proposer.cheap) if case.adaptive else 4
+        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=k, max_new_tokens=case.tokens,
                                   params=case.params, seed=seed)
         assert len(out) == case.tokens
         counts[tuple(out)] += 1

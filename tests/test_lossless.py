@@ -14,7 +14,8 @@ import torch
 
 from specdecode.engine import Generation, generate_ids
 from specdecode.models import KVCache, Transformer
-from specdecode.proposers import DraftModelProposer, NoProposer, PromptLookupProposer, Proposer
+from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.proposers import DraftModelProposer, HybridProposer, NoProposer, PromptLookupProposer, Proposer
 from specdecode.sampling import SamplingParams
 
 from .helpers import noisy_copy, prefix_layers, resize_vocab, tiny_model
@@ -91,24 +92,39 @@ METHODS: dict[str, Callable[[Transformer, Transformer], Proposer]] = {
     "draft-shallow": lambda target, draft: DraftModelProposer(prefix_layers(target, 1), VOCAB),
     "draft-smaller-vocab": lambda target, draft: DraftModelProposer(resize_vocab(draft, VOCAB - 8), VOCAB),
     "draft-larger-vocab": lambda target, draft: DraftModelProposer(resize_vocab(draft, VOCAB + 8), VOCAB),
+    "hybrid": lambda target, draft: HybridProposer(PromptLookupProposer(branches=2),
+                                                   DraftModelProposer(prefix_layers(target, 1), VOCAB)),
+    # the draft's own depth policy: a made-up cost where the draft is worth it only when it is often right
+    "hybrid-draft-policy": lambda target, draft: HybridProposer(
+        PromptLookupProposer(), DraftModelProposer(draft, VOCAB),
+        AdaptiveK(CostModel([1, 64], [0, 1000], [[1.0, 7.3], [1.0, 7.3]]), AcceptanceStats(), cheap=False)),
 }
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    """A made-up cost (a forward takes a second, 64 tokens 1.5 s) next to which the tiny drafts' real
+    milliseconds are free: k="auto" always guesses, so the test never depends on this machine's timings."""
+    return CostModel([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_speculative_equals_plain(target, draft, reference, monkeypatch, method: str, k: int) -> None:
+def test_greedy_speculative_equals_plain(target, draft, reference, cost, monkeypatch, method: str, k) -> None:
     spy = KeepSpy(monkeypatch)
     proposer = METHODS[method](target, draft)
     drafted = accepted = 0
+    shared = AcceptanceStats()  # what the adaptive policy learns carries over from prompt to prompt
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        out, stats = generate_ids(target, prompt, proposer=proposer, k=k, max_new_tokens=NEW)
+        policy = AdaptiveK(cost, shared, cheap=proposer.cheap) if k == "auto" else k
+        out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         assert stats.new_tokens == NEW and stats.accepted + stats.target_forwards >= NEW
         drafted += stats.drafted
         accepted += stats.accepted
     # both outcomes happened, so the equality covered accepted guesses as well as corrections
     assert 0 < accepted < drafted
-    if method == "prompt-lookup-tree" and k > 1:
+    if method == "prompt-lookup-tree" and k != 1:
         assert spy.gathers > 0, "no non-first branch was ever accepted: the tree path went untested"
 
 

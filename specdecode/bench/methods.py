@@ -23,7 +23,7 @@ class Method:
     label: str
     kind: str  # "ours" | "transformers"
     method: str  # none | prompt-lookup | draft
-    k: int = 0
+    k: int | str = 0  # tokens guessed per step, or "auto"
     draft: str | None = None
 
     def run(self, runner: Runners, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
@@ -32,26 +32,40 @@ class Method:
         return runner.transformers(self, prompt_ids, max_new_tokens, temperature, seed)
 
 
-def parse_methods(spec: str, ks: list[int], peers: bool) -> list[Method]:
-    """'none,prompt-lookup,draft:PATH' (+ K sweep) -> methods; `none` always first, peers last."""
+SPECULATIVE = ("prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa")
+
+
+def parse_methods(spec: str, ks: list[int | str], peers: bool) -> list[Method]:
+    """'none,prompt-lookup,draft:PATH,hybrid[:PATH],lookahead@auto' -> methods; each without @K runs every K
+    of the sweep `ks`; `none` always first, peers last."""
     methods: list[Method] = [Method("none", "ours", "none")]
     drafts: list[str] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
+        item, _, fixed_k = item.partition("@")  # name@K: this K only, whatever the sweep
         name, _, arg = item.partition(":")
+        if name == "none" and fixed_k:  # a second plain run, e.g. none@0: shows the measurement's noise
+            methods.append(Method(f"none@k={fixed_k}", "ours", "none"))
+            continue
+        item_ks = ks
+        if fixed_k:
+            if fixed_k != "auto" and not fixed_k.isdigit():
+                raise ValueError(f"bad K {fixed_k!r} in --methods: use name@K with K an integer or auto")
+            item_ks = ["auto" if fixed_k == "auto" else int(fixed_k)]
         if name == "none":
             continue
-        if name not in ("prompt-lookup", "draft"):
-            raise ValueError(f"unknown method {name!r} in --methods (none, prompt-lookup, draft:PATH)")
-        if name == "draft" and not arg:
-            raise ValueError("draft needs a path: --methods draft:PATH")
+        if name not in SPECULATIVE:
+            raise ValueError(f"unknown method {name!r} in --methods (none, {', '.join(SPECULATIVE)}; draft:PATH)")
+        if name in ("draft", "medusa") and not arg:
+            raise ValueError(f"{name} needs a path: --methods {name}:PATH")
         if name == "draft":
             drafts.append(arg)
-        for k in ks:
-            label = name if len(ks) == 1 else f"{name}@k={k}"
+        for k in item_ks:
+            label = name if len(ks) == 1 and not fixed_k else f"{name}@k={k}"
             methods.append(Method(label, "ours", name, k=k, draft=arg or None))
     if peers:
         methods.append(Method("hf-plain", "transformers", "none"))
-        methods.append(Method("hf-prompt-lookup", "transformers", "prompt-lookup", k=max(ks)))
+        fixed = [k for k in ks if isinstance(k, int)]  # transformers has no adaptive K for prompt lookup
+        methods.append(Method("hf-prompt-lookup", "transformers", "prompt-lookup", k=max(fixed, default=4)))
         for d in drafts:
             methods.append(Method("hf-assisted", "transformers", "draft", draft=d))
     return methods

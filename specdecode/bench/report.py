@@ -75,7 +75,7 @@ def write_report(results: dict, out: Path) -> Path:
         f"- date: {results['date']}",
         f"- machine: {results['machine']}",
         f"- command: `{results['command']}`",
-        f"- max new tokens: {results['max_new_tokens']}; methods interleaved per prompt (rotating order), "
+        f"- max new tokens: {results['max_new_tokens']}; methods interleaved per prompt (random order per prompt), "
         "after a warm-up",
         f"- physical limit: memory bandwidth {results['memory_bandwidth_gbs']:.1f} GB/s, weights "
         f"{results['weight_bytes'] / 1e6:.0f} MB per token -> plain decoding can reach at most "
@@ -159,7 +159,10 @@ def plot(table, labels: list[str], out: Path) -> list[Path]:
             fig, ax = plt.subplots(figsize=(6, 4))
             for name, curve in swept.items():
                 ks = sorted(curve)
-                ax.plot(ks, [curve[k] for k in ks], marker="o", label=name)
+                line = ax.plot(ks, [curve[k] for k in ks], marker="o", label=name)[0]
+                auto = cats[OVERALL].get(f"{name}@k=auto")
+                if auto is not None:  # the adaptive policy picks K itself: one level across the plot
+                    ax.axhline(auto.speedup, color=line.get_color(), ls="--", label=f"{name} k=auto")
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_xlabel("K (tokens guessed per step)")
             ax.set_ylabel("overall speedup")

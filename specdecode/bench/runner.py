@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import statistics
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -51,7 +52,8 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         speedups: dict[str, list[float]] = {}
         for temperature in cfg.temperatures:
             for i, q in enumerate(cfg.questions):
-                order = cfg.methods[i % len(cfg.methods):] + cfg.methods[: i % len(cfg.methods)]  # rotate
+                # a fresh random order per prompt: neither drift nor what ran just before favours a method
+                order = random.Random(f"{cfg.seed}-{temperature}-{i}").sample(cfg.methods, len(cfg.methods))
                 by_label = {}
                 for m in order:
                     progress.update(task, description=f"T={temperature} q{q.question_id} {q.category:<14} {m.label:<18}"

@@ -52,3 +52,104 @@ class KVCache:
         if not is_prefix:  # a chain path is already in place; a tree path needs one gather
             self.kv[:, :, :, :, start : start + n] = self.kv[:, :, :, :, start + idx]
         self.length = start + n
+
+
+class BatchKVCache:
+    """KV cache for a ragged batch: row b holds its own sequence, valid at [0, lengths[b]).
+
+    One tensor [layers, k|v, rows, kv_heads, capacity, head_dim]. The rows of a running batch are rows
+    0..B-1 (the scheduler keeps them packed with `move`), so a step reads a view, not a gather. Both the
+    row count and the capacity grow on demand (`reserve`), so memory follows the longest live request.
+    A batched forward writes row b's n new entries at lengths[b].. in one index_put per layer.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        limit: int | None = None,
+    ) -> None:
+        """limit: the most positions a row may ever need (growth stops there)."""
+        self.kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.lengths = [0] * batch_size
+        self.limit = limit
+        self._write: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (rows, positions, keys visible)
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv.shape[2]
+
+    def reserve(self, rows: int, max_len: int) -> None:
+        """Make room for `rows` rows of `max_len` positions (grows geometrically, keeps the contents)."""
+        if rows <= self.batch_size and max_len <= self.max_len:
+            return
+        new_rows = max(rows, self.batch_size)
+        new_len = self.max_len
+        if max_len > self.max_len:
+            new_len = max(max_len, min(2 * self.max_len, self.limit or 2 * self.max_len))
+        shape = list(self.kv.shape)
+        shape[2], shape[4] = new_rows, new_len
+        with torch.inference_mode(False):  # may run inside a forward: the cache must stay a normal tensor
+            kv = torch.zeros(shape, dtype=self.kv.dtype, device=self.kv.device)
+            kv[:, :, : self.batch_size, :, : self.max_len] = self.kv
+        self.kv = kv
+        self.lengths += [0] * (new_rows - len(self.lengths))
+
+    def begin_step(self, starts: torch.Tensor, n: int) -> int:
+        """A batched forward of n tokens per row starts: row b writes at starts[b]..; returns the keys seen."""
+        rows = starts.shape[0]
+        visible = int(starts.max()) + n
+        self.reserve(rows, visible)
+        positions = starts[:, None] + torch.arange(n, device=starts.device)
+        self._write = (torch.arange(rows, device=self.kv.device)[:, None], positions.to(self.kv.device), visible)
+        return visible
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([B, H, n, D]) at each row's positions (set by begin_step); return rows 0..B-1's keys and
+        values up to the longest row (the attention mask hides what a row must not see)."""
+        if self._write is None:
+            raise RuntimeError("BatchKVCache.write outside a batched forward (call begin_step first)")
+        rows, positions, visible = self._write
+        layer_kv = self.kv[layer]
+        layer_kv[0][rows, :, positions] = k.transpose(1, 2)
+        layer_kv[1][rows, :, positions] = v.transpose(1, 2)
+        b = k.shape[0]
+        return layer_kv[0, :b, :, :visible], layer_kv[1, :b, :, :visible]
+
+    def end_step(self) -> None:
+        self._write = None
+
+    def keep(self, row: int, start: int, indices: torch.Tensor | list[int]) -> None:
+        """Row `row` keeps only its entries at start + indices (an accepted tree path), packed from `start` on."""
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.kv.device)
+        n = idx.numel()
+        if n and (int(idx.min()) < 0 or start + int(idx.max()) >= self.lengths[row]):
+            raise IndexError(f"keep indices {idx.tolist()} out of range for {self.lengths[row] - start} new entries")
+        if not bool(torch.equal(idx, torch.arange(n, device=idx.device))):
+            self.kv[:, :, row, :, start : start + n] = self.kv[:, :, row, :, start + idx]
+        self.lengths[row] = start + n
+
+    def load(self, row: int, cache: KVCache) -> None:
+        """Copy a single-sequence cache (a prefill) into row `row`."""
+        n = cache.length
+        self.reserve(row + 1, n)
+        self.kv[:, :, row, :, :n] = cache.kv[:, :, 0, :, :n]
+        self.lengths[row] = n
+
+    def move(self, src: int, dst: int) -> None:
+        """Row `src`'s entries become row `dst`'s (packs the batch when a row leaves)."""
+        if src == dst:
+            return
+        n = self.lengths[src]
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0

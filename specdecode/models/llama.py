@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
+from .cache import BatchKVCache, KVCache
 from .config import ModelConfig
 
 
@@ -24,6 +24,12 @@ from .config import ModelConfig
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, n_selected, V]
     hidden: list[torch.Tensor]  # one [B, n, H] per requested layer
+
+
+@dataclass
+class BatchForwardOutput:
+    logits: list[torch.Tensor]  # per row: [sizes[b], V], its real tokens only (no padding)
+    hidden: list[list[torch.Tensor]]  # per row: one [sizes[b], H] per requested layer
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -217,3 +223,71 @@ class Transformer(nn.Module):
             key_pos = torch.cat((torch.arange(start, device=self.device), positions.to(self.device)))
             mask &= (positions.to(self.device)[:, None] - key_pos[None, :]) < window
         return mask
+
+    # --------------------------------------------------------------------------- ragged batches
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        tokens: torch.Tensor,
+        cache: BatchKVCache,
+        *,
+        positions: torch.Tensor,
+        sizes: list[int],
+        tree_masks: torch.Tensor | None = None,
+        hidden_layers: Sequence[int] = (),
+    ) -> BatchForwardOutput:
+        """Run a ragged batch: row b's first sizes[b] tokens of `tokens` [B, n] follow its own
+        cache.lengths[b] cached ones (the rest of the row is padding, seen by no real token).
+
+        positions: [B, n] absolute positions (padding: any valid position).
+        tree_masks: [B, n, n] bool, True where node i of a row may attend to node j of the same row;
+            None means causal chains. Afterwards cache.lengths[b] = old length + sizes[b], as `forward` does.
+        hidden_layers: as in `forward`; returned per row, real tokens only.
+        The single-sequence `forward` stays the fast path for one request; this one serves a batch.
+        """
+        b, n = tokens.shape
+        device = self.device
+        starts = torch.tensor(cache.lengths[:b], dtype=torch.long, device=device)
+        sizes_t = torch.tensor(sizes, dtype=torch.long, device=device)
+        positions = positions.to(device)
+        visible = cache.begin_step(starts, n)
+        try:
+            cos, sin = self.rope(positions)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, n, D]: broadcast over heads
+            mask = self._ragged_mask(starts, sizes_t, positions, tree_masks, visible)
+            wanted = [i % len(self.layers) for i in hidden_layers]
+            states = {}
+            x = self.embed(tokens.to(device))
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache, i, None, mask)
+                if i in wanted:
+                    states[i] = x
+        finally:
+            cache.end_step()
+        for row, size in enumerate(sizes):
+            cache.lengths[row] += size
+        real = torch.arange(n, device=device)[None, :] < sizes_t[:, None]
+        logits = self.lm_head(self.norm(x[real]))  # [sum(sizes), V]: padding gets no logits
+        hidden = [[states[i][row, :size] for i in wanted] for row, size in enumerate(sizes)]
+        return BatchForwardOutput(list(logits.split(sizes)), hidden)
+
+    def _ragged_mask(self, starts, sizes, positions, tree_masks, visible: int) -> torch.Tensor:
+        """[B, 1, n, visible] bool: row b's query i sees its cached keys [0, starts[b]) and, among its new
+        keys, the real ones its tree mask allows; padding queries see their own key (no empty row)."""
+        b, n = positions.shape
+        device = self.device
+        rel = torch.arange(visible, device=device)[None, :] - starts[:, None]  # [B, L]: index in the new block
+        if tree_masks is None:
+            tree_masks = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n)
+        tree_masks = tree_masks.to(device)
+        block = torch.gather(tree_masks, 2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, visible))  # [B, n, L]
+        real_key = (rel >= 0) & (rel < sizes[:, None])
+        mask = (rel < 0)[:, None, :] | (block & real_key[:, None, :])
+        padding_query = torch.arange(n, device=device)[None, :] >= sizes[:, None]  # [B, n]
+        mask |= padding_query[:, :, None] & (rel[:, None, :] == torch.arange(n, device=device)[None, :, None])
+        window = self.config.sliding_window
+        if window is not None and int(positions.max()) >= window:
+            key_pos = torch.where(rel < 0, torch.arange(visible, device=device)[None, :],
+                                  torch.gather(positions, 1, rel.clamp(0, n - 1)))  # [B, L]
+            mask &= (positions[:, :, None] - key_pos[:, None, :]) < window
+        return mask[:, None]

@@ -1,5 +1,11 @@
 from .base import NoProposer, Proposer
 from .draft_model import DraftModelProposer
+from .eagle import EagleProposer
+from .hybrid import HybridProposer
+from .layer_skip import LayerSkipProposer
+from .lookahead import LookaheadProposer
+from .medusa import MedusaProposer
 from .prompt_lookup import PromptLookupProposer
 
-__all__ = ["Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer"]
+__all__ = ["Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer", "HybridProposer",
+           "LookaheadProposer", "LayerSkipProposer", "EagleProposer", "MedusaProposer"]

@@ -8,10 +8,13 @@ import torch
 
 from ..sampling import SamplingParams
 from ..tree import DraftTree
+from ..verify import Verdict
 
 
 class Proposer(ABC):
     name: str = "proposer"
+    cheap: bool = False  # proposing costs next to nothing (no model forward): ask deep, let the policy cut
+    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states this proposer drafts from (EAGLE, Medusa)
 
     def begin(self, prompt: list[int], max_len: int) -> None:  # noqa: B027 - optional hook
         """A new request starts; `max_len` bounds prompt + generated + drafted tokens."""
@@ -22,11 +25,20 @@ class Proposer(ABC):
     ) -> DraftTree:
         """Guess up to `k` tokens deep after `tokens` (everything committed so far, root = tokens[-1])."""
 
+    def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """The target's hidden states ([n, H] per layer in `hidden_layers`) of the committed positions
+        start..start+n-1: after the prefill, then after every verification (the root and accepted guesses)."""
+
+    def observe(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor) -> None:  # noqa: B027
+        """After verification: the tree the target saw (maybe cut by the policy), its verdict, and the
+        target's logits for the tree's extra nodes ([m, V]; empty without extra nodes)."""
+
 
 class NoProposer(Proposer):
     """Plain decoding through the same engine: the baseline."""
 
     name = "none"
+    cheap = True
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         return DraftTree.root_only(tokens[-1])

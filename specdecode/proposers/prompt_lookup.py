@@ -16,6 +16,7 @@ from .base import Proposer
 
 class PromptLookupProposer(Proposer):
     name = "prompt-lookup"
+    cheap = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -25,9 +26,14 @@ class PromptLookupProposer(Proposer):
         self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
-        return DraftTree.from_paths(tokens[-1], self.continuations(tokens, k))
+        paths, n = self.match(tokens, k)
+        return DraftTree.from_paths(tokens[-1], paths, bucket=n)  # longer matches are accepted more often
 
     def continuations(self, tokens: list[int], k: int) -> list[list[int]]:
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[list[int]], int]:
+        """Continuations of the longest n-gram that matches, and n (0 when nothing matches)."""
         seq = np.asarray(tokens)
         length = len(seq)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -42,5 +48,5 @@ class PromptLookupProposer(Proposer):
                     if len(paths) == self.branches:
                         break
             if paths:
-                return paths
-        return []
+                return paths, n
+        return [], 0

@@ -1,0 +1,152 @@
+"""An EAGLE-3-style draft head: one decoder layer that drafts from the target's own features.
+
+Input per position t: the fusion of the target's hidden states at a low, a middle and a high layer
+(EAGLE-3) -- or, deeper in a draft, the head's own output at the previous position -- together with the
+embedding of token t+1; output: the distribution of token t+2 over a reduced draft vocabulary (the most
+frequent target tokens; `d2t` maps back), since on a small model with a 49k vocabulary the output layer
+would be most of the draft's cost. The target's embedding is shared, never copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+from .llama import Block, Linear, Transformer, rope_inv_freq
+
+CONFIG = "eagle_config.json"
+WEIGHTS = "eagle.safetensors"
+
+
+@dataclass
+class EagleConfig:
+    target_layers: list[int]  # target layers whose outputs are fused (low, mid, high)
+    draft_vocab_size: int
+    block: ModelConfig  # the decoder layer's shape (num_layers = 1); the target's hidden size
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, target_layers: list[int] | None = None):
+        n = target.num_layers
+        layers = target_layers or sorted({min(2, n - 1), n // 2, max(n - 3, 0)})
+        return cls(layers, min(draft_vocab_size, target.vocab_size), dataclasses.replace(target, num_layers=1))
+
+    def to_json(self) -> str:
+        return json.dumps({"target_layers": self.target_layers, "draft_vocab_size": self.draft_vocab_size,
+                           "block": dataclasses.asdict(self.block)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> EagleConfig:
+        d = json.loads(text)
+        return cls(d["target_layers"], d["draft_vocab_size"], ModelConfig(**d["block"]))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        h = cfg.block.hidden_size
+        self.fuse = Linear(len(cfg.target_layers) * h, h, bias=False)
+        self.embed_norm = nn.RMSNorm(h, eps=cfg.block.rms_norm_eps)
+        self.feature_norm = nn.RMSNorm(h, eps=cfg.block.rms_norm_eps)
+        self.input = Linear(2 * h, h, bias=False)
+        self.block = Block(cfg.block)
+        self.norm = nn.RMSNorm(h, eps=cfg.block.rms_norm_eps)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)  # draft id -> target id
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def init_from_target(self, target: Transformer, vocab: torch.Tensor) -> None:
+        """Start from the target: its last layer's weights for the block, its output rows for `vocab`."""
+        with torch.no_grad():
+            self.block.load_state_dict(target.layers[-1].state_dict())
+            self.norm.load_state_dict(target.norm.state_dict())
+            self.lm_head.weight.copy_(target.lm_head.weight[vocab])
+            self.d2t.copy_(vocab)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        b = self.config.block
+        return KVCache(1, b.num_kv_heads, b.head_dim, max_len, dtype=self.lm_head.weight.dtype, device=self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        dtype = self.lm_head.weight.dtype
+        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].dtype != dtype:
+            size = max(need, self.config.block.max_position_embeddings)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(self.config.block))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope = (emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype))
+        return self._rope[0][positions], self._rope[1][positions]
+
+    def fuse_features(self, hidden: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Target hidden states ([..., H] per layer, or stacked [..., L, H]) -> the head's feature [..., H]."""
+        x = torch.cat(list(hidden), dim=-1) if isinstance(hidden, list) else hidden.flatten(-2)
+        return self.fuse(x.to(self.lm_head.weight.dtype))
+
+    def embed_input(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return self.input(torch.cat((self.embed_norm(token_embeds), self.feature_norm(features)), dim=-1))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        features: torch.Tensor,
+        token_embeds: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [1, n] after the cache's `length` ones; mask [n, length + n] bool (True = attend; None: a
+        causal chain). Returns (draft-vocab logits [1, n, Vd], the head's output [1, n, H]: the next depth's
+        feature)."""
+        start, n = cache.length, features.shape[1]
+        cos, sin = self.rope(positions)
+        if mask is None and n > 1:
+            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        if mask is not None:
+            mask = mask.to(self.device)
+        x = self.block(self.embed_input(features, token_embeds), cos, sin, cache, 0, start, mask)
+        cache.length = start + n
+        return self.lm_head(self.norm(x)), x
+
+    # ---------------------------------------------------------------------------------- persistence
+    def save(self, out_dir: Path | str, dtype: torch.dtype = torch.float32) -> None:
+        """Weights as safetensors (`dtype`: bfloat16 halves a shipped head; a draft's precision only
+        affects how often it guesses right, never the output) and the config as JSON."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
+                 for k, v in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS))
+        (out / CONFIG).write_text(self.config.to_json())
+
+    @classmethod
+    def load(cls, path: Path | str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        path = Path(path)
+        if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
+            raise FileNotFoundError(
+                f"{path} is not an EAGLE head: expected {CONFIG} and {WEIGHTS} "
+                "(train one with `specdecode train eagle --out DIR`)")
+        head = cls(EagleConfig.from_json((path / CONFIG).read_text()))
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v
+                              for k, v in load_file(str(path / WEIGHTS)).items()})
+        return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    def check_target(self, target: Transformer) -> None:
+        b, t = self.config.block, target.config
+        if (b.hidden_size, b.vocab_size) != (t.hidden_size, t.vocab_size) or max(self.config.target_layers) >= \
+                t.num_layers or int(self.d2t.max()) >= t.vocab_size:
+            raise ValueError(
+                f"this EAGLE head was trained for a target with hidden size {b.hidden_size}, vocabulary "
+                f"{b.vocab_size} and layers {self.config.target_layers}; the target has {t.hidden_size}, "
+                f"{t.vocab_size} and {t.num_layers} layers: train a head for this target")

@@ -1,0 +1,411 @@
+"""How much to guess: a measured cost model times an online acceptance estimate.
+
+Each step the policy picks the draft depth d that maximises expected committed tokens per second,
+
+    (1 + E[accepted | d]) / (T_target(nodes(d), context) + T_draft(d)),
+
+and d = 0 (a plain step) when no depth beats 1 / T_target(1). T_target comes from forward timings
+measured once per model and machine (cached on disk) and corrected online, per size, by what the
+steps actually cost; E[accepted] from per-depth conditional acceptance rates, tracked per proposal class.
+
+Acceptance is learned from every proposal, not only the verified part: once the committed text covers
+a guess we know how far it would have matched. So a policy that stops speculating still learns when
+guesses become good again, for free when proposing is free (prompt lookup). Proposers that cost a
+model forward per guess cannot be scored without running them; for those a plain-step streak is
+broken by a probe whose interval doubles each time it finds nothing worth guessing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .models import Transformer
+from .tree import DraftTree
+
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+# ------------------------------------------------------------------------------------------ cost
+@dataclass
+class CostModel:
+    """Seconds per target forward as a function of tokens in the forward and cached context."""
+
+    sizes: list[int]
+    contexts: list[int]
+    seconds: list[list[float]]  # [context][size], medians
+    machine: str = ""
+    # online: tokens -> smoothed (observed step seconds / table), learned from the steps actually run
+    observed: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+
+    def forward_seconds(self, tokens: int, context: int) -> float:
+        return self.table_seconds(tokens, context) * self.correction(tokens)
+
+    def correction(self, tokens: int) -> float:
+        """How far real steps of this size stray from the table (machine load, what a step adds around
+        the forward); interpolated between the sizes seen so far, 1.0 before any."""
+        if not self.observed:
+            return 1.0
+        sizes = sorted(self.observed)
+        return float(np.interp(tokens, sizes, [self.observed[n] for n in sizes]))
+
+    def observe(self, tokens: int, context: int, seconds: float) -> None:
+        ratio = min(max(seconds / max(self.table_seconds(tokens, context), 1e-9), 0.25), 4.0)
+        old = self.observed.get(tokens)
+        self.observed[tokens] = ratio if old is None else 0.9 * old + 0.1 * ratio
+
+    def table_seconds(self, tokens: int, context: int) -> float:
+        by_context = [self._at_size(row, tokens) for row in self.seconds]
+        (c0, c1), (t0, t1) = self.contexts, by_context
+        slope = (t1 - t0) / (c1 - c0)  # attention grows with the context; extrapolate linearly
+        return max(t0 + slope * (context - c0), 0.2 * t0)
+
+    def _at_size(self, row: list[float], tokens: int) -> float:
+        sizes = self.sizes
+        if tokens <= sizes[-1]:
+            return float(np.interp(tokens, sizes, row))
+        slope = (row[-1] - row[-2]) / (sizes[-1] - sizes[-2])
+        return row[-1] + slope * (tokens - sizes[-1])
+
+    @classmethod
+    def measure(cls, model: Transformer, repeats: int = 5, sizes: tuple[int, ...] = COST_SIZES) -> CostModel:
+        """Time forwards of each size after a short and a long cached context, interleaved, medians."""
+        limit = model.config.max_position_embeddings
+        long = min(1024, limit - sizes[-1])
+        if long < 8:
+            raise ValueError(f"context of {limit} tokens is too short to measure forward costs")
+        contexts = [min(64, long // 4), long]
+        g = torch.Generator().manual_seed(0)
+        vocab = model.config.vocab_size
+        times: list[list[list[float]]] = [[[] for _ in sizes] for _ in contexts]
+        caches = []
+        for c in contexts:
+            cache = model.new_cache(c + sizes[-1])
+            model.forward(torch.randint(0, vocab, (1, c), generator=g), cache, logits_at=None)
+            caches.append(cache)
+        for rep in range(repeats + 1):  # the first round warms up
+            for ci, (c, cache) in enumerate(zip(contexts, caches, strict=True)):
+                for si, n in enumerate(sizes):
+                    tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
+                    started = time.perf_counter()
+                    model.forward(tokens, cache)  # logits for every token, as a verification does
+                    elapsed = time.perf_counter() - started
+                    cache.rollback(c)
+                    if rep:
+                        times[ci][si].append(elapsed)
+        seconds = [nondecreasing([statistics.median(t) for t in row]) for row in times]
+        return cls(list(sizes), contexts, seconds, machine=machine_key(model))
+
+    @classmethod
+    def for_model(cls, model: Transformer, cache_dir: Path | None = None) -> CostModel:
+        """The model's cost table for this machine: read from disk, or measured once and saved."""
+        path = cls.path(model, cache_dir)
+        if path.exists():
+            try:
+                return cls(**json.loads(path.read_text()))
+            except (ValueError, TypeError):
+                pass  # a damaged or older file: measure again
+        cost = cls.measure(model)
+        cls.save(model, cost, cache_dir)
+        return cost
+
+    @staticmethod
+    def path(model: Transformer, cache_dir: Path | None = None) -> Path:
+        digest = hashlib.sha1(machine_key(model).encode()).hexdigest()[:16]
+        return (cache_dir or default_cache_dir()) / "costs" / f"{digest}.json"
+
+    @classmethod
+    def save(cls, model: Transformer, cost: CostModel, cache_dir: Path | None = None) -> None:
+        path = cls.path(model, cache_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = {k: v for k, v in asdict(cost).items() if k != "observed"}  # the online part is per process
+        path.write_text(json.dumps(table, indent=1))
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): a forward never gets cheaper with
+    more tokens, so a dip in the medians is timing noise, averaged away with its neighbours."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode"))
+
+
+def machine_key(model: Transformer) -> str:
+    """What forward costs depend on: the model's shape, dtype, device, CPU, threads and torch build."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if model.device.type == "cuda":
+        cpu = torch.cuda.get_device_name(model.device)
+    cfg = model.config
+    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
+    threads = torch.get_num_threads()
+    return f"{shape}|{model.dtype}|{model.device.type}|{cpu}|{threads} threads|torch {torch.__version__}"
+
+
+# ------------------------------------------------------------------------------------ acceptance
+@dataclass
+class AcceptanceStats:
+    """Conditional acceptance per proposal class and depth: P(guess d matches | guesses 1..d-1 matched).
+
+    Counts decay geometrically so the estimate follows the text as it changes; a Beta(1, 1) prior keeps
+    unseen depths at 0.5 until data arrives.
+    """
+
+    max_depth: int = 16
+    decay: float = 0.97
+    hits: dict[int, np.ndarray] = field(default_factory=dict)
+    trials: dict[int, np.ndarray] = field(default_factory=dict)
+    # what else a policy learns about a model draft, kept across requests: its seconds per guess, and how
+    # many plain steps pass before the next probe (doubling while probes find drafting does not pay)
+    draft_per_guess: float | None = None
+    probe_every: int = 8
+
+    def _rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+        if bucket not in self.hits:
+            self.hits[bucket] = np.zeros(self.max_depth)
+            self.trials[bucket] = np.zeros(self.max_depth)
+        return self.hits[bucket], self.trials[bucket]
+
+    def record(self, bucket: int, matched: int, tried: int) -> None:
+        """A proposal matched its first `matched` guesses; guesses 1..`tried` were resolved (tried >= matched)."""
+        hits, trials = self._rows(bucket)
+        hits *= self.decay
+        trials *= self.decay
+        tried = min(tried, self.max_depth)
+        trials[:tried] += 1
+        hits[: min(matched, tried)] += 1
+
+    def rates(self, bucket: int) -> np.ndarray:
+        hits, trials = self._rows(bucket)
+        return (hits + 1.0) / (trials + 2.0)
+
+    def expected_accepted(self, bucket: int) -> np.ndarray:
+        """[d] = expected accepted guesses for a chain of depth d (index 0: depth 0)."""
+        return np.concatenate(([0.0], np.cumsum(np.cumprod(self.rates(bucket)))))
+
+    def fork(self, weight: float = 8.0) -> AcceptanceStats:
+        """A per-request copy that starts from this long-run estimate, worth at most `weight` observations."""
+        out = AcceptanceStats(self.max_depth, self.decay)
+        out.draft_per_guess, out.probe_every = self.draft_per_guess, self.probe_every
+        for b in self.hits:
+            scale = min(1.0, weight / max(float(self.trials[b][0]), 1e-9))
+            out.hits[b], out.trials[b] = self.hits[b] * scale, self.trials[b] * scale
+        return out
+
+    def absorb(self, request: AcceptanceStats) -> None:
+        """A request ended: its final estimate (which started from this one) becomes the long-run one."""
+        for b in request.hits:
+            self.hits[b], self.trials[b] = request.hits[b].copy(), request.trials[b].copy()
+        self.draft_per_guess, self.probe_every = request.draft_per_guess, request.probe_every
+
+
+@dataclass
+class Proposal:
+    """A proposal waiting for the committed text to show how far it matched."""
+
+    start: int  # index in the token list of the first guessed position
+    paths: list[list[int]]
+    bucket: int
+
+
+class ProposalScorer:
+    """Scores every proposal against the tokens committed after it, whatever part of it was verified."""
+
+    def __init__(self, stats: AcceptanceStats) -> None:
+        self.stats = stats
+        self.pending: list[Proposal] = []
+
+    def add(self, tree: DraftTree, tokens_so_far: int) -> None:
+        paths = tree.paths()
+        if paths:
+            self.pending.append(Proposal(tokens_so_far, paths, tree.bucket))
+
+    def update(self, tokens: list[int], final: bool = False) -> None:
+        still = []
+        for prop in self.pending:
+            actual = tokens[prop.start :]
+            matched, longest_matching = 0, 0
+            for path in prop.paths:
+                m = 0
+                while m < len(path) and m < len(actual) and path[m] == actual[m]:
+                    m += 1
+                if m > matched or (m == matched and len(path) > longest_matching):
+                    matched, longest_matching = m, len(path)
+            if matched < min(longest_matching, len(actual)):  # a miss was seen at depth matched + 1
+                self.stats.record(prop.bucket, matched, matched + 1)
+            elif matched == longest_matching or final:  # fully matched, or the request ended first
+                self.stats.record(prop.bucket, matched, matched)
+            else:
+                still.append(prop)
+        self.pending = still
+
+
+# -------------------------------------------------------------------------------------- policies
+class Policy(ABC):
+    """Decides each step's speculation: how deep to ask the proposer, and how much of its tree to verify."""
+
+    @abstractmethod
+    def depth_to_propose(self, context: int, limit: int) -> int: ...
+
+    def choose(self, tree: DraftTree, context: int) -> DraftTree:
+        return tree
+
+    def observe(self, step: StepRecord) -> None:  # noqa: B027 - optional hook
+        """After each step."""
+
+    def finish(self, tokens: list[int]) -> None:  # noqa: B027 - optional hook
+        """The request ended; `tokens` is everything committed."""
+
+
+@dataclass
+class StepRecord:
+    proposal: DraftTree  # everything the proposer offered
+    verified: DraftTree  # what the target saw
+    start: int  # tokens committed before the step (= index of the first guessed position)
+    tokens: list[int]  # all tokens committed after the step
+    context: int  # cached tokens before the step's forward
+    draft_seconds: float
+    target_seconds: float | None  # None: not measured (the step's forward is someone else's)
+
+
+class FixedK(Policy):
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError(f"k (tokens to guess per step) must be >= 0 or 'auto', got {k}")
+        self.k = k
+
+    def depth_to_propose(self, context: int, limit: int) -> int:
+        return min(self.k, limit)
+
+
+class AdaptiveK(Policy):
+    """Cost-model-driven depth; see the module docstring.
+
+    `cheap` proposers (n-gram lookups) cost nothing to ask for a deep tree: the policy cuts the tree after
+    seeing it, using the acceptance of the tree's class. Model drafts cost a forward per guess: the depth
+    is chosen before drafting, from the draft's measured time per guess.
+    """
+
+    def __init__(self, cost: CostModel, shared: AcceptanceStats, *, cheap: bool, max_k: int = 16,
+                 tree_size: Callable[[int], int] | None = None) -> None:
+        """tree_size(d): tokens a depth-d proposal sends to the target, root included (default d + 1: a chain)."""
+        self.cost, self.shared, self.cheap, self.max_k = cost, shared, cheap, max_k
+        self.tree_size = tree_size or (lambda d: d + 1)
+        self.stats = shared.fork()
+        self.scorer = ProposalScorer(self.stats)
+        self.plain_streak = 0
+        self.verified_depths: list[int] = []  # per step, for stats and tests
+
+    # seconds per drafted token (model drafts) and the probe interval live with the learned stats
+    @property
+    def draft_per_guess(self) -> float | None:
+        return self.stats.draft_per_guess
+
+    @draft_per_guess.setter
+    def draft_per_guess(self, value: float | None) -> None:
+        self.stats.draft_per_guess = value
+
+    @property
+    def probe_every(self) -> int:
+        return self.stats.probe_every
+
+    @probe_every.setter
+    def probe_every(self, value: int) -> None:
+        self.stats.probe_every = value
+
+    def _target(self, tokens: int, context: int) -> float:
+        return self.cost.forward_seconds(tokens, context)
+
+    def best_depth(self, bucket: int, context: int, limit: int, nodes: list[int] | None = None) -> int:
+        """argmax_d (1 + E[accepted | d]) / seconds(d), d = 0 included; nodes[d] = forward tokens at depth d."""
+        expected = self.stats.expected_accepted(bucket)
+        top = min(limit, len(expected) - 1, self.max_k if nodes is None else len(nodes) - 1)
+        best, best_rate = 0, 1.0 / self._target(1, context)
+        for d in range(1, top + 1):
+            seconds = self._target(self.tree_size(d) if nodes is None else nodes[d], context)
+            if not self.cheap:
+                seconds += d * (self.draft_per_guess or 0.0)
+            rate = (1.0 + expected[d]) / seconds
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
+
+    def depth_to_propose(self, context: int, limit: int) -> int:
+        if self.cheap:
+            return min(self.max_k, limit)
+        if self.draft_per_guess is None:  # nothing measured yet: a short draft to learn its cost
+            return min(2, limit)
+        depth = self.best_depth(0, context, limit)
+        if depth > 0:
+            self.plain_streak, self.probe_every = 0, 8
+            return depth
+        if not self.could_pay(context, limit):  # not even all-accepted guesses would beat plain steps
+            return 0
+        self.plain_streak += 1
+        if self.plain_streak < self.probe_every:
+            return 0
+        self.plain_streak, self.probe_every = 0, min(2 * self.probe_every, 4096)  # back off while it finds nothing
+        return min(2, limit)
+
+    def could_pay(self, context: int, limit: int) -> bool:
+        per_guess = self.draft_per_guess or 0.0
+        plain = 1.0 / self._target(1, context)
+        return any((1 + d) / (self._target(self.tree_size(d), context) + d * per_guess) > plain
+                   for d in range(1, min(limit, self.max_k) + 1))
+
+    def choose(self, tree: DraftTree, context: int) -> DraftTree:
+        if not self.cheap:  # a model draft was paid for: verify all of it
+            return tree
+        if tree.num_drafted == 0:  # nothing to verify: a lookahead window alone would only slow the step
+            return DraftTree.root_only(tree.tokens[0])
+        nodes = np.cumsum(np.bincount(tree.depths().numpy())).tolist()  # nodes[d]: root + guesses to depth d
+        extra = len(tree.extra.tokens) if tree.extra is not None else 0
+        depth = self.best_depth(tree.bucket, context, len(nodes) - 1, [n + extra for n in nodes])
+        return tree.truncate(depth) if depth else DraftTree.root_only(tree.tokens[0])
+
+    def observe(self, step: StepRecord) -> None:
+        self.scorer.add(step.proposal, step.start)
+        self.scorer.update(step.tokens)
+        depth = step.verified.depth
+        self.verified_depths.append(depth)
+        if step.target_seconds is not None:  # the cost table learns what steps of this size really cost
+            n = len(step.verified.tokens) + (len(step.verified.extra.tokens) if step.verified.extra else 0)
+            self.cost.observe(n, step.context, step.target_seconds)
+        if not self.cheap and depth:
+            per_guess = step.draft_seconds / depth
+            old = self.draft_per_guess
+            self.draft_per_guess = per_guess if old is None else 0.8 * old + 0.2 * per_guess
+
+    def finish(self, tokens: list[int]) -> None:
+        self.scorer.update(tokens, final=True)
+        self.remember()
+
+    def remember(self) -> None:
+        """Hand what this request learned to the long-run estimate (also done when the request ends)."""
+        self.shared.absorb(self.stats)

@@ -1,0 +1,246 @@
+"""The scheduler: one thread runs the batch, requests join and leave it between steps.
+
+Routes hand over a `Job` (a validated `Row` plus its text state); the thread admits waiting jobs while the
+batch has room (a bounded queue: beyond it `submit` refuses at once), drops cancelled ones (a client that
+went away frees its row and cache before the next step), runs `BatchDecoder.step`, turns each row's new
+tokens into text pieces (stop tokens and stop strings exact) and sends them to the job's asyncio queue.
+A failure inside one row fails that job only; the thread itself never dies of a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..batch import BatchDecoder, Row
+from ..detokenize import IncrementalText
+from .errors import APIError, overloaded
+from .metrics import Metrics
+
+log = logging.getLogger("specdecode.server")
+
+
+@dataclass
+class Piece:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    usage: dict
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+class LockedTokenizer:
+    """Fast tokenizers must not be used from two threads at once: routes encode, the scheduler decodes."""
+
+    def __init__(self, tokenizer, lock: threading.Lock) -> None:
+        self.tokenizer, self.lock = tokenizer, lock
+
+    def decode(self, *args, **kwargs):
+        with self.lock:
+            return self.tokenizer.decode(*args, **kwargs)
+
+
+class Job:
+    def __init__(self, row: Row, tokenizer: LockedTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop):
+        self.row, self.loop = row, loop
+        self.text = IncrementalText(tokenizer, stops)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.done = False
+        self.arrived = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_piece_at: float | None = None
+
+    def emit(self, event: Piece | Done | Failed) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown): nobody is listening
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def usage(self) -> dict:
+        s = self.row.stats
+        return {
+            "prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
+            "total_tokens": s.prompt_tokens + s.new_tokens,
+            # extensions: how speculation went for this request
+            "drafted": s.drafted, "accepted": s.accepted, "tau": round(s.tau, 4),
+            "acceptance_rate": round(s.acceptance_rate, 4), "target_forwards": s.target_forwards,
+        }
+
+
+class Scheduler:
+    def __init__(self, decoder: BatchDecoder, *, max_batch: int, max_queue: int, metrics: Metrics,
+                 prefill_tokens: int = 1024) -> None:
+        """prefill_tokens: prompt tokens prefilled between two steps (at least one request): a burst of long
+        prompts joins over a few steps, so the first of them start answering sooner and running requests
+        do not stall behind all the others' prefills."""
+        self.decoder, self.max_batch, self.max_queue, self.metrics = decoder, max_batch, max_queue, metrics
+        self.prefill_tokens = prefill_tokens
+        self.waiting: deque[Job] = deque()
+        self.active: dict[int, Job] = {}  # id(row) -> job
+        self.stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self.run, name="specdecode-scheduler", daemon=True)
+
+    # ----------------------------------------------------------------------------- from the routes
+    def start(self) -> None:
+        """Run the loop in a thread of its own (`serve` runs it in the main thread instead: see `run`)."""
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self.stopping:
+                self.metrics.requests.labels("rejected").inc()
+                raise APIError(503, "the server is shutting down", type="server_unavailable", code="shutting_down")
+            if len(self.waiting) + len(self.active) >= self.max_batch + self.max_queue:
+                self.metrics.requests.labels("rejected").inc()
+                raise overloaded(f"the server is busy: {len(self.active)} requests running and {len(self.waiting)} "
+                                 "waiting (the queue is full); retry shortly")
+            self.waiting.append(job)
+            self.metrics.queue_depth.set(len(self.waiting))
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the job leaves the batch (or the queue) before the next step."""
+        if not job.done:
+            job.cancelled = True
+            with self._cond:
+                self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; whatever is still running or waiting is cancelled (503)."""
+        with self._cond:
+            self.stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.active), "waiting": len(self.waiting)}
+
+    # ------------------------------------------------------------------------------- the thread
+    def run(self, alive: Callable[[], bool] = lambda: True) -> None:
+        """The loop, until `stop` (or until `alive()` turns false). Torch runs ~20% faster on CPU in the
+        process's main thread than in another one, so `serve` calls this there and puts uvicorn in a thread."""
+        while True:
+            with self._cond:
+                while not self.stopping and not self.waiting and not self.active and alive():
+                    self._cond.wait(0.5)
+                if self.stopping or not alive():
+                    self.stopping = True
+                    break
+                admit, budget = [], self.prefill_tokens
+                while self.waiting and len(self.active) + len(admit) < self.max_batch:
+                    prompt = self.waiting[0].row.stats.prompt_tokens
+                    if admit and prompt > budget:
+                        break
+                    budget -= prompt
+                    admit.append(self.waiting.popleft())
+                self.metrics.queue_depth.set(len(self.waiting))
+            try:
+                self._admit(admit)
+                self._drop_cancelled()
+                if self.active:
+                    self._step()
+            except Exception:  # a bug outside any one row: fail the batch, keep serving
+                log.exception("scheduler step failed")
+                for job in list(self.active.values()):
+                    self._leave(job)
+                    self._close(job, "error", Failed(APIError(500, "internal error in the batch step",
+                                                               type="server_error")))
+        with self._cond:
+            jobs = [*self.waiting, *self.active.values()]
+            self.waiting.clear()
+        for job in jobs:
+            self._leave(job)
+            self._close(job, "cancelled", Failed(APIError(503, "the server shut down before this request finished",
+                                                          type="server_unavailable", code="shutting_down")))
+
+    def _admit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.cancelled:
+                self._close(job, "cancelled", None)
+                continue
+            try:
+                self.decoder.add(job.row)
+            except Exception as e:  # noqa: BLE001
+                log.exception("prefill failed")
+                self._close(job, "error", Failed(APIError(500, f"prefill failed: {e}", type="server_error")))
+                continue
+            self.active[id(job.row)] = job
+            self.metrics.prompt_tokens.inc(job.row.stats.prompt_tokens)
+
+    def _drop_cancelled(self) -> None:
+        for job in list(self.active.values()):
+            if job.cancelled:
+                self._leave(job)
+                self._close(job, "cancelled", None)
+
+    def _step(self) -> None:
+        self.metrics.batch_size.set(len(self.active))
+        self.metrics.step_rows.observe(len(self.active))
+        before = {key: (job.row.stats.drafted, job.row.stats.accepted) for key, job in self.active.items()}
+        started = time.perf_counter()
+        results = self.decoder.step()
+        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        for row, result in results:
+            job = self.active[id(row)]
+            if isinstance(result, Exception):
+                log.error("request failed: %r", result, exc_info=result)
+                self._leave(job)
+                self._close(job, "error", Failed(APIError(500, f"the request failed: {result}", type="server_error")))
+                continue
+            drafted, accepted = before[id(row)]
+            self.metrics.observe_row_step(row.stats.drafted - drafted, row.stats.accepted - accepted, len(result))
+            self._deliver(job, result)
+
+    def _deliver(self, job: Job, tokens: list[int]) -> None:
+        now = time.perf_counter()
+        if tokens and job.first_token_at is None:
+            job.first_token_at = now
+            self.metrics.ttft.observe(now - job.arrived)
+        finish = None
+        for token in tokens:
+            if token in job.row.stop_token_ids:  # the end-of-turn token ends the text, never shows in it
+                finish = "stop"
+                break
+            if job.text.add(token):  # a stop string: the text is cut before it
+                finish = "stop"
+                break
+        finish = finish or job.row.finish_reason
+        piece = job.text.ready() + (job.text.finish() if finish else "")
+        if piece:
+            if job.last_piece_at is not None:
+                self.metrics.itl.observe(now - job.last_piece_at)
+            job.last_piece_at = now
+            job.emit(Piece(piece))
+        if finish:
+            self._leave(job)
+            self.metrics.e2e.observe(now - job.arrived)
+            self._close(job, finish, Done(finish, job.usage()))
+
+    def _leave(self, job: Job) -> None:
+        if job.row in self.decoder.rows:
+            self.decoder.remove(job.row)
+        else:
+            job.row.finish()
+        self.active.pop(id(job.row), None)
+        self.metrics.batch_size.set(len(self.active))
+
+    def _close(self, job: Job, outcome: str, event: Done | Failed | None) -> None:
+        job.done = True
+        self.metrics.requests.labels(outcome).inc()
+        if event is not None:
+            job.emit(event)

@@ -1,0 +1,1 @@
+"""Training drafts on the target's own answers: data, cached features, one training loop, trainers."""

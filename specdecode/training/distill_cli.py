@@ -1,0 +1,79 @@
+"""`specdecode train draft`: a small Llama draft LM distilled from the target's own answers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .cli import add_common, err, prepare, train_config, write_report
+from .guards import check_samples_file, claim
+from .heldout import append_decoding_report
+
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_draft_parser(kinds, name: str) -> None:
+    p = kinds.add_parser(name, help="a small draft LM with the target's tokenizer, distilled from the target (KD)")
+    add_common(p)
+    p.add_argument("--max-samples", dest="samples", type=int, default=argparse.SUPPRESS, help="same as --samples")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers of the draft")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size of the draft")
+    p.add_argument("--heads", type=int, help="attention heads (default: hidden / 64)")
+    p.add_argument("--intermediate", type=int, help="MLP size (default: 8/3 x hidden, rounded up to 64)")
+    p.add_argument("--kd-weight", type=float, default=0.8,
+                   help="share of the loss on the teacher's top-k (the rest: the token itself)")
+    p.add_argument("--init-embed", choices=["target", "random"], default="target",
+                   help="the draft's embedding starts as the target's projected to --hidden dims, or random")
+    p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default="float32",
+                   help="dtype of the saved weights (bfloat16: half the size; cast to the target's on load)")
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts decoded with the draft at the end")
+    p.add_argument("--eval-k", type=int, default=4, help="draft depth for that final held-out decoding")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.layers < 1 or args.hidden < 1 or (args.heads is not None and args.heads < 1):
+        raise ValueError("--layers, --hidden and --heads must be >= 1")
+    if not 0 <= args.kd_weight <= 1:
+        raise ValueError(f"--kd-weight must be in [0, 1], got {args.kd_weight}")
+    if args.steps < 1 or args.batch_size < 1 or args.samples < 2 or args.eval_k < 1:
+        raise ValueError("--steps, --batch-size and --eval-k must be >= 1, --samples >= 2 (some are held out)")
+    answered = args.samples_file or (Path(args.out) / "work" / "samples.jsonl").exists()  # no prompts needed
+    if not Path(args.data).is_dir() and not answered:
+        raise FileNotFoundError(f"training data folder {args.data} not found: pass --data pointing at "
+                                "shared/data/train (or --samples-file with the target's answers)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..models import load_transformer, resolve
+    from ..proposers import DraftModelProposer
+    from .distill import draft_config, train_draft
+
+    check_args(args)
+    out = Path(args.out)
+    target_hf = json.loads((resolve(args.target) / "config.json").read_text())
+    config = draft_config(target_hf, args.layers, args.hidden, args.heads, args.intermediate)
+    check_samples_file(args.samples_file, config["vocab_size"])
+    claim(out, {"kind": "draft", "target": args.target, "draft_config": config, "kd_weight": args.kd_weight,
+                "init_embed": args.init_embed})
+    llm, store, heldout = prepare(args, [])  # the teacher's distributions only: no hidden states needed
+    train_draft(store, heldout, out, train_config(args), config, llm.tokenizer, batch_size=args.batch_size,
+                max_len=args.max_len, kd_weight=args.kd_weight, device=args.device,
+                save_dtype=SAVE_DTYPES[args.save_dtype], log=err.print,
+                target_embed=llm.model.embed.weight if args.init_embed == "target" else None)
+    report = write_report(out, args, "draft", len(store), len(heldout))
+    with report.open("a") as f:
+        f.write("\nFor the draft LM, acc is its top-1 agreement with the target at held-out answer positions "
+                "(greedy acceptance of one guess), chain4_tau the tokens per forward of 4-guess chains if each "
+                "guess were accepted at that rate.\n")
+    if args.eval_prompts > 0:
+        target = llm.model
+        draft = load_transformer(out, dtype=target.dtype, device=str(target.device))  # as `--method draft` loads it
+        stats = append_decoding_report(
+            report, target, lambda: DraftModelProposer(draft, target.config.vocab_size), heldout, args.eval_prompts,
+            k=args.eval_k, max_new_tokens=min(args.max_new_tokens, 128))
+        err.print(f"held-out greedy decoding: tau {stats['tau']:.2f}, acceptance {stats['acceptance_rate']:.2f}")
+    err.print(f"draft saved in {out}: use it with --method draft --draft {out}")
+    return 0

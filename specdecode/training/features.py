@@ -1,0 +1,148 @@
+"""The target's features, computed once and cached, so training epochs never run the target again.
+
+Per position t of every sample: the hidden states of chosen target layers (float16) and the target's
+next-token distribution as its top-k ids and probabilities (the teacher; k small, since a 49k-vocab
+distribution per token would dwarf everything else). Everything is stored flat (samples concatenated,
+with offsets) in safetensors shards.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..models import Transformer
+from .data import Sample
+
+
+@dataclass
+class FeatureStore:
+    layers: list[int]  # target layer indices of hidden[:, i]
+    tokens: torch.Tensor  # [N] long
+    offsets: torch.Tensor  # [S + 1]: sample s is tokens[offsets[s]:offsets[s + 1]]
+    prompt_lens: torch.Tensor  # [S]
+    hidden: torch.Tensor  # [N, L, H] float16
+    teacher_ids: torch.Tensor  # [N, k]: the target's top-k next tokens after each position
+    teacher_probs: torch.Tensor  # [N, k]
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def to(self, device: torch.device | str) -> FeatureStore:
+        return FeatureStore(self.layers, *(t.to(device) for t in (self.tokens, self.offsets, self.prompt_lens,
+                                                                   self.hidden, self.teacher_ids, self.teacher_probs)))
+
+    def layer_index(self, layer: int) -> int:
+        if layer not in self.layers:
+            raise ValueError(f"features hold target layers {self.layers}, not {layer}: extract them again")
+        return self.layers.index(layer)
+
+    def batch(self, samples: list[int], max_len: int) -> dict[str, torch.Tensor]:
+        """Right-padded batch of the given samples, each cut to `max_len`:
+        tokens [B, T]; mask [B, T] True where position t predicts an answer token (t + 1 past the prompt);
+        hidden [B, T, L, H] (float32); teacher_ids / teacher_probs [B, T, k]."""
+        lengths = [min(int(self.offsets[s + 1] - self.offsets[s]), max_len) for s in samples]
+        width, device = max(lengths), self.tokens.device
+        k = self.teacher_ids.shape[1]
+        out = {
+            "tokens": torch.zeros(len(samples), width, dtype=torch.long, device=device),
+            "mask": torch.zeros(len(samples), width, dtype=torch.bool, device=device),
+            "hidden": torch.zeros(len(samples), width, *self.hidden.shape[1:], device=device),
+            "teacher_ids": torch.zeros(len(samples), width, k, dtype=torch.long, device=device),
+            "teacher_probs": torch.zeros(len(samples), width, k, device=device),
+        }
+        for row, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+            a = int(self.offsets[s])
+            out["tokens"][row, :n] = self.tokens[a : a + n]
+            out["mask"][row, max(int(self.prompt_lens[s]) - 1, 0) : n - 1] = True
+            out["hidden"][row, :n] = self.hidden[a : a + n].float()
+            out["teacher_ids"][row, :n] = self.teacher_ids[a : a + n]
+            out["teacher_probs"][row, :n] = self.teacher_probs[a : a + n].float()
+        return out
+
+    def batches(self, batch_size: int, max_len: int, seed: int, start_step: int = 0) -> Iterator[dict]:
+        """Endless shuffled batches (epoch after epoch, a fresh seeded order each), from `start_step` on."""
+        step, epoch = 0, 0
+        while True:
+            order = list(range(len(self)))
+            random.Random(f"{seed}-{epoch}").shuffle(order)
+            for b in range(0, len(order) - batch_size + 1 if len(order) >= batch_size else 1, batch_size):
+                if step >= start_step:
+                    yield self.batch(order[b : b + batch_size], max_len)
+                step += 1
+            epoch += 1
+
+    # ------------------------------------------------------------------------------ persistence
+    def save(self, out_dir: Path | str) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {name: getattr(self, name).contiguous().cpu() for name in
+                   ("tokens", "offsets", "prompt_lens", "hidden", "teacher_ids", "teacher_probs")}
+        save_file(tensors, str(out / "features.safetensors"))
+        (out / "features.json").write_text(json.dumps({"layers": self.layers}))
+
+    @classmethod
+    def load(cls, out_dir: Path | str) -> FeatureStore:
+        out = Path(out_dir)
+        if not (out / "features.json").exists():
+            raise FileNotFoundError(f"no cached features in {out}: extract them first")
+        t = load_file(str(out / "features.safetensors"))
+        layers = json.loads((out / "features.json").read_text())["layers"]
+        return cls(layers, t["tokens"], t["offsets"], t["prompt_lens"], t["hidden"], t["teacher_ids"],
+                   t["teacher_probs"])
+
+
+@torch.inference_mode()
+def extract_features(
+    target: Transformer,
+    samples: list[Sample],
+    layers: list[int],
+    *,
+    topk: int = 8,
+    batch_tokens: int = 8192,
+    progress: Callable[[int], None] | None = None,
+) -> FeatureStore:
+    """Run the target over every sample (batches of similar length, right-padded: padding sits after every
+    real token, so causal attention keeps it out of sight) and keep the requested layers and the teacher."""
+    if not samples:
+        raise ValueError("no samples to extract features from")
+    num_layers = target.config.num_layers
+    layers = [i % num_layers for i in layers]
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
+    per_sample: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
+    b = 0
+    while b < len(order):
+        width = len(samples[order[b]].tokens)
+        rows = max(1, batch_tokens // max(width, 1))
+        idx = order[b : b + rows]
+        width = max(len(samples[i].tokens) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, : len(samples[i].tokens)] = torch.tensor(samples[i].tokens)
+        out = target.forward(ids.to(target.device), target.new_cache(width, batch_size=len(idx)),
+                             hidden_layers=layers)
+        probs, top = out.logits.float().softmax(-1).topk(topk, dim=-1)
+        hidden = torch.stack(out.hidden, dim=2).half() if out.hidden else \
+            ids.new_zeros(*ids.shape, 0, target.config.hidden_size, dtype=torch.half)  # [B, T, L, H]; L = 0: no layers
+        for r, i in enumerate(idx):
+            n = len(samples[i].tokens)
+            per_sample[i] = (hidden[r, :n].cpu(), top[r, :n].int().cpu(), probs[r, :n].half().cpu())
+        b += len(idx)
+        if progress is not None:
+            progress(len(idx))
+    lengths = torch.tensor([len(s.tokens) for s in samples])
+    return FeatureStore(
+        layers=layers,
+        tokens=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
+        offsets=torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
+        prompt_lens=torch.tensor([s.prompt_len for s in samples]),
+        hidden=torch.cat([p[0] for p in per_sample]),
+        teacher_ids=torch.cat([p[1] for p in per_sample]),
+        teacher_probs=torch.cat([p[2] for p in per_sample]),
+    )

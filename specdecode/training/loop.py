@@ -1,0 +1,119 @@
+"""One resumable training loop for every draft: AdamW, warmup + cosine decay, a progress bar,
+periodic held-out evaluation and checkpoints from which an interrupted run carries on."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 250
+    save_every: int = 250
+    seed: int = 0
+    bf16: bool = False  # autocast to bfloat16 (GPU training)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))  # down to lr / 10
+
+
+def train(
+    module: nn.Module,
+    loss_fn: Callable[[nn.Module, dict], tuple[torch.Tensor, dict[str, float]]],
+    batches: Callable[[int], Iterator[dict]],
+    out_dir: Path | str,
+    cfg: TrainConfig,
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Train `module` for cfg.steps; `batches(start_step)` yields training batches from that step on.
+
+    A checkpoint in `out_dir` (module, optimizer, step, history) is resumed from. Every eval_every steps and
+    at the end, `evaluate(module)` scores held-out data; history lines go to train_log.jsonl. Returns history.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the module has no trainable parameters")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step, history = 0, []
+    ckpt = out / CHECKPOINT
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=params[0].device, weights_only=False)
+        module.load_state_dict(state["module"])
+        opt.load_state_dict(state["optimizer"])
+        step, history = state["step"], state["history"]
+        log(f"resuming from step {step} ({ckpt})")
+    if step >= cfg.steps:
+        return history
+    device_type = params[0].device.type
+
+    def record(entry: dict) -> None:
+        history.append(entry)
+        with (out / LOG).open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def save() -> None:
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"module": module.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                    "history": history, "config": asdict(cfg)}, tmp)
+        tmp.replace(ckpt)  # never a half-written checkpoint
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    running: dict[str, float] = {}
+    started = time.perf_counter()
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("train", total=cfg.steps, completed=step)
+        for batch in batches(step):
+            module.train()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, metrics = loss_fn(module, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            metrics = {"loss": loss.item(), **metrics}
+            for name, value in metrics.items():
+                running[name] = value if name not in running else 0.95 * running[name] + 0.05 * value
+            bar.update(task, advance=1, description="train " + " ".join(f"{k}={v:.3f}" for k, v in running.items()))
+            last = step >= cfg.steps
+            if evaluate is not None and (step % cfg.eval_every == 0 or last):
+                module.eval()
+                scores = evaluate(module)
+                entry = {"step": step, "seconds": round(time.perf_counter() - started, 1),
+                         **{f"train_{k}": round(v, 4) for k, v in running.items()},
+                         **{f"heldout_{k}": round(v, 4) for k, v in scores.items()}}
+                record(entry)
+                bar.console.log(" ".join(f"{k}={v}" for k, v in entry.items()))
+            if step % cfg.save_every == 0 or last:
+                save()
+            if last:
+                break
+    module.eval()
+    return history

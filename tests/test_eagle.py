@@ -1,0 +1,205 @@
+"""EAGLE: a head trained here on a tiny target, through the real pipeline (self-distilled samples ->
+cached features -> training-time-test training), drafts trees that the target verifies losslessly."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.cli import main as cli_main
+from specdecode.engine import generate_ids
+from specdecode.models import Transformer
+from specdecode.models.eagle import EagleConfig, EagleHead
+from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.proposers import EagleProposer
+from specdecode.sampling import SamplingParams
+from specdecode.training.data import Sample, prompt_texts
+from specdecode.training.eagle import train_eagle, ttt_logits
+from specdecode.training.features import FeatureStore, extract_features
+from specdecode.training.loop import TrainConfig
+
+from .helpers import make_tokenizer, randomize_, tiny_model, write_checkpoint
+from .test_distribution import ALPHA, PROMPT, chi_square, exact_joint
+from .test_lossless import PROMPTS, VOCAB, KeepSpy
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return tiny_model(0, vocab_size=VOCAB, num_layers=4)
+
+
+def distilled(target: Transformer, n: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 12))]
+        answer, _ = generate_ids(target, prompt, max_new_tokens=40)
+        out.append(Sample(prompt + answer, len(prompt)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(target: Transformer) -> FeatureStore:
+    return extract_features(target, distilled(target, 64, seed=0), [0, 1, 2, 3], topk=4)
+
+
+@pytest.fixture(scope="module")
+def trained(target: Transformer, store: FeatureStore, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eagle")
+    cfg = TrainConfig(steps=120, lr=3e-3, warmup=10, eval_every=60, save_every=60)
+    train_eagle(target, store, store, out, cfg, draft_vocab=48, ttt_steps=3, batch_size=16, max_len=64,
+                log=lambda *_: None)
+    assert target.dtype == torch.float64  # training left the caller's target alone
+    return out
+
+
+@pytest.fixture(scope="module")
+def head(trained: Path) -> EagleHead:
+    return EagleHead.load(trained, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def reference(target: Transformer) -> list[list[int]]:
+    return [generate_ids(target, p, max_new_tokens=NEW)[0] for p in PROMPTS]
+
+
+def test_training_learns_the_target(trained: Path, head: EagleHead, store: FeatureStore, target: Transformer) -> None:
+    """Scores improve with training, and training-time logits (step 0) equal the inference forward's."""
+    log = [json.loads(line) for line in (trained / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [60, 120]
+    assert log[-1]["heldout_acc1"] > 0.3 and log[-1]["heldout_chain_tau"] > 1.3
+    batch = store.batch([0], 64)
+    layers = [store.layer_index(i) for i in head.config.target_layers]
+    batch["hidden"] = batch["hidden"][:, :, layers].double()
+    with torch.no_grad():
+        train_logits = ttt_logits(head, target.embed, batch, steps=1)[0][0]
+    n = int(store.offsets[1]) - 1
+    feats = head.fuse_features(batch["hidden"][0, :n])
+    embeds = target.embed(batch["tokens"][:, 1 : n + 1])
+    logits, _ = head(feats[None], embeds, head.new_cache(n), torch.arange(n))
+    torch.testing.assert_close(train_logits[:n], logits[0])
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])
+@pytest.mark.parametrize("topk,nodes", [(1, 8), (3, 6), (4, 16)])
+def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk, nodes) -> None:
+    spy = KeepSpy(monkeypatch)
+    proposer = EagleProposer(head, target, topk=topk, nodes=nodes)
+    cost = CostModel([1, 64], [0, 1000], [[1.0, 2.0], [1.0, 2.0]])
+    shared = AcceptanceStats()
+    drafted = accepted = 0
+    for prompt, expected in zip(PROMPTS, reference, strict=True):
+        policy = AdaptiveK(cost, shared, cheap=False, tree_size=proposer.tree_size) if k == "auto" else k
+        out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
+        assert out == expected, f"prompt {prompt}"
+        drafted += stats.drafted
+        accepted += stats.accepted
+    assert 0 < accepted < drafted
+    if topk > 1 and k not in (1, "auto"):
+        assert spy.gathers > 0, "no non-first branch was ever accepted: the tree path went untested"
+
+
+def test_trained_head_beats_chance(target, head, reference) -> None:
+    """One guess a step: the head's top token is the target's next token far more often than chance (1/56)."""
+    proposer = EagleProposer(head, target, topk=1, nodes=1)
+    stats = [generate_ids(target, p, proposer=proposer, k=1, max_new_tokens=NEW)[1] for p in PROMPTS]
+    assert sum(s.accepted for s in stats) / sum(s.drafted for s in stats) > 0.1
+
+
+# --------------------------------------------------------------------------------- distribution
+def random_head(target: Transformer, draft_vocab: int, seed: int) -> EagleHead:
+    head = EagleHead(EagleConfig.for_target(target.config, draft_vocab))
+    randomize_(head, seed, head_gain=2.0)
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(target.config.vocab_size - draft_vocab, target.config.vocab_size))
+    return head.to(target.dtype).eval().requires_grad_(False)
+
+
+def test_sampled_eagle_matches_target_distribution() -> None:
+    """A chain drawn from the head's q over a reduced vocabulary (tokens outside it have q = 0), top-p on both."""
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    target = tiny_model(3, head_gain=3.0, vocab_size=8, num_layers=1, hidden_size=32, intermediate_size=64,
+                        num_heads=2, num_kv_heads=1, head_dim=16)
+    proposer = EagleProposer(random_head(target, 6, seed=4), target)
+    samples, tokens = 2000, 3
+    counts: dict = {}
+    drafted = accepted = 0
+    for seed in range(samples):
+        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=2, max_new_tokens=tokens, params=params,
+                                  seed=seed)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
+    pvalue, tv = chi_square(Counter(counts), exact_joint(target, PROMPT, params, tokens), samples)
+    assert pvalue > ALPHA and tv < 0.1, (pvalue, tv)
+
+
+# ---------------------------------------------------------------------------------- CLI and errors
+def write_train_data(root: Path) -> Path:
+    (root / "sharegpt").mkdir(parents=True)
+    rows = [{"conversations": [{"from": "human", "value": f"say {w} twice"}, {"from": "gpt", "value": w}]}
+            for w in ("fox", "dog", "add", "hello", "world", "quick", "brown", "lazy")]
+    (root / "sharegpt" / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "gsm8k").mkdir()
+    (root / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": f"what is {i} + {i}?"}) + "\n"
+                                                        for i in range(8)))
+    return root
+
+
+def test_prompts_interleave_sources_and_refuse_a_missing_folder(tmp_path) -> None:
+    texts = prompt_texts(write_train_data(tmp_path / "data"), limit=4)
+    assert len(texts) == 4 and sum(t.startswith("what is") for t in texts) == 2
+    with pytest.raises(FileNotFoundError, match="--data"):
+        prompt_texts(tmp_path / "missing")
+
+
+def test_cli_train_eagle_end_to_end_and_resume(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer(), layers=4)
+    data, out = write_train_data(tmp_path / "data"), tmp_path / "head"
+    args = ["train", "eagle", "--target", str(ckpt), "--data", str(data), "--out", str(out), "--samples", "12",
+            "--heldout", "3", "--max-new-tokens", "12", "--gen-batch", "4", "--batch-size", "4", "--max-len", "64",
+            "--draft-vocab", "64", "--ttt-steps", "2", "--eval-every", "3", "--device", "cpu"]
+    assert cli_main([*args, "--steps", "3"]) == 0
+    assert (out / "eagle.safetensors").exists() and (out / "report.md").exists()
+    assert len((out / "work" / "samples.jsonl").read_text().splitlines()) == 12
+    capsys.readouterr()
+    assert cli_main([*args, "--steps", "6"]) == 0  # resumes: data and features cached, 3 more steps
+    captured = capsys.readouterr()
+    assert "resuming from step 3" in captured.out + captured.err
+    assert "using 12 target answers" in captured.out + captured.err
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [3, 6]
+    assert "| 6 |" in (out / "report.md").read_text()
+    capsys.readouterr()
+    common = ["generate", "say fox twice", "--model", str(ckpt), "--dtype", "float64", "--json", "--max-new-tokens",
+              "24", "--k", "3"]
+    assert cli_main([*common, "--method", "eagle", "--draft", str(out)]) == 0
+    eagle = json.loads(capsys.readouterr().out)
+    assert cli_main([*common, "--method", "none"]) == 0
+    assert eagle["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+    assert eagle["stats"]["drafted"] > 0
+
+
+def test_eagle_errors_say_what_to_do(tmp_path, target, head) -> None:
+    with pytest.raises(FileNotFoundError, match="specdecode train eagle"):
+        EagleHead.load(tmp_path)
+    other = tiny_model(1, vocab_size=VOCAB + 8, num_layers=4)
+    with pytest.raises(ValueError, match="train a head for this target"):
+        EagleProposer(head, other)
+    with pytest.raises(ValueError, match="topk"):
+        EagleProposer(head, target, topk=0)
+    ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer())
+    import specdecode
+
+    with pytest.raises(ValueError, match="no EAGLE head ships"):
+        specdecode.load(ckpt).generate("hi", method="eagle")
+    assert cli_main(["train", "eagle", "--target", str(ckpt), "--data", str(tmp_path / "nope"), "--out",
+                     str(tmp_path / "o"), "--device", "cpu"]) == 2

@@ -1,0 +1,246 @@
+"""The adaptive speculation policy: cost model, acceptance estimates, depth choice, and the engine with it."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from specdecode.engine import generate_ids
+from specdecode.policy import (
+    AcceptanceStats,
+    AdaptiveK,
+    CostModel,
+    FixedK,
+    ProposalScorer,
+    StepRecord,
+    nondecreasing,
+)
+from specdecode.proposers import DraftModelProposer, Proposer
+from specdecode.tree import DraftTree, ExtraNodes
+
+from .helpers import tiny_model
+
+
+def linear_cost(per_token: float, per_context: float = 0.0) -> CostModel:
+    """T(n, c) = 1 + per_token * (n - 1) + per_context * c, as a measured table would give it."""
+    sizes, contexts = [1, 2, 4, 8, 16, 32, 64], [0, 1000]
+    seconds = [[1.0 + per_token * (n - 1) + per_context * c for n in sizes] for c in contexts]
+    return CostModel(sizes, contexts, seconds)
+
+
+# ------------------------------------------------------------------------------------------- cost model
+def test_cost_model_interpolates_and_extrapolates() -> None:
+    cost = linear_cost(0.1, per_context=0.001)
+    assert cost.forward_seconds(1, 0) == pytest.approx(1.0)
+    assert cost.forward_seconds(3, 0) == pytest.approx(1.2)  # between measured sizes 2 and 4
+    assert cost.forward_seconds(100, 0) == pytest.approx(1.0 + 0.1 * 99)  # past the largest size
+    assert cost.forward_seconds(1, 500) == pytest.approx(1.5)  # between the two contexts
+    assert cost.forward_seconds(1, 3000) == pytest.approx(4.0)  # longer than measured: linear in context
+
+
+def test_noisy_timings_become_nondecreasing() -> None:
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert nondecreasing([4.0, 5.0, 3.0, 6.0]) == pytest.approx([4.0, 4.0, 4.0, 6.0])
+    assert nondecreasing([2.0, 1.0]) == pytest.approx([1.5, 1.5])
+
+
+def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch) -> None:
+    model = tiny_model(0, vocab_size=40)
+    first = CostModel.for_model(model, tmp_path)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and first.sizes[0] == 1 and len(first.seconds) == 2
+    assert all(s > 0 for row in first.seconds for s in row)
+    assert all(row == sorted(row) for row in first.seconds)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(CostModel, "measure", classmethod(no_measuring))
+    assert CostModel.for_model(model, tmp_path) == first
+    other = tiny_model(0, vocab_size=48)  # another shape is another entry
+    monkeypatch.undo()
+    CostModel.for_model(other, tmp_path)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+    files[0].write_text("{not json")  # a damaged file is measured again, not fatal
+    assert CostModel.for_model(model, tmp_path).sizes == first.sizes
+    assert json.loads(files[0].read_text())["sizes"] == first.sizes
+
+
+# ----------------------------------------------------------------------------------------- acceptance
+def test_acceptance_rates_are_conditional_per_depth() -> None:
+    stats = AcceptanceStats(max_depth=4, decay=1.0)
+    assert np.allclose(stats.rates(0), 0.5)  # the Beta(1, 1) prior before any data
+    for _ in range(8):
+        stats.record(0, matched=2, tried=3)  # depths 1, 2 matched, depth 3 missed
+    rates = stats.rates(0)
+    assert rates[0] == pytest.approx(9 / 10) and rates[1] == pytest.approx(9 / 10)
+    assert rates[2] == pytest.approx(1 / 10) and rates[3] == pytest.approx(0.5)  # never tried
+    expected = stats.expected_accepted(0)
+    assert expected[0] == 0 and expected[1] == pytest.approx(0.9) and expected[2] == pytest.approx(0.9 + 0.81)
+    assert np.allclose(stats.rates(1), 0.5)  # classes are separate
+
+
+def test_acceptance_forgets_and_forks() -> None:
+    stats = AcceptanceStats(max_depth=2, decay=0.5)
+    for _ in range(20):
+        stats.record(0, matched=2, tried=2)
+    assert stats.rates(0)[0] > 0.7
+    for _ in range(5):
+        stats.record(0, matched=0, tried=1)
+    assert stats.rates(0)[0] < 0.3  # recent misses dominate older hits
+    long_run = AcceptanceStats(max_depth=2, decay=1.0)
+    for _ in range(100):
+        long_run.record(3, matched=1, tried=2)
+    request = long_run.fork(weight=8.0)
+    assert request.trials[3][0] == pytest.approx(8.0)
+    assert request.hits[3][0] / request.trials[3][0] == pytest.approx(1.0)  # same evidence, less weight
+    assert request.hits[3][1] / request.trials[3][1] == pytest.approx(0.0)
+    for _ in range(50):
+        request.record(3, matched=0, tried=1)
+    long_run.absorb(request)
+    assert long_run.rates(3)[0] < 0.2  # the request's final estimate replaced the long-run one
+
+
+def test_scorer_learns_from_unverified_guesses() -> None:
+    stats = AcceptanceStats(max_depth=8, decay=1.0)
+    scorer = ProposalScorer(stats)
+    tokens = [1, 2, 3]
+    scorer.add(DraftTree.from_paths(3, [[4, 5, 9]], bucket=2), len(tokens))  # proposed, never verified
+    tokens += [4]
+    scorer.update(tokens)
+    assert len(scorer.pending) == 1  # matched so far, depth 2 not known yet
+    tokens += [5, 6]
+    scorer.update(tokens)
+    assert not scorer.pending
+    assert stats.trials[2][:3].tolist() == [1, 1, 1] and stats.hits[2][:3].tolist() == [1, 1, 0]
+    # a tree is as good as its best branch
+    scorer.add(DraftTree.from_paths(6, [[7, 7], [8, 1]]), len(tokens))
+    tokens += [8, 2]
+    scorer.update(tokens)
+    assert stats.hits[0][:2].tolist() == [1, 0] and stats.trials[0][:2].tolist() == [1, 1]
+    # a request that ends mid-match records what it saw, without inventing a miss
+    scorer.add(DraftTree.from_paths(2, [[3, 4, 5]], bucket=1), len(tokens))
+    tokens += [3]
+    scorer.update(tokens, final=True)
+    assert stats.trials[1][:3].tolist() == [1, 0, 0] and stats.hits[1][0] == 1
+
+
+# -------------------------------------------------------------------------------------------- choices
+def confident(rate: float, bucket: int = 0, depth: int = 16) -> AcceptanceStats:
+    """Stats that have seen 200 trials at every depth with conditional acceptance `rate`."""
+    stats = AcceptanceStats(max_depth=depth, decay=1.0)
+    stats.hits[bucket], stats.trials[bucket] = np.full(depth, rate * 200), np.full(depth, 200.0)
+    return stats
+
+
+def test_depth_follows_cost_and_acceptance() -> None:
+    flat, steep = linear_cost(0.0), linear_cost(0.5)
+    assert AdaptiveK(flat, confident(0.9), cheap=True).best_depth(0, 0, 16) == 16  # free to verify: guess deep
+    assert AdaptiveK(steep, confident(0.1), cheap=True).best_depth(0, 0, 16) == 0  # nothing pays: plain step
+    middle = AdaptiveK(linear_cost(0.1), confident(0.7), cheap=True).best_depth(0, 0, 16)
+    assert 1 <= middle < 16
+    assert AdaptiveK(flat, confident(0.9), cheap=True).best_depth(0, 0, 3) == 3  # never past the limit
+    costly = AdaptiveK(flat, confident(0.6), cheap=False)
+    costly.draft_per_guess = 0.05
+    cheap_depth = AdaptiveK(flat, confident(0.6), cheap=True).best_depth(0, 0, 16)
+    assert costly.best_depth(0, 0, 16) < cheap_depth  # a draft that costs time is asked for less
+
+
+def test_cheap_proposals_are_cut_after_seeing_them() -> None:
+    stats = AcceptanceStats(max_depth=16, decay=1.0)
+    stats.hits[3], stats.trials[3] = np.full(16, 190.0), np.full(16, 200.0)  # 3-gram matches: good
+    stats.hits[1], stats.trials[1] = np.full(16, 10.0), np.full(16, 200.0)  # 1-gram matches: poor
+    policy = AdaptiveK(linear_cost(0.05), stats, cheap=True)
+    assert policy.depth_to_propose(100, 50) == 16 and policy.depth_to_propose(100, 5) == 5
+    good = DraftTree.from_paths(0, [list(range(1, 11))], bucket=3)
+    assert policy.choose(good, 100).depth == 10
+    window = ExtraNodes([1, 2], [1, 2], np.ones((2, 2), dtype=bool))
+    poor = DraftTree([0, 1, 2], [-1, 0, 1], bucket=1, extra=window)
+    chosen = policy.choose(poor, 100)
+    assert chosen.num_drafted == 0 and chosen.extra is None  # a plain step drops the lookahead window too
+
+
+def test_costly_drafts_probe_with_backoff() -> None:
+    policy = AdaptiveK(linear_cost(0.0), confident(0.05), cheap=False)
+    assert policy.depth_to_propose(10, 20) == 2  # first: a short draft to measure what it costs
+    policy.draft_per_guess = 0.5  # half a target forward per guess, for ~5% acceptance: never pays
+    depths = [policy.depth_to_propose(10, 20) for _ in range(8 + 16 + 32)]
+    probes = [i for i, d in enumerate(depths) if d]
+    assert probes == [7, 7 + 16, 7 + 16 + 32]  # intervals double while the draft keeps not paying
+    policy.stats = confident(0.95)
+    policy.scorer.stats = policy.stats
+    policy.draft_per_guess = 0.5
+    assert policy.depth_to_propose(10, 20) > 0  # good again: speculate every step
+    assert policy.probe_every == 8
+    # a draft as slow as the target cannot pay even if every guess were right: no probing at all
+    hopeless = AdaptiveK(linear_cost(0.05), confident(0.05), cheap=False)
+    hopeless.draft_per_guess = 1.0
+    assert not any(hopeless.depth_to_propose(10, 20) for _ in range(3000))
+    # what was learned about the draft carries over to the next request
+    shared = AcceptanceStats()
+    first = AdaptiveK(linear_cost(0.0), shared, cheap=False)
+    first.draft_per_guess, first.probe_every = 0.3, 64
+    first.finish([1, 2, 3])
+    second = AdaptiveK(linear_cost(0.0), shared, cheap=False)
+    assert second.draft_per_guess == 0.3 and second.probe_every == 64
+
+
+def test_observe_learns_real_step_costs_and_draft_cost() -> None:
+    cost = linear_cost(0.0)
+    policy = AdaptiveK(cost, AcceptanceStats(), cheap=False)
+    tree = DraftTree.chain(5, [6, 7])
+    for _ in range(60):  # 3-token steps really cost twice the table
+        policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, draft_seconds=0.2, target_seconds=2.0))
+    assert cost.forward_seconds(3, 10) == pytest.approx(2.0, rel=0.01)
+    assert cost.table_seconds(3, 10) == pytest.approx(1.0)
+    assert policy.draft_per_guess == pytest.approx(0.1)
+    root = DraftTree.root_only(5)
+    for _ in range(60):  # plain steps cost what the table says: only larger steps are dearer
+        policy.observe(StepRecord(root, root, 3, [1, 2, 5, 6], 10, draft_seconds=0.0, target_seconds=1.0))
+    assert cost.forward_seconds(1, 10) == pytest.approx(1.0, rel=0.01)
+    assert cost.forward_seconds(2, 10) == pytest.approx(1.5, rel=0.01)  # between the sizes seen
+
+
+def test_fixed_k_rejects_negative() -> None:
+    with pytest.raises(ValueError, match="k \\(tokens to guess per step\\) must be >= 0 or 'auto'"):
+        FixedK(-1)
+
+
+# ---------------------------------------------------------------------------------------- in the engine
+class Oracle(Proposer):
+    """Knows the answer: guesses it (right=True) or always a different token (right=False)."""
+
+    cheap = True
+
+    def __init__(self, full: list[int], right: bool, vocab: int) -> None:
+        self.full, self.right, self.vocab = full, right, vocab
+
+    def propose(self, tokens, k, params, generator) -> DraftTree:
+        truth = self.full[len(tokens) : len(tokens) + k]
+        return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])
+
+
+def test_engine_stops_guessing_when_guesses_fail_and_guesses_deep_when_they_pay() -> None:
+    target = tiny_model(0, vocab_size=56)
+    rng = random.Random(0)
+    prompt = [rng.randrange(56) for _ in range(20)]
+    expected = generate_ids(target, prompt, max_new_tokens=60)[0]
+    full = prompt + expected
+    policy = AdaptiveK(linear_cost(0.1), AcceptanceStats(), cheap=True)
+    out, stats = generate_ids(target, prompt, proposer=Oracle(full, False, 56), k=policy, max_new_tokens=60)
+    assert out == expected
+    # the first steps guess (prior 0.5), then the policy learns the guesses fail and stops sending them,
+    # while still scoring every proposal for free
+    assert policy.verified_depths[0] > 0 and set(policy.verified_depths[10:]) == {0}
+    assert stats.target_forwards == 60
+    policy = AdaptiveK(linear_cost(0.1), AcceptanceStats(), cheap=True)
+    out, stats = generate_ids(target, prompt, proposer=Oracle(full, True, 56), k=policy, max_new_tokens=60)
+    assert out == expected and stats.accepted == stats.drafted
+    assert policy.verified_depths[0] == 2 and max(policy.verified_depths) >= 8  # always right: learns to go deep
+    # a draft identical to the target, with a measured per-guess cost, also ends up guessing deep
+    policy = AdaptiveK(linear_cost(0.0), AcceptanceStats(), cheap=False)
+    out, stats = generate_ids(target, prompt, proposer=DraftModelProposer(target, 56), k=policy, max_new_tokens=60)
+    assert out == expected and stats.accepted == stats.drafted and max(policy.verified_depths) >= 6

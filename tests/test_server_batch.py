@@ -1,0 +1,268 @@
+"""The ragged batched forward and the batched decoder under the server: every row of a batch gets exactly
+what it would get alone (float64 tiny models), and speculation backs off as the batch grows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.models import BatchKVCache
+from specdecode.tree import DraftTree
+
+from .helpers import tiny_model
+
+
+def single_logits(model, prefix: list[int], tree: DraftTree) -> torch.Tensor:
+    cache = model.new_cache(64)
+    if prefix:
+        model.forward(torch.tensor([prefix]), cache, logits_at=None)
+    tokens, positions, mask = tree.forward_inputs(len(prefix))
+    return model.forward(torch.tensor([tokens]), cache, positions=positions, tree_mask=mask).logits[0]
+
+
+def batch_inputs(trees: list[DraftTree], starts: list[int]):
+    inputs = [tree.forward_inputs(start) for tree, start in zip(trees, starts, strict=True)]
+    n = max(len(t) for t, _, _ in inputs)
+    tokens = torch.zeros(len(trees), n, dtype=torch.long)
+    positions = torch.zeros(len(trees), n, dtype=torch.long)
+    masks = torch.zeros(len(trees), n, n, dtype=torch.bool)
+    for b, (toks, pos, mask) in enumerate(inputs):
+        m = len(toks)
+        tokens[b, :m] = torch.tensor(toks)
+        positions[b, :m] = pos
+        positions[b, m:] = starts[b] + torch.arange(m, n)
+        masks[b, :m, :m] = torch.ones(m, m, dtype=torch.bool).tril() if mask is None else mask
+    return tokens, positions, masks, [len(t) for t, _, _ in inputs]
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_ragged_batched_forward_equals_each_row_alone(window):
+    model = tiny_model(3, sliding_window=window)
+    g = torch.Generator().manual_seed(0)
+    prefixes = [torch.randint(0, 56, (n,), generator=g).tolist() for n in (5, 11, 0, 1)]
+    trees = [
+        DraftTree.chain(7, [3, 9, 4]),
+        DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 1, 2]),  # a tree: branches need the tree mask
+        DraftTree.root_only(8),
+        DraftTree.chain(2, [5]),
+    ]
+    cache = BatchKVCache(2, 2, 16, 4, batch_size=1, dtype=torch.float64)  # grows on demand
+    for b, prefix in enumerate(prefixes):
+        single = model.new_cache(32)
+        if prefix:
+            model.forward(torch.tensor([prefix]), single, logits_at=None)
+        cache.load(b, single)
+    tokens, positions, masks, sizes = batch_inputs(trees, [len(p) for p in prefixes])
+    out = model.forward_batch(tokens, cache, positions=positions, sizes=sizes, tree_masks=masks)
+    for b, (prefix, tree) in enumerate(zip(prefixes, trees, strict=True)):
+        expected = single_logits(model, prefix, tree)
+        assert out.logits[b].shape == expected.shape
+        torch.testing.assert_close(out.logits[b], expected, rtol=1e-10, atol=1e-10)
+        assert cache.lengths[b] == len(prefix) + len(tree)
+
+    # keep an accepted path per row, then a second ragged step sees exactly the kept entries
+    paths = [[0, 1, 2], [0, 2], [0], [0, 1]]
+    for b, path in enumerate(paths):
+        cache.keep(b, len(prefixes[b]), path)
+    kept = [p + [trees[b].tokens[i] for i in path] for b, (p, path) in enumerate(zip(prefixes, paths, strict=True))]
+    second = [DraftTree.chain(4, [1, 1]), DraftTree.root_only(3), DraftTree.chain(6, [2, 8, 8, 1]),
+              DraftTree.root_only(0)]
+    cache.move(3, 3)
+    tokens, positions, masks, sizes = batch_inputs(second, [len(k) for k in kept])
+    out = model.forward_batch(tokens, cache, positions=positions, sizes=sizes, tree_masks=masks)
+    for b in range(4):
+        torch.testing.assert_close(out.logits[b], single_logits(model, kept[b], second[b]), rtol=1e-10, atol=1e-10)
+
+
+def test_batch_cache_move_packs_rows():
+    cache = BatchKVCache(1, 1, 2, 4, batch_size=3, dtype=torch.float64)
+    cache.kv[:, :, 2, :, :3] = 5.0
+    cache.lengths = [1, 2, 3]
+    cache.move(2, 0)
+    assert cache.lengths == [3, 2, 0] and bool((cache.kv[:, :, 0, :, :3] == 5.0).all())
+    cache.reserve(5, 10)
+    assert cache.batch_size == 5 and cache.max_len >= 10 and cache.lengths == [3, 2, 0, 0, 0]
+    assert bool((cache.kv[:, :, 0, :, :3] == 5.0).all())
+
+
+# ---------------------------------------------------------------------------------- the batched decoder
+from specdecode.batch import BatchCost, BatchDecoder, Row  # noqa: E402
+from specdecode.engine import generate_ids  # noqa: E402
+from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel, FixedK  # noqa: E402
+from specdecode.proposers import DraftModelProposer, NoProposer, PromptLookupProposer  # noqa: E402
+from specdecode.sampling import SamplingParams  # noqa: E402
+
+from .helpers import noisy_copy  # noqa: E402
+
+
+def flat_cost(per_token: float = 0.0) -> BatchCost:
+    """A made-up cost: 1 s per forward plus `per_token` s per token in it (rows x tokens per row)."""
+    sizes = [1, 2, 4, 8, 16]
+    tables = [CostModel(sizes, [8, 64], [[1 + per_token * b * n for n in sizes]] * 2) for b in (1, 4, 16)]
+    return BatchCost([1, 4, 16], tables)
+
+
+def make_row(model, prompt, method, k, max_new=40, temperature=0.0, seed=None, cost=None, draft=None):
+    proposer = {"none": NoProposer, "lookup": PromptLookupProposer}.get(method)
+    proposer = proposer() if proposer else DraftModelProposer(draft, model.config.vocab_size)
+    policy = k if not isinstance(k, int) else FixedK(k)
+    return Row(model, proposer, prompt, max_new_tokens=max_new, params=SamplingParams(temperature=temperature),
+               k=policy, seed=seed)
+
+
+def alone(model, prompt, max_new=40, temperature=0.0, seed=None, proposer=None, k=0):
+    return generate_ids(model, prompt, max_new_tokens=max_new, params=SamplingParams(temperature=temperature),
+                        k=k, seed=seed, proposer=proposer)[0]
+
+
+def run_all(decoder, pending: list[tuple[int, Row]]) -> dict[int, list[int]]:
+    """Step until every row is done; pending rows join at the given step number."""
+    out: dict[int, list[int]] = {}
+    step = 0
+    while pending or decoder.rows:
+        for when, row in [p for p in pending if p[0] <= step]:
+            decoder.add(row)
+            pending.remove((when, row))
+        for row, new in decoder.step():
+            assert not isinstance(new, Exception), new
+            if row.finish_reason:
+                decoder.remove(row)
+                out[id(row)] = row.new_tokens
+        step += 1
+    return out
+
+
+def test_batched_decoding_equals_each_request_alone():
+    """Rows of different lengths and methods (plain, lookup fixed and adaptive, a model draft) join at different
+    steps and leave when done; greedy and seeded sampling give each exactly what it gets alone."""
+    model = tiny_model(5, vocab_size=24)  # a small vocabulary: greedy text repeats, so lookups get accepted
+    draft = noisy_copy(model, 1)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (3, 17, 1, 9, 30, 6)]
+    cost = flat_cost()
+    decoder = BatchDecoder(model, cost)
+    adaptive = lambda: AdaptiveK(decoder.view, AcceptanceStats(), cheap=True)  # noqa: E731
+    specs = [("none", 0, 0.0), ("lookup", 4, 0.0), ("lookup", adaptive(), 0.0), ("draft", 3, 0.0),
+             ("lookup", 3, 0.9), ("lookup", adaptive(), 0.0)]
+    rows = [make_row(model, p, m, k, temperature=t, seed=i, draft=draft, max_new=30 + 3 * i)
+            for i, (p, (m, k, t)) in enumerate(zip(prompts, specs, strict=True))]
+    out = run_all(decoder, [(0, rows[0]), (0, rows[1]), (2, rows[2]), (2, rows[3]), (5, rows[4]), (9, rows[5])])
+    for i, row in enumerate(rows):
+        if specs[i][2]:  # sampling: the same seed and method alone draws the same tokens
+            expected = alone(model, prompts[i], 30 + 3 * i, 0.9, seed=i, proposer=PromptLookupProposer(), k=3)
+        else:  # greedy: every method gives plain decoding's tokens
+            expected = alone(model, prompts[i], 30 + 3 * i)
+        assert out[id(row)] == expected, i
+    assert sum(r.stats.accepted for r in rows) > 0
+    assert decoder.cache.lengths[0] == 0 and not decoder.rows
+
+
+class Exploding(PromptLookupProposer):
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.calls, self.after = 0, after
+
+    def propose(self, tokens, k, params, generator):
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("proposer bug")
+        return super().propose(tokens, k, params, generator)
+
+
+def test_a_failing_row_leaves_alone():
+    model = tiny_model(5, vocab_size=24)
+    decoder = BatchDecoder(model, flat_cost())
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    rows = [make_row(model, p, "lookup", 2) for p in prompts]
+    rows[1].proposer = Exploding(after=3)
+    for row in rows:
+        decoder.add(row)
+    failed, done = [], {}
+    while decoder.rows:
+        for row, new in decoder.step():
+            if isinstance(new, Exception):
+                failed.append(row)
+            elif row.finish_reason:
+                decoder.remove(row)
+                done[id(row)] = row.new_tokens
+    assert failed == [rows[1]]
+    for i in (0, 2):
+        assert done[id(rows[i])] == alone(model, prompts[i])
+
+
+def test_speculation_backs_off_as_the_batch_grows():
+    """Same acceptance, same proposals: one row verifies deep guesses when tokens are nearly free; sixteen rows,
+    where a guessed token costs what it adds to the batched forward, verify none; back to one, deep again."""
+    model = tiny_model(5, vocab_size=24)
+    decoder = BatchDecoder(model, flat_cost(per_token=0.3))
+    stats = AcceptanceStats()
+    for i in range(60):  # guesses are right 50-75% of the time
+        stats.record(3, *((0, 1), (1, 2), (2, 3), (3, 3))[i % 4])
+
+    def depths(n_rows: int) -> list[int]:
+        decoder.rows = [make_row(model, [1, 2, 3], "lookup", AdaptiveK(decoder.view, stats, cheap=True))
+                        for _ in range(n_rows)]
+        proposals = [DraftTree.from_paths(3, [[1, 2, 3, 1, 2, 3]], bucket=3)] * n_rows
+        return [t.depth for t in decoder.choose(proposals, [10] * n_rows)]
+
+    assert min(depths(1)) > 0
+    assert set(depths(16)) == {0}
+    assert min(depths(1)) > 0
+    decoder.rows = []
+
+
+def test_batch_cost_is_measured_once_and_cached(tmp_path):
+    model = tiny_model(5, vocab_size=24, max_position_embeddings=64)
+    cost = BatchCost.for_model(model, 3, cache_dir=tmp_path)
+    assert cost.batch_sizes == [1, 2, 3] and all(s > 0 for t in cost.tables for row in t.seconds for s in row)
+    again = BatchCost.for_model(model, 3, cache_dir=tmp_path)
+    assert again.tables[2].seconds == cost.tables[2].seconds
+    assert cost.seconds(3, 4, 20) > 0 and cost.seconds(5, 4, 20) > 0
+
+
+def test_eagle_rows_get_the_hidden_states_they_would_get_alone():
+    """A proposer that drafts from the target's hidden states (EAGLE) sees, in a batch, exactly the features it
+    sees alone: its every proposal is the same, so are the outputs and the acceptance."""
+    from specdecode.models.eagle import EagleConfig, EagleHead
+    from specdecode.proposers import EagleProposer
+
+    from .helpers import randomize_
+
+    model = tiny_model(5, vocab_size=24, num_layers=4)
+    head = EagleHead(EagleConfig.for_target(model.config, 24))
+    randomize_(head, 3)
+    head = head.double().eval().requires_grad_(False)
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (4, 13, 7)]
+    alone_logs, alone_out = [], []
+    for p in prompts:
+        proposer, log = recording(EagleProposer(head, model, topk=2, nodes=6))
+        out, stats = generate_ids(model, p, proposer=proposer, k=3, max_new_tokens=30)
+        alone_logs.append(log)
+        alone_out.append((out, stats.drafted, stats.accepted))
+    decoder = BatchDecoder(model, flat_cost())
+    rows, logs = [], []
+    for p in prompts:
+        proposer, log = recording(EagleProposer(head, model, topk=2, nodes=6))
+        rows.append(Row(model, proposer, p, max_new_tokens=30, params=SamplingParams(), k=FixedK(3)))
+        logs.append(log)
+    out = run_all(decoder, [(0, rows[0]), (1, rows[1]), (3, rows[2])])
+    for i, row in enumerate(rows):
+        assert logs[i] == alone_logs[i]
+        assert (out[id(row)], row.stats.drafted, row.stats.accepted) == alone_out[i]
+    assert sum(len(t) > 1 for log in logs for t in log) > 0
+
+
+def recording(proposer):
+    """The proposer, with every proposal's tokens logged."""
+    log: list[list[int]] = []
+    propose = proposer.propose
+
+    def logged(*args):
+        tree = propose(*args)
+        log.append(list(tree.tokens))
+        return tree
+
+    proposer.propose = logged
+    return proposer, log
