@@ -110,11 +110,12 @@ class LLM:
         guesses: int = 4,
         skip_layers: Sequence[int] | None = None,
         topk: int = 4,
-        nodes: int = 12,
+        nodes: int = 24,
     ) -> Proposer:
         """A fresh proposer for `method`; options: prompt lookup (max_ngram, min_ngram, branches),
         lookahead (window, ngram, guesses), layer-skip (skip_layers, default: searched once and cached),
-        eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes),
+        eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes: the most
+        guesses a step, the tree is sized by the cost model within them and the depth k),
         medusa (draft = trained heads' folder; the tree is sized by the cost model)."""
         if method == "none":
             return NoProposer()
@@ -129,7 +130,7 @@ class LLM:
         if method == "layer-skip":
             return LayerSkipProposer(self.model, self.skip_layers() if skip_layers is None else skip_layers)
         if method == "eagle":
-            return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes)
+            return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes, cost=self.cost_model())
         if method == "medusa":
             return MedusaProposer(self.medusa_heads(draft), self.model.config.vocab_size, cost=self.cost_model())
         if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
@@ -206,6 +207,8 @@ class LLM:
         if k == "auto":
             if isinstance(proposer, NoProposer):
                 return FixedK(0)
+            if proposer.sizes_itself:  # sizes each step from the cost model: k only caps the depth
+                return FixedK(proposer.max_depth)
             key = key or proposer.name
             if isinstance(proposer, HybridProposer):  # its model draft gets a cost-aware policy of its own
                 draft_stats = self._acceptance.setdefault(key + "|draft", AcceptanceStats())

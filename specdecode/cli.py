@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--guesses", type=int, default=4, help="lookahead: pool n-grams verified per step")
     g.add_argument("--skip-layers", help="layer-skip: comma list of layers to skip (default: searched once, cached)")
     g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
-    g.add_argument("--nodes", type=int, default=12, help="eagle: most guessed tokens sent to the target per step")
+    g.add_argument("--nodes", type=int, default=24,
+                   help="eagle: most guessed tokens a step (the cost model picks how many of them are worth verifying)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)

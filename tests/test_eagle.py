@@ -15,7 +15,7 @@ from specdecode.cli import main as cli_main
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.policy import CostModel
 from specdecode.proposers import EagleProposer
 from specdecode.sampling import SamplingParams
 from specdecode.training.data import Sample, prompt_texts
@@ -91,19 +91,43 @@ def test_training_learns_the_target(trained: Path, head: EagleHead, store: Featu
 @pytest.mark.parametrize("topk,nodes", [(1, 8), (3, 6), (4, 16)])
 def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk, nodes) -> None:
     spy = KeepSpy(monkeypatch)
-    proposer = EagleProposer(head, target, topk=topk, nodes=nodes)
-    cost = CostModel([1, 64], [0, 1000], [[1.0, 2.0], [1.0, 2.0]])
-    shared = AcceptanceStats()
+    # "auto": the proposer sizes its trees from a made-up cost (64 tokens cost 2 forwards of one)
+    cost = CostModel([1, 64], [0, 1000], [[1.0, 2.0], [1.0, 2.0]]) if k == "auto" else None
+    proposer = EagleProposer(head, target, topk=topk, nodes=nodes, cost=cost)
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        policy = AdaptiveK(cost, shared, cheap=False, tree_size=proposer.tree_size) if k == "auto" else k
-        out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
+        depth = proposer.max_depth if k == "auto" else k
+        out, stats = generate_ids(target, prompt, proposer=proposer, k=depth, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         drafted += stats.drafted
         accepted += stats.accepted
     assert 0 < accepted < drafted
     if topk > 1 and k not in (1, "auto"):
         assert spy.gathers > 0, "no non-first branch was ever accepted: the tree path went untested"
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_cost_sizes_the_tree(target, head, reference, greedy: bool) -> None:
+    """A flat cost sends deep trees; a cost that more than doubles with each token sends none (plain steps), and
+    both stay lossless; the calibration learns how often the head's confidence is borne out."""
+    flat = CostModel([1, 64], [0, 1000], [[1.0, 1.01], [1.0, 1.01]])
+    steep = CostModel([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
+    params = SamplingParams() if greedy else SamplingParams(temperature=1.0)
+    sizes = {}
+    for name, cost in (("flat", flat), ("steep", steep)):
+        proposer = EagleProposer(head, target, topk=3, nodes=16, cost=cost)
+        drafted = forwards = 0
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.max_depth,
+                                      max_new_tokens=NEW, params=params, seed=0)
+            if greedy:
+                assert out == expected, f"{name}: prompt {prompt}"
+            drafted, forwards = drafted + stats.drafted, forwards + stats.target_forwards
+        sizes[name] = drafted / forwards
+        if name == "flat":
+            accepted, predicted = proposer.calibration[greedy]
+            assert accepted > 0 and predicted > 0
+    assert sizes["steep"] == 0 and sizes["flat"] > (3 if greedy else 1.5), sizes
 
 
 def test_trained_head_beats_chance(target, head, reference) -> None:

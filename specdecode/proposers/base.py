@@ -14,6 +14,8 @@ from ..verify import Verdict
 class Proposer(ABC):
     name: str = "proposer"
     cheap: bool = False  # proposing costs next to nothing (no model forward): ask deep, let the policy cut
+    sizes_itself: bool = False  # sizes each step's guesses from the cost model; k="auto" then just caps the depth
+    max_depth: int = 0  # the depth cap it is given under k="auto"
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states this proposer drafts from (EAGLE, Medusa)
 
     def begin(self, prompt: list[int], max_len: int) -> None:  # noqa: B027 - optional hook

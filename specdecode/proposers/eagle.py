@@ -1,10 +1,17 @@
 """EAGLE: a trained head drafts from the target's own hidden states (see models/eagle.py).
 
 Greedy: an EAGLE-2 dynamic tree. Each depth expands the `topk` most probable children of the `topk`
-best frontier nodes (by cumulative draft probability, one head forward per depth), and the `nodes`
-best nodes overall are sent for verification; a child never scores above its parent, so that set is
-always a tree. Sampling: a chain drawn from the head's distribution q (after the same temperature /
+best frontier nodes (by cumulative draft probability, one head forward per depth), and the best nodes
+overall are sent for verification; a child never scores above its parent, so every prefix of the
+ranking is a tree. Sampling: a chain drawn from the head's distribution q (after the same temperature /
 top-k / top-p as the target), which the one lossless core verifies exactly.
+
+With a cost model the proposer sizes each step itself, as EAGLE-2 does with draft confidence: a node's
+path probability (calibrated online against what the target accepts) is its chance of acceptance, so
+a tree of n nodes is worth 1 + sum of those chances tokens and costs the target's forward of n + 1
+tokens plus the head forwards run. It stops expanding when even the best case of another depth cannot
+raise that rate, and sends the count of nodes that maximises it (none: a plain step). Without a cost
+model: `k` depths, `nodes` nodes.
 
 The head keeps a KV cache of its own: entries for committed positions hold target features and stay;
 draft entries sit after them and are dropped at the next proposal.
@@ -12,34 +19,54 @@ draft entries sit after them and are dropped at the next proposal.
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
 from ..models import Transformer
 from ..models.eagle import EagleHead
+from ..policy import CostModel
 from ..sampling import sample
 from ..tree import DraftTree
 from .base import Proposer
 
 
+def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
+    """Sum over a chain's guesses of the draft probability of the path up to each."""
+    total, path = 0.0, 1.0
+    for q, token in zip(probs, drafted, strict=True):
+        path *= float(q[token])
+        total += path
+    return total
+
+
 class EagleProposer(Proposer):
     name = "eagle"
     cheap = False
+    max_depth = 8  # deepest tree when the proposer sizes itself (k="auto")
 
-    def __init__(self, head: EagleHead, target: Transformer, *, topk: int = 4, nodes: int = 12) -> None:
+    def __init__(self, head: EagleHead, target: Transformer, *, topk: int = 4, nodes: int = 24,
+                 cost: CostModel | None = None) -> None:
+        """cost: the target's forward cost; with it each step's tree is sized by expected tokens per second."""
         head.check_target(target)
         if topk < 1 or nodes < 1:
             raise ValueError(f"eagle needs topk >= 1 and nodes >= 1, got topk={topk}, nodes={nodes}")
         self.head, self.embed = head, target.embed
         self.vocab_size = target.config.vocab_size
-        self.topk, self.nodes = topk, nodes
+        self.topk, self.nodes, self.cost = topk, nodes, cost
         self.hidden_layers = tuple(head.config.target_layers)
         self.features: torch.Tensor | None = None  # [max_len, H]: fused target features per committed position
         self.known = 0  # positions with features
         self.cached = 0  # committed entries in the head's cache
+        self.head_seconds: float | None = None  # one head forward, smoothed
+        # calibration per mode (greedy tree, sampled chain): decayed [accepted, predicted] over verified trees
+        self.calibration = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        self.last: tuple[DraftTree, bool, float] | None = None  # the last tree sent, its mode, predicted accepted
 
-    def tree_size(self, depth: int) -> int:
-        """Tokens a proposal of this depth sends to the target, the root included (for the cost model)."""
-        return 1 + min(self.nodes, self.topk * depth)
+    @property
+    def sizes_itself(self) -> bool:
+        return self.cost is not None
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         h = self.head.config.block.hidden_size
@@ -65,31 +92,81 @@ class EagleProposer(Proposer):
             return DraftTree.root_only(tokens[-1])
         self.cache.rollback(min(self.cached, root - 1))  # at least the root's entry runs
         start = self.cache.length
+        started = time.perf_counter()
         logits, hidden = self._run(self.features[start:root], tokens[start + 1 :], list(range(start, root)), None)
         self.cached = root
         logits, hidden = logits[-1], hidden[-1]
+        spent = time.perf_counter() - started
         if params.greedy:
-            return self._tree(tokens[-1], root, logits, hidden, k)
-        return self._chain(tokens[-1], root, logits, hidden, k, params, generator)
+            tree, predicted = self._tree(tokens[-1], root, logits, hidden, k, spent)
+        else:
+            tree, predicted = self._chain(tokens[-1], root, logits, hidden, k, params, generator, spent)
+        self.last = (tree, params.greedy, predicted)
+        return tree
+
+    def observe(self, tree, verdict, extra_logits) -> None:
+        if self.last is not None and self.last[0] is tree:  # the tree went out as proposed
+            counts = self.calibration[self.last[1]]
+            counts[0] = 0.95 * counts[0] + verdict.num_accepted
+            counts[1] = 0.95 * counts[1] + self.last[2]
+        self.last = None
+
+    # ------------------------------------------------------------------------------------ sizing
+    def _alpha(self, greedy: bool) -> float:
+        """Accepted guesses per unit of predicted path probability (1.0 until seen)."""
+        accepted, predicted = self.calibration[greedy]
+        return min(max((accepted + 1.0) / (predicted + 1.0), 0.25), 2.0)
+
+    def _timed_run(self, *args):
+        started = time.perf_counter()
+        out = self._run(*args)
+        elapsed = time.perf_counter() - started
+        self.head_seconds = elapsed if self.head_seconds is None else 0.8 * self.head_seconds + 0.2 * elapsed
+        return out, elapsed
+
+    def _best_count(self, chances: list[float], context: int, spent: float) -> tuple[int, float]:
+        """(n, rate): the first n ranked nodes maximising expected tokens per second, and that rate."""
+        best, best_rate, expected = 0, 1.0 / (self.cost.forward_seconds(1, context) + spent), 1.0
+        for n, chance in enumerate(chances, 1):
+            expected += chance
+            rate = expected / (self.cost.forward_seconds(n + 1, context) + spent)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best, best_rate
+
+    def _worth_deeper(self, chances: list[float], frontier_chance: float, width: int, context: int,
+                      spent: float) -> bool:
+        """Could one more depth raise the rate? Its nodes' chances sum to at most the frontier's."""
+        n, rate = self._best_count(chances, context, spent)
+        head = self.head_seconds or 0.1 * self.cost.forward_seconds(1, context)
+        best_case = (1.0 + sum(chances[:n]) + frontier_chance) / (
+            self.cost.forward_seconds(n + 1 + width, context) + spent + head)
+        return best_case > rate
 
     def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         full = draft_logits.new_full((self.vocab_size,), float("-inf"))
         full[self.head.d2t] = draft_logits
         return full
 
-    def _chain(self, root_token, root, logits, hidden, k, params, generator) -> DraftTree:
-        drafted, probs = [], []
+    def _chain(self, root_token, root, logits, hidden, k, params, generator, spent) -> tuple[DraftTree, float]:
+        drafted, probs, chances = [], [], []
+        alpha, path = self._alpha(False), 1.0
         for depth in range(1, k + 1):
             q = params.probs(self._full_logits(logits).float())
             drafted.append(sample(q, generator))
             probs.append(q)
-            if depth < k:
-                logits, hidden = self._run(hidden[None], drafted[-1:], [root - 1 + depth], None)
-                logits, hidden = logits[-1], hidden[-1]
-        return DraftTree.chain(root_token, drafted, probs)
+            path *= float(q[drafted[-1]])
+            chances.append(min(1.0, alpha * path))
+            if depth == k or (self.cost is not None
+                              and not self._worth_deeper(chances, alpha * path, 1, root, spent)):
+                break
+            (logits, hidden), elapsed = self._timed_run(hidden[None], drafted[-1:], [root - 1 + depth], None)
+            logits, hidden, spent = logits[-1], hidden[-1], spent + elapsed
+        n = len(drafted) if self.cost is None else self._best_count(chances, root, spent)[0]
+        return DraftTree.chain(root_token, drafted[:n], probs[:n]), path_sum(probs[:n], drafted[:n])
 
-    def _tree(self, root_token, root, logits, hidden, k) -> DraftTree:
-        """EAGLE-2: grow by cumulative log-probability, then keep the `nodes` best."""
+    def _tree(self, root_token, root, logits, hidden, k, spent) -> tuple[DraftTree, float]:
+        """EAGLE-2: grow by cumulative log-probability, then keep the best nodes."""
         tokens: list[int] = []  # target ids of the candidate nodes
         parents: list[int] = []  # -1: a child of the root
         scores: list[float] = []
@@ -109,8 +186,14 @@ class EagleProposer(Proposer):
 
         frontier = add_children(-1, logits.float().log_softmax(-1), 0.0)
         parent_hidden = {-1: hidden}
+        alpha = self._alpha(True)
         for depth in range(2, k + 1):
             frontier = sorted(frontier, key=lambda n: -scores[n])[:topk]
+            if self.cost is not None:
+                chances = sorted((min(1.0, alpha * math.exp(v)) for v in scores), reverse=True)[: self.nodes]
+                reach = alpha * sum(math.exp(scores[n]) for n in frontier)
+                if not self._worth_deeper(chances, reach, len(frontier), root, spent):
+                    break
             start = self.cache.length
             mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool)
             mask[:, : self.cached] = True
@@ -123,21 +206,28 @@ class EagleProposer(Proposer):
                     p = parents[p]
             feats = torch.stack([parent_hidden[parents[n]] for n in frontier])
             positions = [root - 1 + depth - 1] * len(frontier)
-            out, hid = self._run(feats, [tokens[n] for n in frontier], positions, mask)
+            (out, hid), elapsed = self._timed_run(feats, [tokens[n] for n in frontier], positions, mask)
+            spent += elapsed
             logp = out.float().log_softmax(-1)
             new = []
             for row, node in enumerate(frontier):
                 parent_hidden[node] = hid[row]
                 new += add_children(node, logp[row], scores[node])
             frontier = new
-        # a child never scores above its parent and the sort is stable, so parents come first
+        # a child never scores above its parent and the sort is stable, so every prefix is a tree
+        ranked: list[int] = []
         chosen: set[int] = set()
         for n in sorted(range(len(tokens)), key=lambda n: -scores[n]):
-            if len(chosen) == self.nodes:
+            if len(ranked) == self.nodes:
                 break
             if parents[n] < 0 or parents[n] in chosen:
+                ranked.append(n)
                 chosen.add(n)
-        keep = sorted(chosen)  # creation order: parents before children
+        chances = [min(1.0, alpha * math.exp(scores[n])) for n in ranked]
+        if self.cost is not None:
+            ranked = ranked[: self._best_count(chances, root, spent)[0]]
+        keep = sorted(ranked)  # creation order: parents before children
         index = {node: i + 1 for i, node in enumerate(keep)}
-        return DraftTree([root_token] + [tokens[n] for n in keep],
+        tree = DraftTree([root_token] + [tokens[n] for n in keep],
                          [-1] + [0 if parents[n] < 0 else index[parents[n]] for n in keep])
+        return tree, sum(math.exp(scores[n]) for n in keep)

@@ -79,6 +79,9 @@ class Server:
         if isinstance(proposer, NoProposer):
             return FixedK(0)
         view = self.decoder.view  # forward cost at the batch's current size
+        if proposer.sizes_itself:
+            proposer.cost = view
+            return FixedK(proposer.max_depth)
         if isinstance(proposer, HybridProposer):
             proposer.draft_policy = AdaptiveK(view, self.acceptance.setdefault(method + "|draft", AcceptanceStats()),
                                               cheap=False)
