@@ -25,7 +25,7 @@ import torch
 
 from .engine import MAX_DRAFT_NODES, Generation
 from .models import BatchKVCache, Transformer
-from .policy import AdaptiveK, CostModel, StepRecord, default_cache_dir, machine_key, nondecreasing
+from .policy import AdaptiveK, CostModel, default_cache_dir, machine_key, nondecreasing
 from .tree import DraftTree
 from .verify import Verdict, verify
 
@@ -166,26 +166,10 @@ class Row(Generation):
                step_seconds: float) -> list[int]:
         """Record a verified step; returns the newly committed tokens (cut at a stop token / max_new_tokens)."""
         self.proposer.observe(tree, verdict, logits[len(tree) :])
-        stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
-        stats.draft_seconds += self.draft_seconds
-        stats.target_seconds += step_seconds
-        stats.target_forwards += 1
-        stats.drafted += tree.num_drafted
-        new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
-        for i, token in enumerate(new):  # stop exactly at the first stop token, never past it
-            if token in self.stop_token_ids:
-                self.finish_reason = "stop"
-                new = new[: i + 1]
-                break
-        if len(new) >= remaining:
-            self.finish_reason = self.finish_reason or "length"
-            new = new[:remaining]
-        stats.accepted += min(verdict.num_accepted, len(new))
-        start = len(self.tokens)
-        self.tokens.extend(new)
-        stats.new_tokens += len(new)
-        stats.seconds = time.perf_counter() - self.started
-        self.policy.observe(StepRecord(self.proposal, tree, start, self.tokens, context, self.draft_seconds, None))
+        self.stats.target_seconds += step_seconds  # the batch's forward: not this row's cost, so not for its policy
+        new = self._commit(self.proposal, tree, verdict, context, self.draft_seconds, None)
+        self.stats.new_tokens += len(new)
+        self.stats.seconds = time.perf_counter() - self.started
         return new
 
     def finish(self) -> None:

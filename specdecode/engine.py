@@ -122,7 +122,7 @@ class Generation:
             self.policy.finish(self.tokens)
 
     def _step(self, cache) -> list[int]:
-        stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
+        remaining = self.max_new_tokens - self.stats.new_tokens
         context = cache.length
         # the target adds one token of its own to any accepted guesses, so guess at most remaining - 1
         k = self.policy.depth_to_propose(context, remaining - 1)
@@ -147,8 +147,15 @@ class Generation:
             self.proposer.observe_hidden(context, [h[0, path] for h in out.hidden])
         self.proposer.observe(tree, verdict, logits[len(tree) :])
         t2 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
-        stats.target_seconds += t2 - t1
+        return self._commit(proposal, tree, verdict, context, t1 - t0, t2 - t1)
+
+    def _commit(self, proposal: DraftTree, tree: DraftTree, verdict, context: int, draft_seconds: float,
+                target_seconds: float | None) -> list[int]:
+        """Count a verified step and commit its tokens, cut exactly at a stop token or max_new_tokens.
+        target_seconds None: the forward was shared with other rows (not this request's own cost)."""
+        stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
+        stats.draft_seconds += draft_seconds
+        stats.target_seconds += target_seconds or 0.0
         stats.target_forwards += 1
         stats.drafted += tree.num_drafted
 
@@ -164,7 +171,7 @@ class Generation:
         stats.accepted += min(verdict.num_accepted, len(new))  # guesses cut by a stop were not used
         start = len(self.tokens)
         self.tokens.extend(new)
-        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, t1 - t0, t2 - t1))
+        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, draft_seconds, target_seconds))
         return new
 
 
