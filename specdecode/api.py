@@ -26,6 +26,7 @@ from .proposers import (
     PromptLookupProposer,
     Proposer,
 )
+from .proposers.layer_skip import SkipSearchResult, load_skip_search
 from .sampling import SamplingParams
 from .training.medusa import MedusaHeads
 
@@ -128,7 +129,10 @@ class LLM:
         if method == "lookahead":
             return LookaheadProposer(window=window, ngram=ngram, guesses=guesses)
         if method == "layer-skip":
-            return LayerSkipProposer(self.model, self.skip_layers() if skip_layers is None else skip_layers)
+            if skip_layers is not None:
+                return LayerSkipProposer(self.model, skip_layers)
+            search = self.skip_search()
+            return LayerSkipProposer(self.model, search.draft_layers, pays=search.pays)
         if method == "eagle":
             return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes, cost=self.cost_model())
         if method == "medusa":
@@ -140,15 +144,17 @@ class LLM:
 
     def skip_layers(self) -> list[int]:
         """Layers the layer-skip draft leaves out: searched once per model and cached (see tune_layer_skip)."""
-        from .proposers.layer_skip import load_skip_search
+        return self.skip_search().draft_layers
 
+    def skip_search(self) -> SkipSearchResult:
+        """The layer-skip search for this model on this machine: run once, then read from the cache."""
         result = load_skip_search(self.model)
         if result is None:
             logging.getLogger("specdecode").warning(
                 "searching which layers of %s to skip for self-speculation (once; cached): "
                 "run `specdecode tune layer-skip` to see it progress", self.name)
             result = self.tune_layer_skip()
-        return result.draft_layers
+        return result
 
     def tune_layer_skip(self, n_texts: int = 6, max_tokens: int = 128, progress=None):
         """Search the layers to skip on calibration text (never the benchmark), save and return the result."""
@@ -205,14 +211,15 @@ class LLM:
     def policy(self, k: int | str, proposer: Proposer, key: str = "") -> Policy:
         """k = 'auto': the cost model decides each step; an int: always guess k tokens."""
         if k == "auto":
-            if isinstance(proposer, NoProposer):
+            if isinstance(proposer, NoProposer) or not proposer.expected_to_pay:
                 return FixedK(0)
             if proposer.sizes_itself:  # sizes each step from the cost model: k only caps the depth
                 return FixedK(proposer.max_depth)
             key = key or proposer.name
             if isinstance(proposer, HybridProposer):  # its model draft gets a cost-aware policy of its own
                 draft_stats = self._acceptance.setdefault(key + "|draft", AcceptanceStats())
-                proposer.draft_policy = AdaptiveK(self.cost_model(), draft_stats, cheap=False)
+                proposer.draft_policy = AdaptiveK(self.cost_model(), draft_stats, cheap=False) \
+                    if proposer.draft.expected_to_pay else FixedK(0)
             stats = self._acceptance.setdefault(key, AcceptanceStats())
             return AdaptiveK(self.cost_model(), stats, cheap=proposer.cheap,
                              tree_size=getattr(proposer, "tree_size", None))

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", choices=["none", "transformers"], default="none")
     b.add_argument("--questions", help="Spec-Bench question.jsonl (default: ../shared/data/eval/spec_bench)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=int, default=1,
+                   help="runs of each prompt and method, in interleaved rounds; the fastest is kept (timeit's rule)")
     b.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
     return parser
 
@@ -144,8 +146,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if result.pays:
         err.print(f"layer-skip drafts without layers {result.skipped}: predicted {result.speedup:.2f}x")
     else:
-        err.print(f"layer skipping does not pay for this model on this machine; `--method layer-skip` uses "
-                  f"{result.draft_layers} and the adaptive policy decides when to draft")
+        err.print(f"layer skipping does not pay for this model on this machine: `--method layer-skip` runs plain "
+                  f"steps under --k auto; a fixed --k drafts without layers {result.draft_layers}")
     return 0
 
 
@@ -157,14 +159,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
-    if any(k != "auto" and k < 1 for k in ks) or any(t < 0 for t in temperatures) or args.prompts_per_category < 1:
-        raise ValueError("--k values (or auto) and --prompts-per-category must be >= 1, temperatures >= 0")
+    if any(k != "auto" and k < 1 for k in ks) or any(t < 0 for t in temperatures) or args.prompts_per_category < 1 \
+            or args.repeats < 1:
+        raise ValueError("--k values (or auto), --prompts-per-category and --repeats must be >= 1, temperatures >= 0")
     categories = "all" if args.categories == "all" else args.categories.split(",")
     questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
     cfg = BenchConfig(
         model=args.model, methods=parse_methods(args.methods, ks, peers=args.peers == "transformers"),
         questions=questions, temperatures=temperatures, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        command="specdecode " + " ".join(sys.argv[1:]),
+        command="specdecode " + " ".join(sys.argv[1:]), repeats=args.repeats,
     )
     results = run_benchmark(cfg)
     out = Path(args.out)

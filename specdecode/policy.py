@@ -282,6 +282,9 @@ class Policy(ABC):
     def finish(self, tokens: list[int]) -> None:  # noqa: B027 - optional hook
         """The request ended; `tokens` is everything committed."""
 
+    def remember(self) -> None:  # noqa: B027 - optional hook
+        """Hand what was learned so far to the long-run estimate (policies that learn across requests)."""
+
 
 @dataclass
 class StepRecord:

@@ -91,6 +91,27 @@ def test_layer_skip_search_runs_once_and_is_reused(tmp_path, capsys, monkeypatch
     assert llm.generate(PROMPT, max_new_tokens=30, method="layer-skip", k=2).token_ids == plain.token_ids
 
 
+def test_layer_skip_that_cannot_pay_never_drafts_under_auto(checkpoint, tmp_path, monkeypatch):
+    """A saved search that found no set beating plain decoding: k="auto" runs plain steps, with no probes
+    (each probe would feed the whole context through the draft's layers); a fixed k still drafts."""
+    from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # this made-up search stays out of other tests
+    llm = specdecode.load(checkpoint, dtype="float64")
+    llm.stop_token_ids = frozenset()
+    losing = SkipStep([1], agreement=0.5, speedup=0.8, k=1)
+    save_skip_layers(llm.model, SkipSearchResult([], 1.0, 1.0, 0, 2, [SkipStep([], 1.0, 1.0, 0), losing]))
+    plain = llm.generate(PROMPT, max_new_tokens=40)
+    for _ in range(3):  # across requests too: the long-run probe interval would otherwise let some through
+        auto = llm.generate(PROMPT, max_new_tokens=40, method="layer-skip", k="auto")
+        assert auto.token_ids == plain.token_ids and auto.stats.drafted == 0
+    fixed = llm.generate(PROMPT, max_new_tokens=40, method="layer-skip", k=2)
+    assert fixed.token_ids == plain.token_ids and fixed.stats.drafted > 0
+    hybrid = llm.proposer("hybrid")
+    llm.policy("auto", hybrid)
+    assert hybrid.draft.skipped == [1] and hybrid.draft_policy.depth_to_propose(10, 8) == 0  # lookup alone
+
+
 def test_cli_tune_cost_prints_the_table(checkpoint, capsys):
     assert cli_main(["tune", "cost", "--model", str(checkpoint)]) == 0
     err = capsys.readouterr().err

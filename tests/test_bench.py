@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from specdecode.bench import aggregate, load_questions, parse_methods
+from specdecode.bench.runner import fastest
 from specdecode.cli import main as cli_main
 
 from .helpers import make_tokenizer, write_checkpoint
@@ -63,6 +64,27 @@ def test_aggregate_uses_total_ratios_against_none_on_the_same_prompts() -> None:
     assert t["overall"]["x"].speedup == pytest.approx((40 / 2.0) / (40 / 2.0))  # total ratio, not a mean
     assert sorted(t["overall"]["x"].speedups) == pytest.approx([2 / 3, 2.0])
     assert t["overall"]["x"].tau == pytest.approx(40 / 15) and t["overall"]["x"].acceptance == 0.5
+
+
+def test_repeats_keep_the_fastest_run_and_flag_outputs_that_differ(tmp_path: Path, questions: Path,
+                                                                   monkeypatch) -> None:
+    runs = [{"seconds": 2.0, "output_hash": "a", "tau": 1.0}, {"seconds": 1.5, "output_hash": "a", "tau": 2.0}]
+    assert fastest(runs) == {"seconds": 1.5, "output_hash": "a", "tau": 2.0, "seconds_runs": [2.0, 1.5]}
+    assert fastest([*runs, {"seconds": 3.0, "output_hash": "b"}])["output_hash"] == "differs-between-runs"
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer())
+    out = tmp_path / "out"
+    assert cli_main(["bench", "--model", str(ckpt), "--methods", "prompt-lookup@2", "--categories", "math",
+                     "--prompts-per-category", "2", "--questions", str(questions), "--max-new-tokens", "6",
+                     "--repeats", "3", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["repeats"] == 3 and len(results["records"]) == 2 * 2  # one record per prompt and method
+    for rec in results["records"]:
+        assert len(rec["seconds_runs"]) == 3 and rec["seconds"] == min(rec["seconds_runs"])
+    assert aggregate(results)[0.0]["overall"]["prompt-lookup@k=2"].same_as_none == 1.0
+    assert "fastest run is kept" in (out / "report.md").read_text()
+    assert cli_main(["bench", "--model", str(ckpt), "--repeats", "0", "--out", str(out)]) == 2
 
 
 def test_questions_and_methods_are_checked(questions: Path) -> None:

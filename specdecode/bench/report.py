@@ -76,7 +76,7 @@ def write_report(results: dict, out: Path) -> Path:
         f"- machine: {results['machine']}",
         f"- command: `{results['command']}`",
         f"- max new tokens: {results['max_new_tokens']}; methods interleaved per prompt (random order per prompt), "
-        "after a warm-up",
+        "after a warm-up" + repeats_note(results.get("repeats", 1)),
         f"- physical limit: memory bandwidth {results['memory_bandwidth_gbs']:.1f} GB/s, weights "
         f"{results['weight_bytes'] / 1e6:.0f} MB per token -> plain decoding can reach at most "
         f"{results['plain_decoding_bound_tokens_per_s']:.1f} tokens/s",
@@ -109,6 +109,13 @@ def write_report(results: dict, out: Path) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def repeats_note(repeats: int) -> str:
+    if repeats == 1:
+        return ""
+    return (f"; each prompt ran {repeats} times per method in interleaved rounds (a fresh random order each) and "
+            "its fastest run is kept, as timeit does (every run's seconds are in results.json)")
 
 
 def peer_lines(overall: dict[str, Cell]) -> list[str]:

@@ -16,6 +16,9 @@ class Proposer(ABC):
     cheap: bool = False  # proposing costs next to nothing (no model forward): ask deep, let the policy cut
     sizes_itself: bool = False  # sizes each step's guesses from the cost model; k="auto" then just caps the depth
     max_depth: int = 0  # the depth cap it is given under k="auto"
+    # False when a measurement already found that drafting cannot beat plain steps on this model and machine
+    # (layer skipping whose search found no set that pays): k="auto" then runs plain steps without probing
+    expected_to_pay: bool = True
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states this proposer drafts from (EAGLE, Medusa)
 
     def begin(self, prompt: list[int], max_len: int) -> None:  # noqa: B027 - optional hook

@@ -6,7 +6,8 @@ draft guesses everywhere else. Together the target checks both and keeps whichev
 To the engine's policy the hybrid is cheap (the lookup costs nothing, so it may ask deep and cut the
 tree afterwards); the model draft's depth is decided here by `draft_policy`, an adaptive policy of its
 own that learns the draft's cost per guess and acceptance, so a draft that does not pay stops running
-while lookup guesses carry on. Without a draft policy (fixed K) the draft guesses k tokens every step.
+while lookup guesses carry on (FixedK(0) when a search already found it cannot pay: lookup alone).
+Without a draft policy (fixed K) the draft guesses k tokens every step.
 
 Greedy: the paths merge into a trie (shared prefixes verified once). Sampling: the draft's chain, drawn
 from q, stays a separate sibling after the lookup branches even where a first token coincides; the
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from ..policy import AdaptiveK, StepRecord
+from ..policy import Policy, StepRecord
 from ..tree import DraftTree
 from .base import Proposer
 from .prompt_lookup import PromptLookupProposer
@@ -30,7 +31,7 @@ class HybridProposer(Proposer):
     name = "hybrid"
     cheap = True
 
-    def __init__(self, lookup: PromptLookupProposer, draft: Proposer, draft_policy: AdaptiveK | None = None) -> None:
+    def __init__(self, lookup: PromptLookupProposer, draft: Proposer, draft_policy: Policy | None = None) -> None:
         self.lookup, self.draft, self.draft_policy = lookup, draft, draft_policy
         self._last: tuple[DraftTree, list[int], float] | None = None  # the draft's chain, tokens before, seconds
 

@@ -68,8 +68,10 @@ class LayerSkipProposer(DraftModelProposer):
     name = "layer-skip"
     cheap = False
 
-    def __init__(self, target: Transformer, skipped: Sequence[int]) -> None:
+    def __init__(self, target: Transformer, skipped: Sequence[int], *, pays: bool = True) -> None:
+        """pays=False: the search found no set that beats plain decoding (k="auto" then never drafts)."""
         self.skipped = check_skipped(skipped, target.config.num_layers)
+        self.expected_to_pay = pays
         super().__init__(skip_layers(target, self.skipped), target.config.vocab_size)
 
 
@@ -98,7 +100,7 @@ class SkipSearchResult:
     @property
     def draft_layers(self) -> list[int]:
         """The set to draft with when layer-skip is asked for: the best one, or, when none pays, the best
-        non-empty one (the adaptive policy then mostly declines to use it)."""
+        non-empty one (used with a fixed k only: under k="auto" a set that does not pay never drafts)."""
         if self.skipped:
             return self.skipped
         tried = [s for s in self.trajectory if s.skipped]

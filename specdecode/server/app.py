@@ -76,7 +76,7 @@ class Server:
     def policy(self, k: int | str, proposer: Proposer, method: str) -> Policy:
         if k != "auto":
             return FixedK(int(k))
-        if isinstance(proposer, NoProposer):
+        if isinstance(proposer, NoProposer) or not proposer.expected_to_pay:
             return FixedK(0)
         view = self.decoder.view  # forward cost at the batch's current size
         if proposer.sizes_itself:
@@ -84,7 +84,7 @@ class Server:
             return FixedK(proposer.max_depth)
         if isinstance(proposer, HybridProposer):
             proposer.draft_policy = AdaptiveK(view, self.acceptance.setdefault(method + "|draft", AcceptanceStats()),
-                                              cheap=False)
+                                              cheap=False) if proposer.draft.expected_to_pay else FixedK(0)
         return AdaptiveK(view, self.acceptance.setdefault(method, AcceptanceStats()), cheap=proposer.cheap,
                          tree_size=getattr(proposer, "tree_size", None))
 
