@@ -213,8 +213,8 @@ class LLM:
         if k == "auto":
             if isinstance(proposer, NoProposer) or not proposer.expected_to_pay:
                 return FixedK(0)
-            if proposer.sizes_itself:  # sizes each step from the cost model: k only caps the depth
-                return FixedK(proposer.max_depth)
+            if proposer.sizes_itself:  # sizes each step from the cost model (which its steps keep correcting)
+                return FixedK(proposer.max_depth, cost=self.cost_model())
             key = key or proposer.name
             if isinstance(proposer, HybridProposer):  # its model draft gets a cost-aware policy of its own
                 draft_stats = self._acceptance.setdefault(key + "|draft", AcceptanceStats())

@@ -296,15 +296,26 @@ class StepRecord:
     draft_seconds: float
     target_seconds: float | None  # None: not measured (the step's forward is someone else's)
 
+    @property
+    def forward_tokens(self) -> int:
+        """Tokens in the step's target forward: the verified tree and any extra nodes (lookahead)."""
+        extra = self.verified.extra
+        return len(self.verified.tokens) + (len(extra.tokens) if extra is not None else 0)
+
 
 class FixedK(Policy):
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, cost: CostModel | None = None) -> None:
+        """cost: a cost model to teach what steps really cost (for a proposer that sizes its own trees by it)."""
         if k < 0:
             raise ValueError(f"k (tokens to guess per step) must be >= 0 or 'auto', got {k}")
-        self.k = k
+        self.k, self.cost = k, cost
 
     def depth_to_propose(self, context: int, limit: int) -> int:
         return min(self.k, limit)
+
+    def observe(self, step: StepRecord) -> None:
+        if self.cost is not None and step.target_seconds is not None:
+            self.cost.observe(step.forward_tokens, step.context, step.target_seconds)
 
 
 class AdaptiveK(Policy):
@@ -398,8 +409,7 @@ class AdaptiveK(Policy):
         depth = step.verified.depth
         self.verified_depths.append(depth)
         if step.target_seconds is not None:  # the cost table learns what steps of this size really cost
-            n = len(step.verified.tokens) + (len(step.verified.extra.tokens) if step.verified.extra else 0)
-            self.cost.observe(n, step.context, step.target_seconds)
+            self.cost.observe(step.forward_tokens, step.context, step.target_seconds)
         if not self.cheap and depth:
             per_guess = step.draft_seconds / depth
             old = self.draft_per_guess

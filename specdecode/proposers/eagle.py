@@ -63,6 +63,7 @@ class EagleProposer(Proposer):
         # calibration per mode (greedy tree, sampled chain): decayed [accepted, predicted] over verified trees
         self.calibration = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.last: tuple[DraftTree, bool, float] | None = None  # the last tree sent, its mode, predicted accepted
+        self._costs: dict[int, float] = {}  # forward seconds by size, for the step being sized
 
     @property
     def sizes_itself(self) -> bool:
@@ -93,6 +94,7 @@ class EagleProposer(Proposer):
         self.cache.rollback(min(self.cached, root - 1))  # at least the root's entry runs
         start = self.cache.length
         started = time.perf_counter()
+        self._costs.clear()
         logits, hidden = self._run(self.features[start:root], tokens[start + 1 :], list(range(start, root)), None)
         self.cached = root
         logits, hidden = logits[-1], hidden[-1]
@@ -124,12 +126,18 @@ class EagleProposer(Proposer):
         self.head_seconds = elapsed if self.head_seconds is None else 0.8 * self.head_seconds + 0.2 * elapsed
         return out, elapsed
 
+    def _forward(self, tokens: int, context: int) -> float:
+        """The target's seconds for a forward of `tokens` (one context per step: memoised by size)."""
+        if tokens not in self._costs:
+            self._costs[tokens] = self.cost.forward_seconds(tokens, context)
+        return self._costs[tokens]
+
     def _best_count(self, chances: list[float], context: int, spent: float) -> tuple[int, float]:
         """(n, rate): the first n ranked nodes maximising expected tokens per second, and that rate."""
-        best, best_rate, expected = 0, 1.0 / (self.cost.forward_seconds(1, context) + spent), 1.0
+        best, best_rate, expected = 0, 1.0 / (self._forward(1, context) + spent), 1.0
         for n, chance in enumerate(chances, 1):
             expected += chance
-            rate = expected / (self.cost.forward_seconds(n + 1, context) + spent)
+            rate = expected / (self._forward(n + 1, context) + spent)
             if rate > best_rate:
                 best, best_rate = n, rate
         return best, best_rate
@@ -138,9 +146,8 @@ class EagleProposer(Proposer):
                       spent: float) -> bool:
         """Could one more depth raise the rate? Its nodes' chances sum to at most the frontier's."""
         n, rate = self._best_count(chances, context, spent)
-        head = self.head_seconds or 0.1 * self.cost.forward_seconds(1, context)
-        best_case = (1.0 + sum(chances[:n]) + frontier_chance) / (
-            self.cost.forward_seconds(n + 1 + width, context) + spent + head)
+        head = self.head_seconds or 0.1 * self._forward(1, context)
+        best_case = (1.0 + sum(chances[:n]) + frontier_chance) / (self._forward(n + 1 + width, context) + spent + head)
         return best_case > rate
 
     def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
