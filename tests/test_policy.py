@@ -244,3 +244,15 @@ def test_engine_stops_guessing_when_guesses_fail_and_guesses_deep_when_they_pay(
     policy = AdaptiveK(linear_cost(0.0), AcceptanceStats(), cheap=False)
     out, stats = generate_ids(target, prompt, proposer=DraftModelProposer(target, 56), k=policy, max_new_tokens=60)
     assert out == expected and stats.accepted == stats.drafted and max(policy.verified_depths) >= 6
+
+
+def test_fixed_k_with_a_cost_model_teaches_it_what_steps_cost():
+    """Self-sizing proposers (eagle, medusa) run under FixedK: their steps must still correct the cost table."""
+    cost = CostModel([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
+    tree = DraftTree.chain(5, [1, 2], [None, None])
+    step = StepRecord(tree, tree, 10, list(range(13)), 9, 0.0, 2.0)
+    FixedK(2).observe(step)
+    assert cost.observed == {}
+    FixedK(2, cost=cost).observe(step)
+    assert cost.observed == {3: pytest.approx(2.0 / cost.table_seconds(3, 9))}
+    assert cost.forward_seconds(3, 9) == pytest.approx(2.0)
