@@ -178,7 +178,8 @@ def write_report(out: Path, args: argparse.Namespace, kind: str, n_train: int, n
     """report.md: the command, the data, and the held-out scores at each evaluation."""
     log = out / "train_log.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    lines = [f"# {kind} draft for {args.target}", "", f"- command: `specdecode {' '.join(sys.argv[1:])}`",
+    title = {"eagle": "EAGLE head", "medusa": "Medusa heads", "draft": "distilled draft LM"}.get(kind, kind)
+    lines = [f"# {title} for {args.target}", "", f"- command: `specdecode {' '.join(sys.argv[1:])}`",
              f"- samples: {n_train} train, {n_heldout} held out (the target's own answers to training prompts)",
              ""]
     if rows:
