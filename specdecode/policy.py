@@ -50,15 +50,19 @@ class CostModel:
     observed: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
     def forward_seconds(self, tokens: int, context: int) -> float:
-        return self.table_seconds(tokens, context) * self.correction(tokens)
+        return float(self.forward_seconds_many(np.array([tokens]), context)[0])
 
-    def correction(self, tokens: int) -> float:
-        """How far real steps of this size stray from the table (machine load, what a step adds around
+    def forward_seconds_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
+        """forward_seconds for an array of sizes at once: policies price every depth each step."""
+        return self._table_many(tokens, context) * self._correction_many(tokens)
+
+    def _correction_many(self, tokens: np.ndarray) -> np.ndarray:
+        """How far real steps of these sizes stray from the table (machine load, what a step adds around
         the forward); interpolated between the sizes seen so far, 1.0 before any."""
         if not self.observed:
-            return 1.0
+            return np.ones(len(tokens))
         sizes = sorted(self.observed)
-        return float(np.interp(tokens, sizes, [self.observed[n] for n in sizes]))
+        return np.interp(tokens, sizes, [self.observed[n] for n in sizes])
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         ratio = min(max(seconds / max(self.table_seconds(tokens, context), 1e-9), 0.25), 4.0)
@@ -66,17 +70,17 @@ class CostModel:
         self.observed[tokens] = ratio if old is None else 0.9 * old + 0.1 * ratio
 
     def table_seconds(self, tokens: int, context: int) -> float:
-        by_context = [self._at_size(row, tokens) for row in self.seconds]
-        (c0, c1), (t0, t1) = self.contexts, by_context
-        slope = (t1 - t0) / (c1 - c0)  # attention grows with the context; extrapolate linearly
-        return max(t0 + slope * (context - c0), 0.2 * t0)
+        return float(self._table_many(np.array([tokens]), context)[0])
 
-    def _at_size(self, row: list[float], tokens: int) -> float:
+    def _table_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
+        (c0, c1), (t0, t1) = self.contexts, [self._at_size(row, tokens) for row in self.seconds]
+        slope = (t1 - t0) / (c1 - c0)  # attention grows with the context; extrapolate linearly
+        return np.maximum(t0 + slope * (context - c0), 0.2 * t0)
+
+    def _at_size(self, row: list[float], tokens: np.ndarray) -> np.ndarray:
         sizes = self.sizes
-        if tokens <= sizes[-1]:
-            return float(np.interp(tokens, sizes, row))
-        slope = (row[-1] - row[-2]) / (sizes[-1] - sizes[-2])
-        return row[-1] + slope * (tokens - sizes[-1])
+        slope = (row[-1] - row[-2]) / (sizes[-1] - sizes[-2])  # past the largest size measured: linear
+        return np.where(tokens <= sizes[-1], np.interp(tokens, sizes, row), row[-1] + slope * (tokens - sizes[-1]))
 
     @classmethod
     def measure(cls, model: Transformer, repeats: int = 5, sizes: tuple[int, ...] = COST_SIZES) -> CostModel:
@@ -181,9 +185,11 @@ class AcceptanceStats:
     decay: float = 0.97
     hits: dict[int, np.ndarray] = field(default_factory=dict)
     trials: dict[int, np.ndarray] = field(default_factory=dict)
-    # what else a policy learns about a model draft, kept across requests: its seconds per guess, and how
-    # many plain steps pass before the next probe (doubling while probes find drafting does not pay)
+    # what else a policy learns about a proposer, kept across requests: a model draft's seconds per guess,
+    # a cheap proposer's seconds per proposal, and how many plain steps pass before the next probe
+    # (doubling while probes find guessing does not pay)
     draft_per_guess: float | None = None
+    propose_seconds: float | None = None
     probe_every: int = 8
 
     def _rows(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
@@ -212,7 +218,8 @@ class AcceptanceStats:
     def fork(self, weight: float = 8.0) -> AcceptanceStats:
         """A per-request copy that starts from this long-run estimate, worth at most `weight` observations."""
         out = AcceptanceStats(self.max_depth, self.decay)
-        out.draft_per_guess, out.probe_every = self.draft_per_guess, self.probe_every
+        out.draft_per_guess, out.propose_seconds = self.draft_per_guess, self.propose_seconds
+        out.probe_every = self.probe_every
         for b in self.hits:
             scale = min(1.0, weight / max(float(self.trials[b][0]), 1e-9))
             out.hits[b], out.trials[b] = self.hits[b] * scale, self.trials[b] * scale
@@ -222,7 +229,8 @@ class AcceptanceStats:
         """A request ended: its final estimate (which started from this one) becomes the long-run one."""
         for b in request.hits:
             self.hits[b], self.trials[b] = request.hits[b].copy(), request.trials[b].copy()
-        self.draft_per_guess, self.probe_every = request.draft_per_guess, request.probe_every
+        self.draft_per_guess, self.propose_seconds = request.draft_per_guess, request.propose_seconds
+        self.probe_every = request.probe_every
 
 
 @dataclass
@@ -334,6 +342,7 @@ class AdaptiveK(Policy):
         self.stats = shared.fork()
         self.scorer = ProposalScorer(self.stats)
         self.plain_streak = 0
+        self.asked = 0  # the depth asked of a cheap proposer this step (0: it was not asked)
         self.verified_depths: list[int] = []  # per step, for stats and tests
 
     # seconds per drafted token (model drafts) and the probe interval live with the learned stats
@@ -346,6 +355,14 @@ class AdaptiveK(Policy):
         self.stats.draft_per_guess = value
 
     @property
+    def propose_seconds(self) -> float | None:
+        return self.stats.propose_seconds
+
+    @propose_seconds.setter
+    def propose_seconds(self, value: float | None) -> None:
+        self.stats.propose_seconds = value
+
+    @property
     def probe_every(self) -> int:
         return self.stats.probe_every
 
@@ -356,23 +373,33 @@ class AdaptiveK(Policy):
     def _target(self, tokens: int, context: int) -> float:
         return self.cost.forward_seconds(tokens, context)
 
-    def best_depth(self, bucket: int, context: int, limit: int, nodes: list[int] | None = None) -> int:
-        """argmax_d (1 + E[accepted | d]) / seconds(d), d = 0 included; nodes[d] = forward tokens at depth d."""
+    def _rates(self, expected: np.ndarray, sizes: np.ndarray, context: int, overhead: float) -> np.ndarray:
+        """Tokens per second of depths 1..len(sizes): expected[d] accepted, target forward of sizes[d - 1]."""
+        seconds = self.cost.forward_seconds_many(sizes, context) + overhead
+        if not self.cheap:
+            seconds = seconds + np.arange(1, len(sizes) + 1) * (self.draft_per_guess or 0.0)
+        return (1.0 + expected[1 : len(sizes) + 1]) / seconds
+
+    def _sizes(self, top: int) -> np.ndarray:
+        return np.array([self.tree_size(d) for d in range(1, top + 1)])
+
+    def best_depth(self, bucket: int, context: int, limit: int, nodes: list[int] | None = None,
+                   overhead: float = 0.0) -> int:
+        """argmax_d (1 + E[accepted | d]) / seconds(d), d = 0 included; nodes[d] = forward tokens at depth d;
+        overhead: seconds a proposal costs whatever its depth (only while it is still to be paid for)."""
         expected = self.stats.expected_accepted(bucket)
         top = min(limit, len(expected) - 1, self.max_k if nodes is None else len(nodes) - 1)
-        best, best_rate = 0, 1.0 / self._target(1, context)
-        for d in range(1, top + 1):
-            seconds = self._target(self.tree_size(d) if nodes is None else nodes[d], context)
-            if not self.cheap:
-                seconds += d * (self.draft_per_guess or 0.0)
-            rate = (1.0 + expected[d]) / seconds
-            if rate > best_rate:
-                best, best_rate = d, rate
-        return best
+        if top < 1:
+            return 0
+        sizes = self._sizes(top) if nodes is None else np.array(nodes[1 : top + 1])
+        rates = self._rates(expected, sizes, context, overhead)
+        best = int(np.argmax(rates))
+        return best + 1 if rates[best] > 1.0 / self._target(1, context) else 0
 
     def depth_to_propose(self, context: int, limit: int) -> int:
         if self.cheap:
-            return min(self.max_k, limit)
+            self.asked = self._cheap_depth(context, min(self.max_k, limit))
+            return self.asked
         if self.draft_per_guess is None:  # nothing measured yet: a short draft to learn its cost
             return min(2, limit)
         depth = self.best_depth(0, context, limit)
@@ -381,17 +408,38 @@ class AdaptiveK(Policy):
             return depth
         if not self.could_pay(context, limit):  # not even all-accepted guesses would beat plain steps
             return 0
+        return self._plain_or_probe(min(2, limit))
+
+    def _cheap_depth(self, context: int, depth: int) -> int:
+        """Ask for the whole depth (the tree is cut after it is seen) unless proposing itself costs more
+        than it can win: Medusa's heads are a few matmuls, not nothing. A proposal costing under 1% of a
+        plain step is always made: scoring it teaches the policy for free."""
+        overhead = self.propose_seconds or 0.0
+        if depth < 1 or overhead < 0.01 * self._target(1, context):
+            return depth
+        if any(self.best_depth(b, context, depth, overhead=overhead) for b in self.stats.hits or [0]):
+            self.plain_streak, self.probe_every = 0, 8
+            return depth
+        if not self.could_pay(context, depth, overhead):
+            return 0
+        return self._plain_or_probe(depth)
+
+    def _plain_or_probe(self, probe_depth: int) -> int:
+        """A plain step, except every `probe_every`-th: a probe, the interval doubling while probes find
+        nothing worth guessing (the caller resets it when guessing pays again)."""
         self.plain_streak += 1
         if self.plain_streak < self.probe_every:
             return 0
-        self.plain_streak, self.probe_every = 0, min(2 * self.probe_every, 4096)  # back off while it finds nothing
-        return min(2, limit)
+        self.plain_streak, self.probe_every = 0, min(2 * self.probe_every, 4096)
+        return probe_depth
 
-    def could_pay(self, context: int, limit: int) -> bool:
-        per_guess = self.draft_per_guess or 0.0
-        plain = 1.0 / self._target(1, context)
-        return any((1 + d) / (self._target(self.tree_size(d), context) + d * per_guess) > plain
-                   for d in range(1, min(limit, self.max_k) + 1))
+    def could_pay(self, context: int, limit: int, overhead: float = 0.0) -> bool:
+        """Would even all-accepted guesses beat plain steps?"""
+        top = min(limit, self.max_k)
+        if top < 1:
+            return False
+        rates = self._rates(np.arange(top + 1, dtype=float), self._sizes(top), context, overhead)
+        return bool(rates.max() > 1.0 / self._target(1, context))
 
     def choose(self, tree: DraftTree, context: int) -> DraftTree:
         if not self.cheap:  # a model draft was paid for: verify all of it
@@ -410,6 +458,9 @@ class AdaptiveK(Policy):
         self.verified_depths.append(depth)
         if step.target_seconds is not None:  # the cost table learns what steps of this size really cost
             self.cost.observe(step.forward_tokens, step.context, step.target_seconds)
+        if self.cheap and self.asked:
+            old = self.propose_seconds
+            self.propose_seconds = step.draft_seconds if old is None else 0.8 * old + 0.2 * step.draft_seconds
         if not self.cheap and depth:
             per_guess = step.draft_seconds / depth
             old = self.draft_per_guess

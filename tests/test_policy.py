@@ -188,6 +188,21 @@ def test_costly_drafts_probe_with_backoff() -> None:
     assert second.draft_per_guess == 0.3 and second.probe_every == 64
 
 
+def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> None:
+    policy = AdaptiveK(linear_cost(0.05), confident(0.05), cheap=True)
+    tree = DraftTree.chain(5, [6, 7])
+    policy.depth_to_propose(10, 20)
+    policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 9], 10, draft_seconds=0.004, target_seconds=None))
+    assert policy.propose_seconds == pytest.approx(0.004)  # under 1% of a plain step: still asked every step
+    assert all(policy.depth_to_propose(10, 20) == 16 for _ in range(50))
+    policy.propose_seconds = 0.1  # heads costing a tenth of a plain step, for ~5% acceptance: never pays
+    depths = [policy.depth_to_propose(10, 20) for _ in range(8 + 16 + 32)]
+    assert [i for i, d in enumerate(depths) if d] == [7, 7 + 16, 7 + 16 + 32]  # probes, backing off
+    policy.stats = confident(0.9)
+    policy.propose_seconds = 0.1
+    assert policy.depth_to_propose(10, 20) == 16 and policy.probe_every == 8  # good again: every step
+
+
 def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     cost = linear_cost(0.0)
     policy = AdaptiveK(cost, AcceptanceStats(), cheap=False)
