@@ -247,15 +247,8 @@ class LLM:
         stream: bool = False,
         **proposer_options: Any,
     ) -> GenerationOutput | TextStream:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        proposer = self.proposer(method, draft, **proposer_options)
-        ids = self.encode(prompt, chat=chat)
-        key = f"{method}|{draft}|{sorted(proposer_options.items())}"
-        policy = FixedK(k) if isinstance(k, int) else self.policy(k, proposer, key)
-        gen = Generation(
-            self.model, proposer, ids, max_new_tokens=max_new_tokens, params=params, k=policy,
-            stop_token_ids=self.stop_token_ids, seed=seed,
-        )
+        gen = self.start(prompt, method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, **proposer_options)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         result = TextStream(self._pieces(gen, stops, method))
         if stream:
@@ -263,6 +256,33 @@ class LLM:
         for _ in result:
             pass
         return result.output
+
+    def start(
+        self,
+        prompt: Prompt,
+        *,
+        method: str = "none",
+        draft: str | os.PathLike | LLM | None = None,
+        k: int | str = "auto",
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        chat: bool = False,
+        **proposer_options: Any,
+    ) -> Generation:
+        """A request on token ids, ready to run: each iteration runs one step and yields its new token ids
+        (the benchmark steps several requests in turn). `generate` adds text, stop strings and streaming."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        proposer = self.proposer(method, draft, **proposer_options)
+        ids = self.encode(prompt, chat=chat)
+        key = f"{method}|{draft}|{sorted(proposer_options.items())}"
+        policy = FixedK(k) if isinstance(k, int) else self.policy(k, proposer, key)
+        return Generation(
+            self.model, proposer, ids, max_new_tokens=max_new_tokens, params=params, k=policy,
+            stop_token_ids=self.stop_token_ids, seed=seed,
+        )
 
     def _pieces(self, gen: Generation, stops: list[str], method: str):
         text = IncrementalText(self.tokenizer, stops)

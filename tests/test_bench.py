@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from specdecode.bench import aggregate, load_questions, parse_methods
-from specdecode.bench.runner import fastest
+from specdecode.bench.methods import Method
+from specdecode.bench.runner import fastest, run_round
 from specdecode.cli import main as cli_main
+from specdecode.engine import GenerationStats
 
 from .helpers import make_tokenizer, write_checkpoint
 
@@ -85,6 +88,47 @@ def test_repeats_keep_the_fastest_run_and_flag_outputs_that_differ(tmp_path: Pat
     assert aggregate(results)[0.0]["overall"]["prompt-lookup@k=2"].same_as_none == 1.0
     assert "fastest run is kept" in (out / "report.md").read_text()
     assert cli_main(["bench", "--model", str(ckpt), "--repeats", "0", "--out", str(out)]) == 2
+
+
+class SteppedRequest:
+    """Stands in for a Generation: `steps` steps of one token each, logged as they run."""
+
+    def __init__(self, label: str, steps: int, log: list[str]) -> None:
+        self.label, self.steps, self.log = label, steps, log
+        self.stats, self.new_tokens = GenerationStats(), []
+
+    def __iter__(self):
+        for _ in range(self.steps):
+            self.log.append(self.label)
+            self.stats.new_tokens += 1
+            self.new_tokens.append(7)
+            yield [7]
+
+
+class LoggingRunners:
+    def __init__(self, steps: dict[str, int]) -> None:
+        self.steps, self.log = steps, []
+
+    def start(self, m: Method, *_) -> SteppedRequest:
+        return SteppedRequest(m.label, self.steps[m.label], self.log)
+
+    def transformers(self, m: Method, *_) -> dict:
+        self.log.append(m.label)
+        return {"new_tokens": 1, "seconds": 1.0}
+
+
+def test_a_round_steps_our_methods_in_turn_and_runs_peers_whole() -> None:
+    methods = [Method("none", "ours", "none"), Method("pl", "ours", "prompt-lookup", k=2),
+               Method("hf-plain", "transformers", "none")]
+    runners = LoggingRunners({"none": 5, "pl": 3})
+    records = run_round(runners, methods, [1, 2], 8, 0.0, 0, random.Random(0))
+    assert list(records) == ["none", "pl", "hf-plain"]
+    assert runners.log[0] == "hf-plain" and runners.log.count("none") == 5 and runners.log.count("pl") == 3
+    ours = runners.log[1:]
+    for n in range(1, 7):  # while both run, neither gets two steps ahead of the other
+        assert abs(ours[:n].count("none") - ours[:n].count("pl")) <= 1
+    assert records["none"]["new_tokens"] == 5 and records["pl"]["new_tokens"] == 3
+    assert 0 < records["pl"]["seconds"] < 1.0
 
 
 def test_questions_and_methods_are_checked(questions: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..api import LLM
+from ..engine import Generation
 
 
 def output_hash(token_ids: list[int]) -> str:
@@ -87,13 +88,23 @@ class Runners:
 
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
+    def start(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+              seed: int) -> Generation:
+        """One of our requests, not yet run: the benchmark steps it alongside the other methods'."""
+        return self.llm.start(prompt_ids, method=m.method, draft=m.draft, k=m.k, max_new_tokens=max_new_tokens,
+                              temperature=temperature, seed=seed)
+
+    @staticmethod
+    def record(gen: Generation, seconds: float) -> dict:
+        s = gen.stats
+        return {"new_tokens": s.new_tokens, "seconds": seconds, "drafted": s.drafted, "accepted": s.accepted,
+                "target_forwards": s.target_forwards, "tau": s.tau, "output_hash": output_hash(gen.new_tokens)}
+
     def ours(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
-        out = self.llm.generate(prompt_ids, method=m.method, draft=m.draft, k=m.k, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed)
-        s = out.stats
-        return {"new_tokens": len(out.token_ids), "seconds": s.seconds, "drafted": s.drafted,
-                "accepted": s.accepted, "target_forwards": s.target_forwards, "tau": s.tau,
-                "output_hash": output_hash(out.token_ids)}
+        gen = self.start(m, prompt_ids, max_new_tokens, temperature, seed)
+        for _ in gen:
+            pass
+        return self.record(gen, gen.stats.seconds)
 
     def transformers(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float,
                      seed: int) -> dict:

@@ -75,8 +75,8 @@ def write_report(results: dict, out: Path) -> Path:
         f"- date: {results['date']}",
         f"- machine: {results['machine']}",
         f"- command: `{results['command']}`",
-        f"- max new tokens: {results['max_new_tokens']}; methods interleaved per prompt (random order per prompt), "
-        "after a warm-up" + repeats_note(results.get("repeats", 1)),
+        f"- max new tokens: {results['max_new_tokens']}; after a warm-up, " + interleaving_note(results)
+        + repeats_note(results.get("repeats", 1)),
         f"- physical limit: memory bandwidth {results['memory_bandwidth_gbs']:.1f} GB/s, weights "
         f"{results['weight_bytes'] / 1e6:.0f} MB per token -> plain decoding can reach at most "
         f"{results['plain_decoding_bound_tokens_per_s']:.1f} tokens/s",
@@ -111,10 +111,19 @@ def write_report(results: dict, out: Path) -> Path:
     return path
 
 
+def interleaving_note(results: dict) -> str:
+    if results.get("interleave") == "step":
+        return ("our methods run each prompt side by side, one step each in turn (a fresh random order every "
+                "round of steps), so load that comes and goes hits them alike; each is timed by the sum of its own "
+                "steps, prefill included" + ("; transformers peers cannot be stepped: they run whole, first"
+                                             if any(m["kind"] != "ours" for m in results["methods"]) else ""))
+    return "methods interleaved per prompt (random order per prompt)"
+
+
 def repeats_note(repeats: int) -> str:
     if repeats == 1:
         return ""
-    return (f"; each prompt ran {repeats} times per method in interleaved rounds (a fresh random order each) and "
+    return (f"; each prompt ran {repeats} times per method in rounds (a fresh random order each) and "
             "its fastest run is kept, as timeit does (every run's seconds are in results.json)")
 
 

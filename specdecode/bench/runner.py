@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,15 +56,16 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
             for i, q in enumerate(cfg.questions):
                 runs: dict[str, list[dict]] = {m.label: [] for m in cfg.methods}
                 for r in range(cfg.repeats):
+                    progress.update(task, description=f"T={temperature} q{q.question_id} {q.category:<14} "
+                                    f"round {r + 1}/{cfg.repeats}" + running(speedups))
                     # a fresh random order per prompt and round: neither drift nor what ran just before favours
                     # a method
-                    seed = f"{cfg.seed}-{temperature}-{i}" + (f"-{r}" if r else "")
-                    for m in random.Random(seed).sample(cfg.methods, len(cfg.methods)):
-                        progress.update(task, description=f"T={temperature} q{q.question_id} {q.category:<14} "
-                                        f"{m.label:<18}" + running(speedups))
-                        runs[m.label].append(
-                            m.run(runners, prompts[q.question_id], cfg.max_new_tokens, temperature, cfg.seed + i))
-                        progress.advance(task)
+                    rng = random.Random(f"{cfg.seed}-{temperature}-{i}" + (f"-{r}" if r else ""))
+                    done = run_round(runners, cfg.methods, prompts[q.question_id], cfg.max_new_tokens,
+                                     temperature, cfg.seed + i, rng)
+                    for label, rec in done.items():
+                        runs[label].append(rec)
+                    progress.advance(task, len(cfg.methods))
                 by_label = {}
                 for m in cfg.methods:
                     rec = fastest(runs[m.label])
@@ -87,6 +89,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         "machine": machine_description(),
         "max_new_tokens": cfg.max_new_tokens,
         "repeats": cfg.repeats,
+        "interleave": "step",  # see run_round
         "temperatures": cfg.temperatures,
         "methods": [asdict(m) for m in cfg.methods],
         "memory_bandwidth_gbs": bandwidth,
@@ -94,6 +97,32 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         "plain_decoding_bound_tokens_per_s": bandwidth * 1e9 / bytes_per_token,
         "records": records,
     }
+
+
+def run_round(runners: Runners, methods: list[Method], prompt: list[int], max_new_tokens: int,
+              temperature: float, seed: int, rng: random.Random) -> dict[str, dict]:
+    """Every method once on a prompt. Ours advance one step at a time, in a fresh random order each
+    round of steps, so load that comes and goes (a shared machine's bursts last seconds, a step ~50 ms)
+    hits them all alike and their ratios stay sharp; each is timed by the sum of its own steps (prefill
+    included). transformers' generate cannot be stepped: peers run whole, in random order, first."""
+    records = {}
+    peers = [m for m in methods if m.kind != "ours"]
+    for m in rng.sample(peers, len(peers)):
+        records[m.label] = m.run(runners, prompt, max_new_tokens, temperature, seed)
+    gens = {m.label: runners.start(m, prompt, max_new_tokens, temperature, seed) for m in methods if m.kind == "ours"}
+    steps = {label: iter(gen) for label, gen in gens.items()}
+    seconds = dict.fromkeys(gens, 0.0)
+    while steps:
+        for label in rng.sample(sorted(steps), len(steps)):
+            started = time.perf_counter()
+            try:
+                next(steps[label])
+            except StopIteration:
+                del steps[label]
+            seconds[label] += time.perf_counter() - started
+    for label, gen in gens.items():
+        records[label] = Runners.record(gen, seconds[label])
+    return {m.label: records[m.label] for m in methods}
 
 
 def fastest(runs: list[dict]) -> dict:
