@@ -171,7 +171,9 @@ class Generation:
         stats.accepted += min(verdict.num_accepted, len(new))  # guesses cut by a stop were not used
         start = len(self.tokens)
         self.tokens.extend(new)
-        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, draft_seconds, target_seconds))
+        per_guess = self.proposer.seconds_per_guess if proposal.num_drafted else None
+        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, draft_seconds, target_seconds,
+                                       per_guess))
         return new
 
 

@@ -303,6 +303,7 @@ class StepRecord:
     context: int  # cached tokens before the step's forward
     draft_seconds: float
     target_seconds: float | None  # None: not measured (the step's forward is someone else's)
+    seconds_per_guess: float | None = None  # the proposer's own measure (see Proposer.seconds_per_guess)
 
     @property
     def forward_tokens(self) -> int:
@@ -462,7 +463,7 @@ class AdaptiveK(Policy):
             old = self.propose_seconds
             self.propose_seconds = step.draft_seconds if old is None else 0.8 * old + 0.2 * step.draft_seconds
         if not self.cheap and depth:
-            per_guess = step.draft_seconds / depth
+            per_guess = step.seconds_per_guess or step.draft_seconds / depth
             old = self.draft_per_guess
             self.draft_per_guess = per_guess if old is None else 0.8 * old + 0.2 * per_guess
 

@@ -7,6 +7,7 @@ Float64 tiny models make argmax ties impossible in practice, so any difference i
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 
 import pytest
@@ -132,6 +133,21 @@ def test_draft_acceptance_is_high(target, draft) -> None:
     """The noisy draft is a useful stand-in for a real one: most guesses right, but not all."""
     _, stats = generate_ids(target, PROMPTS[4], proposer=DraftModelProposer(draft, VOCAB), k=4, max_new_tokens=NEW)
     assert 0.4 < stats.acceptance_rate < 1.0
+
+
+def test_draft_times_its_guesses_apart_from_catching_up(draft, monkeypatch) -> None:
+    """The adaptive policy prices a guess by the draft's own timing: a first proposal that also feeds the whole
+    prompt to the draft must not make every later guess look dear (it would stop probing for good)."""
+    proposer = DraftModelProposer(draft, VOCAB)
+    feed = proposer._logits
+    monkeypatch.setattr(proposer, "_logits", lambda new: (time.sleep(0.01 * len(new)), feed(new))[1])
+    prompt = [t % VOCAB for t in range(40)]
+    proposer.begin(prompt, 128)
+    proposer.propose(prompt, 1, SamplingParams(), None)
+    assert proposer.seconds_per_guess is None  # one guess: only the catch-up forward, nothing to time apart
+    proposer.begin(prompt, 128)
+    proposer.propose(prompt, 3, SamplingParams(), None)  # feeds 40 tokens (0.4 s), then 2 x 1 token
+    assert 0.01 <= proposer.seconds_per_guess < 0.1
 
 
 # ----------------------------------------------------------------------------------- stop conditions

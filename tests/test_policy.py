@@ -212,6 +212,9 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     assert cost.forward_seconds(3, 10) == pytest.approx(2.0, rel=0.01)
     assert cost.table_seconds(3, 10) == pytest.approx(1.0)
     assert policy.draft_per_guess == pytest.approx(0.1)
+    fresh = AdaptiveK(cost, AcceptanceStats(), cheap=False)  # a draft's own per-guess timing wins over the average
+    fresh.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, 1.0, None, seconds_per_guess=0.01))
+    assert fresh.draft_per_guess == pytest.approx(0.01)
     root = DraftTree.root_only(5)
     for _ in range(60):  # plain steps cost what the table says: only larger steps are dearer
         policy.observe(StepRecord(root, root, 3, [1, 2, 5, 6], 10, draft_seconds=0.0, target_seconds=1.0))

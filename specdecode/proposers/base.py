@@ -19,6 +19,9 @@ class Proposer(ABC):
     # False when a measurement already found that drafting cannot beat plain steps on this model and machine
     # (layer skipping whose search found no set that pays): k="auto" then runs plain steps without probing
     expected_to_pay: bool = True
+    # a model draft's own measure of one more guess in its last proposal (None: not measured); unlike the
+    # proposal's whole time it leaves out catching up on text committed while it was not asked (the prompt)
+    seconds_per_guess: float | None = None
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states this proposer drafts from (EAGLE, Medusa)
 
     def begin(self, prompt: list[int], max_len: int) -> None:  # noqa: B027 - optional hook

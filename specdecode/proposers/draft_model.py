@@ -6,6 +6,8 @@ prefix it already holds and feeds the rest, so rejected guesses cost nothing to 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..models import KVCache, Transformer
@@ -38,6 +40,7 @@ class DraftModelProposer(Proposer):
         logits = self._logits(tokens[common:])
         drafted: list[int] = []
         probs: list[torch.Tensor | None] = []
+        started = 0.0
         for i in range(k):
             if params.greedy:
                 drafted.append(int(logits.argmax()))
@@ -46,8 +49,11 @@ class DraftModelProposer(Proposer):
                 q = params.probs(logits)
                 drafted.append(sample(q, generator))
                 probs.append(q)
+            if i == 0:  # time the guesses after the first: one token each, the steady cost of a guess
+                started = time.perf_counter()
             if i < k - 1:
                 logits = self._logits(drafted[-1:])
+        self.seconds_per_guess = (time.perf_counter() - started) / (k - 1) if k > 1 else None
         self.cached = tokens + drafted[:-1]
         return DraftTree.chain(tokens[-1], drafted, probs)
 
