@@ -177,14 +177,17 @@ def machine_key(model: Transformer) -> str:
 class AcceptanceStats:
     """Conditional acceptance per proposal class and depth: P(guess d matches | guesses 1..d-1 matched).
 
-    Counts decay geometrically so the estimate follows the text as it changes; a Beta(1, 1) prior keeps
-    unseen depths at 0.5 until data arrives.
+    Counts decay geometrically so the estimate follows the text as it changes; a prior worth two
+    observations keeps unseen depths at 0.5 until a request has ended, and at what the requests before
+    found after that: a weak draft (3% accepted) starts a request near 3%, not halfway to 50%, so it does
+    not spend the request's first steps finding out again.
     """
 
     max_depth: int = 16
     decay: float = 0.97
     hits: dict[int, np.ndarray] = field(default_factory=dict)
     trials: dict[int, np.ndarray] = field(default_factory=dict)
+    prior: dict[int, np.ndarray] = field(default_factory=dict)  # per bucket and depth; 0.5 where missing
     # what else a policy learns about a proposer, kept across requests: a model draft's seconds per guess,
     # a cheap proposer's seconds per proposal, and how many plain steps pass before the next probe
     # (doubling while probes find guessing does not pay)
@@ -209,7 +212,7 @@ class AcceptanceStats:
 
     def rates(self, bucket: int) -> np.ndarray:
         hits, trials = self._rows(bucket)
-        return (hits + 1.0) / (trials + 2.0)
+        return (hits + 2.0 * self.prior.get(bucket, 0.5)) / (trials + 2.0)
 
     def expected_accepted(self, bucket: int) -> np.ndarray:
         """[d] = expected accepted guesses for a chain of depth d (index 0: depth 0)."""
@@ -220,6 +223,7 @@ class AcceptanceStats:
         out = AcceptanceStats(self.max_depth, self.decay)
         out.draft_per_guess, out.propose_seconds = self.draft_per_guess, self.propose_seconds
         out.probe_every = self.probe_every
+        out.prior = {b: p.copy() for b, p in self.prior.items()}
         for b in self.hits:
             scale = min(1.0, weight / max(float(self.trials[b][0]), 1e-9))
             out.hits[b], out.trials[b] = self.hits[b] * scale, self.trials[b] * scale
@@ -229,6 +233,7 @@ class AcceptanceStats:
         """A request ended: its final estimate (which started from this one) becomes the long-run one."""
         for b in request.hits:
             self.hits[b], self.trials[b] = request.hits[b].copy(), request.trials[b].copy()
+            self.prior[b] = request.rates(b)  # what the next request expects before it has seen anything
         self.draft_per_guess, self.propose_seconds = request.draft_per_guess, request.propose_seconds
         self.probe_every = request.probe_every
 

@@ -203,6 +203,18 @@ def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> N
     assert policy.depth_to_propose(10, 20) == 16 and policy.probe_every == 8  # good again: every step
 
 
+def test_a_request_starts_from_what_earlier_requests_found() -> None:
+    shared = AcceptanceStats()
+    first = AdaptiveK(linear_cost(0.0), shared, cheap=False)
+    assert first.stats.rates(0)[0] == 0.5  # nothing known yet
+    for _ in range(100):  # a weak draft: every first guess missed
+        first.stats.record(0, 0, 1)
+    first.finish([1, 2, 3])
+    second = AdaptiveK(linear_cost(0.0), shared, cheap=False)
+    assert second.stats.rates(0)[0] < 0.05  # not pulled back towards 0.5 (it used to start at 0.1)
+    assert second.stats.rates(0)[1] == pytest.approx(0.5)  # depths never tried keep the neutral prior
+
+
 def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     cost = linear_cost(0.0)
     policy = AdaptiveK(cost, AcceptanceStats(), cheap=False)
