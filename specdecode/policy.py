@@ -332,6 +332,16 @@ class FixedK(Policy):
             self.cost.observe(step.forward_tokens, step.context, step.target_seconds)
 
 
+def learned(name: str) -> property:
+    """A policy attribute kept in its AcceptanceStats, so it carries over between requests with them."""
+    return property(lambda self: getattr(self.stats, name), lambda self, value: setattr(self.stats, name, value))
+
+
+def smoothed(old: float | None, new: float) -> float:
+    """Exponential smoothing of a timing: the first sample as is, then 80% old and 20% new."""
+    return new if old is None else 0.8 * old + 0.2 * new
+
+
 class AdaptiveK(Policy):
     """Cost-model-driven depth; see the module docstring.
 
@@ -351,30 +361,10 @@ class AdaptiveK(Policy):
         self.asked = 0  # the depth asked of a cheap proposer this step (0: it was not asked)
         self.verified_depths: list[int] = []  # per step, for stats and tests
 
-    # seconds per drafted token (model drafts) and the probe interval live with the learned stats
-    @property
-    def draft_per_guess(self) -> float | None:
-        return self.stats.draft_per_guess
-
-    @draft_per_guess.setter
-    def draft_per_guess(self, value: float | None) -> None:
-        self.stats.draft_per_guess = value
-
-    @property
-    def propose_seconds(self) -> float | None:
-        return self.stats.propose_seconds
-
-    @propose_seconds.setter
-    def propose_seconds(self, value: float | None) -> None:
-        self.stats.propose_seconds = value
-
-    @property
-    def probe_every(self) -> int:
-        return self.stats.probe_every
-
-    @probe_every.setter
-    def probe_every(self, value: int) -> None:
-        self.stats.probe_every = value
+    # what is learned about the proposer's cost and the probe interval lives with the learned stats
+    draft_per_guess = learned("draft_per_guess")
+    propose_seconds = learned("propose_seconds")
+    probe_every = learned("probe_every")
 
     def _target(self, tokens: int, context: int) -> float:
         return self.cost.forward_seconds(tokens, context)
@@ -465,12 +455,9 @@ class AdaptiveK(Policy):
         if step.target_seconds is not None:  # the cost table learns what steps of this size really cost
             self.cost.observe(step.forward_tokens, step.context, step.target_seconds)
         if self.cheap and self.asked:
-            old = self.propose_seconds
-            self.propose_seconds = step.draft_seconds if old is None else 0.8 * old + 0.2 * step.draft_seconds
+            self.propose_seconds = smoothed(self.propose_seconds, step.draft_seconds)
         if not self.cheap and depth:
-            per_guess = step.seconds_per_guess or step.draft_seconds / depth
-            old = self.draft_per_guess
-            self.draft_per_guess = per_guess if old is None else 0.8 * old + 0.2 * per_guess
+            self.draft_per_guess = smoothed(self.draft_per_guess, step.seconds_per_guess or step.draft_seconds / depth)
 
     def finish(self, tokens: list[int]) -> None:
         self.scorer.update(tokens, final=True)

@@ -26,7 +26,7 @@ import torch
 
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..policy import CostModel
+from ..policy import CostModel, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
 from .base import Proposer
@@ -123,7 +123,7 @@ class EagleProposer(Proposer):
         started = time.perf_counter()
         out = self._run(*args)
         elapsed = time.perf_counter() - started
-        self.head_seconds = elapsed if self.head_seconds is None else 0.8 * self.head_seconds + 0.2 * elapsed
+        self.head_seconds = smoothed(self.head_seconds, elapsed)
         return out, elapsed
 
     def _forward(self, tokens: int, context: int) -> float:
