@@ -14,8 +14,8 @@ import specdecode.verify
 from specdecode.cli import main as cli_main
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
-from specdecode.proposers.medusa import MedusaProposer, best_size, medusa_tree
+from specdecode.policy import AcceptanceStats, AdaptiveK, Calibration, CostModel
+from specdecode.proposers.medusa import PROBE_EVERY, MedusaProposer, medusa_tree
 from specdecode.sampling import SamplingParams
 from specdecode.training.medusa import MedusaHeads, frequent_tokens
 
@@ -76,7 +76,9 @@ def test_greedy_medusa_equals_plain(target, reference, variant: str, k) -> None:
     drafted = accepted = 0
     shared = AcceptanceStats()
     for prompt, expected in zip(GREEDY_PROMPTS, reference, strict=True):
-        policy = AdaptiveK(MILD, shared, cheap=proposer.cheap) if k == "auto" else k
+        policy = k
+        if k == "auto":  # as the api: a proposer sizing itself gets its depth cap, others AdaptiveK
+            policy = proposer.max_depth if proposer.sizes_itself else AdaptiveK(MILD, shared, cheap=proposer.cheap)
         out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         drafted += stats.drafted
@@ -110,13 +112,61 @@ def test_tree_follows_accuracy() -> None:
     assert len(full.ranks) == 3 + 3 * 2 + 3 * 2 * 2 + 3 * 2 * 2  # every rank path, since 40 > all of them
 
 
-def test_tree_size_from_cost() -> None:
-    shape = medusa_tree([[0.6] * 10, [0.4] * 10], max_nodes=30)
-    assert best_size(shape, FLAT, 100) == 30  # verifying is free: take every node
+STEEP = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 19.9], [1.0, 19.9]])  # +0.3 per node
+GREEDY = SamplingParams()
+
+
+def sized(target: Transformer, cost: CostModel, calibration=None, vocab: int | None = None) -> MedusaProposer:
+    """Two heads claiming 60% / 40% per rank, sized by `cost`, holding a hidden state for 4-token texts."""
+    heads = random_heads(target, 2, seed=1, vocab=vocab, accuracy=[[0.6] * 10, [0.4] * 10])
+    proposer = MedusaProposer(heads, VOCAB, cost=cost, max_nodes=30, calibration=calibration)
+    proposer.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
+    return proposer
+
+
+def test_tree_size_from_cost(target) -> None:
+    tokens = [1, 2, 3, 4]
+    assert sized(target, FLAT).propose(tokens, 4, GREEDY, None).num_drafted == 30  # verifying is free: all
+    # +0.3 per node: the 10 first-head guesses (0.6 each) pay, the second head's (0.24) do not
+    tree = sized(target, STEEP).propose(tokens, 4, GREEDY, None)
+    assert tree.num_drafted == 10 and tree.depth == 1
+    assert sized(target, STEEP).propose(tokens, 1, GREEDY, None).num_drafted == 10  # k caps the depth
+
+
+def test_heads_do_not_run_while_they_cannot_pay(target) -> None:
     linear = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 64.0], [1.0, 64.0]])
-    assert best_size(shape, linear, 100) == 0  # each node costs a whole forward: guessing never pays
-    steep = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 19.9], [1.0, 19.9]])  # +0.3 per node
-    assert best_size(shape, steep, 100) == 10  # the 10 first-head guesses (0.6 each) pay, second-head ones not
+    proposer = sized(target, linear)  # each node costs a whole forward: guessing never pays
+    for _ in range(PROBE_EVERY - 1):
+        assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
+    assert proposer.head_seconds is None  # the heads were skipped: those steps cost nothing extra
+    assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
+    assert proposer.head_seconds is not None  # a probe ran them, to keep learning
+    costly = sized(target, STEEP)  # guesses would pay, but not heads costing 4 plain steps each
+    costly.head_seconds = 4.0
+    drafted = [costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted for _ in range(PROBE_EVERY)]
+    assert drafted == [0] * (PROBE_EVERY - 1) + [10]  # the probe's heads are spent: what pays is sent
+    costly.head_seconds = 0.1
+    assert costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 10  # cheap heads: every step
+
+
+def test_calibration_learns_what_the_text_accepts_and_carries_to_the_next_request(target) -> None:
+    shared = {True: Calibration(), False: Calibration()}
+    proposer = sized(target, STEEP, shared, vocab=VOCAB - 16)
+    never_guessed = next(t for t in range(VOCAB) if t not in proposer.heads.vocab_ids.tolist())
+    tokens = [1, 2, 3, 4]
+    hidden = torch.zeros(1, target.config.hidden_size, dtype=torch.float64)
+    drafted = []
+    for _ in range(20):  # the heads claim 60% but the text never follows them
+        drafted.append(proposer.propose(tokens, 4, GREEDY, None).num_drafted)
+        tokens.append(never_guessed)
+        proposer.observe_hidden(len(tokens) - 2, [hidden])
+    assert drafted[0] == 10 and drafted[-1] == 0
+    assert proposer.calibration[True].alpha == shared[True].alpha == 0.25  # the floor
+    proposer.begin([1, 2, 3, 4], 100)  # the next request starts from what this one found
+    proposer.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
+    assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
+    assert proposer.calibration[True].predicted <= 4.0  # but worth a few guesses: it can change its mind
+    assert sized(target, STEEP).calibration[True].alpha == 1.0  # heads' own accuracies, before any text
 
 
 # ------------------------------------------------------------------------------------------- sampling

@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..policy import CostModel, smoothed
+from ..policy import Calibration, CostModel, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
 from .base import Proposer
@@ -60,8 +61,7 @@ class EagleProposer(Proposer):
         self.known = 0  # positions with features
         self.cached = 0  # committed entries in the head's cache
         self.head_seconds: float | None = None  # one head forward, smoothed
-        # calibration per mode (greedy tree, sampled chain): decayed [accepted, predicted] over verified trees
-        self.calibration = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        self.calibration = {True: Calibration(), False: Calibration()}  # per mode: greedy tree, sampled chain
         self.last: tuple[DraftTree, bool, float] | None = None  # the last tree sent, its mode, predicted accepted
         self._costs: dict[int, float] = {}  # forward seconds by size, for the step being sized
 
@@ -108,17 +108,10 @@ class EagleProposer(Proposer):
 
     def observe(self, tree, verdict, extra_logits) -> None:
         if self.last is not None and self.last[0] is tree:  # the tree went out as proposed
-            counts = self.calibration[self.last[1]]
-            counts[0] = 0.95 * counts[0] + verdict.num_accepted
-            counts[1] = 0.95 * counts[1] + self.last[2]
+            self.calibration[self.last[1]].record(verdict.num_accepted, self.last[2])
         self.last = None
 
     # ------------------------------------------------------------------------------------ sizing
-    def _alpha(self, greedy: bool) -> float:
-        """Accepted guesses per unit of predicted path probability (1.0 until seen)."""
-        accepted, predicted = self.calibration[greedy]
-        return min(max((accepted + 1.0) / (predicted + 1.0), 0.25), 2.0)
-
     def _timed_run(self, *args):
         started = time.perf_counter()
         out = self._run(*args)
@@ -134,13 +127,7 @@ class EagleProposer(Proposer):
 
     def _best_count(self, chances: list[float], context: int, spent: float) -> tuple[int, float]:
         """(n, rate): the first n ranked nodes maximising expected tokens per second, and that rate."""
-        best, best_rate, expected = 0, 1.0 / (self._forward(1, context) + spent), 1.0
-        for n, chance in enumerate(chances, 1):
-            expected += chance
-            rate = expected / (self._forward(n + 1, context) + spent)
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best, best_rate
+        return best_count(np.array(chances), self.cost, context, spent)
 
     def _worth_deeper(self, chances: list[float], frontier_chance: float, width: int, context: int,
                       spent: float) -> bool:
@@ -157,7 +144,7 @@ class EagleProposer(Proposer):
 
     def _chain(self, root_token, root, logits, hidden, k, params, generator, spent) -> tuple[DraftTree, float]:
         drafted, probs, chances = [], [], []
-        alpha, path = self._alpha(False), 1.0
+        alpha, path = self.calibration[False].alpha, 1.0
         for depth in range(1, k + 1):
             q = params.probs(self._full_logits(logits).float())
             drafted.append(sample(q, generator))
@@ -193,7 +180,7 @@ class EagleProposer(Proposer):
 
         frontier = add_children(-1, logits.float().log_softmax(-1), 0.0)
         parent_hidden = {-1: hidden}
-        alpha = self._alpha(True)
+        alpha = self.calibration[True].alpha
         for depth in range(2, k + 1):
             frontier = sorted(frontier, key=lambda n: -scores[n])[:topk]
             if self.cost is not None:

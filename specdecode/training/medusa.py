@@ -64,14 +64,16 @@ class MedusaHeads(nn.Module):
         self.out_weight = nn.Parameter(torch.zeros(k, v, h))
         self.register_buffer("vocab_ids", torch.arange(v))  # draft index -> target token id
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """heads: run only the first ones (each costs its share of the weights read)."""
+        k = heads or self.config.heads
         x = self.norm(hidden)
-        y = x.unsqueeze(-2) + F.silu(torch.einsum("...h,kgh->...kg", x, self.res_weight) + self.res_bias)
-        return torch.einsum("...kh,kvh->...kv", y, self.out_weight)
+        y = x.unsqueeze(-2) + F.silu(torch.einsum("...h,kgh->...kg", x, self.res_weight[:k]) + self.res_bias[:k])
+        return torch.einsum("...kh,kvh->...kv", y, self.out_weight[:k])
 
-    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def target_logits(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """[..., K, target vocab]: -inf on tokens outside the draft vocabulary (never guessed)."""
-        logits = self.forward(hidden)
+        logits = self.forward(hidden, heads)
         full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids, logits)
 
