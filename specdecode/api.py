@@ -14,7 +14,7 @@ from .engine import Generation, GenerationStats
 from .models import Transformer, load_transformer, resolve
 from .models.eagle import EagleHead
 from .models.loading import DTYPES
-from .policy import AcceptanceStats, AdaptiveK, Calibration, CostModel, FixedK, Policy
+from .policy import AcceptanceStats, AdaptiveK, CostModel, FixedK, Policy
 from .proposers import (
     DraftModelProposer,
     EagleProposer,
@@ -27,6 +27,7 @@ from .proposers import (
     Proposer,
 )
 from .proposers.layer_skip import SkipSearchResult, load_skip_search
+from .proposers.medusa import RankAccuracy
 from .sampling import SamplingParams
 from .training.medusa import MedusaHeads
 
@@ -69,7 +70,7 @@ class LLM:
         self._medusa: dict[str, MedusaHeads] = {}
         self._cost: CostModel | None = None
         self._acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method and options
-        self._calibration: dict[int, dict[bool, Calibration]] = {}  # per loaded Medusa heads (by id), per mode
+        self._rank_accuracy: dict[int, RankAccuracy] = {}  # long-run, per loaded Medusa heads (by id)
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32") -> LLM:
@@ -138,8 +139,8 @@ class LLM:
             return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes, cost=self.cost_model())
         if method == "medusa":
             heads = self.medusa_heads(draft)
-            calibration = self._calibration.setdefault(id(heads), {True: Calibration(), False: Calibration()})
-            return MedusaProposer(heads, self.model.config.vocab_size, cost=self.cost_model(), calibration=calibration)
+            accuracy = self._rank_accuracy.setdefault(id(heads), RankAccuracy.of(heads))
+            return MedusaProposer(heads, self.model.config.vocab_size, cost=self.cost_model(), accuracy=accuracy)
         if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
             model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
             return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches), model_draft)

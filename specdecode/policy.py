@@ -172,7 +172,6 @@ def machine_key(model: Transformer) -> str:
     return f"{shape}|{model.dtype}|{model.device.type}|{cpu}|{threads} threads|torch {torch.__version__}"
 
 
-# ------------------------------------------------------------------------------------ acceptance
 def best_count(chances: np.ndarray, cost: CostModel, context: int, overhead: np.ndarray | float = 0.0
                ) -> tuple[int, float]:
     """For guesses ranked best first (each prefix a tree) with these chances of acceptance: the count n
@@ -184,43 +183,7 @@ def best_count(chances: np.ndarray, cost: CostModel, context: int, overhead: np.
     return n, float(rates[n])
 
 
-@dataclass
-class Calibration:
-    """How far a proposer's own confidence is off: accepted guesses per guess predicted, over recent
-    proposals (decayed). Proposers that size trees by confidence (EAGLE-2, Medusa) scale it by this."""
-
-    accepted: float = 0.0
-    predicted: float = 0.0
-    prior: float = 1.0  # the ratio before anything is seen, worth one predicted guess
-
-    def record(self, accepted: float, predicted: float, decay: float = 0.95) -> None:
-        self.accepted = decay * self.accepted + accepted
-        self.predicted = decay * self.predicted + predicted
-
-    @property
-    def alpha(self) -> float:
-        return min(max((self.accepted + self.prior) / (self.predicted + 1.0), 0.25), 2.0)
-
-    def fork(self, weight: float) -> Calibration:
-        """A copy starting from this estimate, worth at most `weight` predicted guesses (a request's own)."""
-        scale = min(1.0, weight / self.predicted) if self.predicted > weight else 1.0
-        return Calibration(self.accepted * scale, self.predicted * scale, self.prior)
-
-
-def match_length(paths: list[list[int]], actual: list[int]) -> tuple[int, int]:
-    """(matched, length): how many guesses of the best of `paths` the committed tokens `actual` (those after
-    the proposal's root) match, and the length of the longest path matching that far. matched < length
-    while more of `actual` is to come: unknown yet; matched < min(length, len(actual)): a miss was seen."""
-    matched, longest_matching = 0, 0
-    for path in paths:
-        m = 0
-        while m < len(path) and m < len(actual) and path[m] == actual[m]:
-            m += 1
-        if m > matched or (m == matched and len(path) > longest_matching):
-            matched, longest_matching = m, len(path)
-    return matched, longest_matching
-
-
+# ------------------------------------------------------------------------------------ acceptance
 @dataclass
 class AcceptanceStats:
     """Conditional acceptance per proposal class and depth: P(guess d matches | guesses 1..d-1 matched).
@@ -310,10 +273,17 @@ class ProposalScorer:
     def update(self, tokens: list[int], final: bool = False) -> None:
         still = []
         for prop in self.pending:
-            matched, length = match_length(prop.paths, tokens[prop.start :])
-            if matched < min(length, len(tokens) - prop.start):  # a miss was seen at depth matched + 1
+            actual = tokens[prop.start :]
+            matched, longest_matching = 0, 0
+            for path in prop.paths:
+                m = 0
+                while m < len(path) and m < len(actual) and path[m] == actual[m]:
+                    m += 1
+                if m > matched or (m == matched and len(path) > longest_matching):
+                    matched, longest_matching = m, len(path)
+            if matched < min(longest_matching, len(actual)):  # a miss was seen at depth matched + 1
                 self.stats.record(prop.bucket, matched, matched + 1)
-            elif matched == length or final:  # fully matched, or the request ended first
+            elif matched == longest_matching or final:  # fully matched, or the request ended first
                 self.stats.record(prop.bucket, matched, matched)
             else:
                 still.append(prop)

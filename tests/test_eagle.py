@@ -125,8 +125,8 @@ def test_cost_sizes_the_tree(target, head, reference, greedy: bool) -> None:
             drafted, forwards = drafted + stats.drafted, forwards + stats.target_forwards
         sizes[name] = drafted / forwards
         if name == "flat":
-            calibration = proposer.calibration[greedy]
-            assert calibration.accepted > 0 and calibration.predicted > 0
+            accepted, predicted = proposer.calibration[greedy]
+            assert accepted > 0 and predicted > 0
     assert sizes["steep"] == 0 and sizes["flat"] > (3 if greedy else 1.5), sizes
 
 

@@ -14,8 +14,8 @@ import specdecode.verify
 from specdecode.cli import main as cli_main
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AcceptanceStats, AdaptiveK, Calibration, CostModel
-from specdecode.proposers.medusa import PROBE_EVERY, MedusaProposer, medusa_tree
+from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.proposers.medusa import PROBE_EVERY, RANKS, REQUEST_TRIALS, MedusaProposer, RankAccuracy, medusa_tree
 from specdecode.sampling import SamplingParams
 from specdecode.training.medusa import MedusaHeads, frequent_tokens
 
@@ -116,10 +116,11 @@ STEEP = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 19.9], [1.0,
 GREEDY = SamplingParams()
 
 
-def sized(target: Transformer, cost: CostModel, calibration=None, vocab: int | None = None) -> MedusaProposer:
+def sized(target: Transformer, cost: CostModel, accuracy: RankAccuracy | None = None, vocab: int | None = None
+          ) -> MedusaProposer:
     """Two heads claiming 60% / 40% per rank, sized by `cost`, holding a hidden state for 4-token texts."""
     heads = random_heads(target, 2, seed=1, vocab=vocab, accuracy=[[0.6] * 10, [0.4] * 10])
-    proposer = MedusaProposer(heads, VOCAB, cost=cost, max_nodes=30, calibration=calibration)
+    proposer = MedusaProposer(heads, VOCAB, cost=cost, max_nodes=30, accuracy=accuracy)
     proposer.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
     return proposer
 
@@ -131,6 +132,9 @@ def test_tree_size_from_cost(target) -> None:
     tree = sized(target, STEEP).propose(tokens, 4, GREEDY, None)
     assert tree.num_drafted == 10 and tree.depth == 1
     assert sized(target, STEEP).propose(tokens, 1, GREEDY, None).num_drafted == 10  # k caps the depth
+    few = MedusaProposer(random_heads(target, 2, seed=1, vocab=3), VOCAB, max_nodes=64)  # a 3-token draft vocab
+    few.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
+    assert few.propose(tokens, 4, GREEDY, None).num_drafted == 3 + 3 * 3  # no more distinct guesses than that
 
 
 def test_heads_do_not_run_while_they_cannot_pay(target) -> None:
@@ -149,24 +153,34 @@ def test_heads_do_not_run_while_they_cannot_pay(target) -> None:
     assert costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 10  # cheap heads: every step
 
 
-def test_calibration_learns_what_the_text_accepts_and_carries_to_the_next_request(target) -> None:
-    shared = {True: Calibration(), False: Calibration()}
+def run_text(proposer: MedusaProposer, next_token, steps: int) -> list[int]:
+    """Propose after a growing text whose next token is next_token(heads' guesses); tokens drafted per step."""
+    tokens, hidden = [1, 2, 3, 4], torch.zeros(1, proposer.heads.config.hidden_size, dtype=torch.float64)
+    top = proposer.heads.vocab_ids[proposer.heads(hidden[0]).topk(RANKS, dim=-1).indices].tolist()
+    drafted = []
+    for _ in range(steps):
+        drafted.append(proposer.propose(tokens, 4, GREEDY, None).num_drafted)
+        tokens.append(next_token(top))
+        proposer.observe_hidden(len(tokens) - 2, [hidden])
+    return drafted
+
+
+def test_accuracy_follows_the_text_and_carries_to_the_next_request(target) -> None:
+    shared = RankAccuracy.of(random_heads(target, 2, seed=1, accuracy=[[0.6] * 10, [0.4] * 10]))
     proposer = sized(target, STEEP, shared, vocab=VOCAB - 16)
     never_guessed = next(t for t in range(VOCAB) if t not in proposer.heads.vocab_ids.tolist())
-    tokens = [1, 2, 3, 4]
-    hidden = torch.zeros(1, target.config.hidden_size, dtype=torch.float64)
-    drafted = []
-    for _ in range(20):  # the heads claim 60% but the text never follows them
-        drafted.append(proposer.propose(tokens, 4, GREEDY, None).num_drafted)
-        tokens.append(never_guessed)
-        proposer.observe_hidden(len(tokens) - 2, [hidden])
+    drafted = run_text(proposer, lambda top: never_guessed, 40)  # the heads claim 60%; the text never agrees
     assert drafted[0] == 10 and drafted[-1] == 0
-    assert proposer.calibration[True].alpha == shared[True].alpha == 0.25  # the floor
+    assert proposer.accuracy.rates()[0].max() < 0.3 and shared.rates()[0].max() < 0.3  # a guess costs 0.3
     proposer.begin([1, 2, 3, 4], 100)  # the next request starts from what this one found
     proposer.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
     assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
-    assert proposer.calibration[True].predicted <= 4.0  # but worth a few guesses: it can change its mind
-    assert sized(target, STEEP).calibration[True].alpha == 1.0  # heads' own accuracies, before any text
+    assert proposer.accuracy.trials.max() <= REQUEST_TRIALS  # but worth a few trials: it can change its mind
+    # a text that takes the first head's 4th guess every time: that guess comes to lead the tree
+    fresh = sized(target, FLAT)
+    assert fresh.node_rank[fresh.ranked(1, fresh.chances())[0][0]] == 0
+    run_text(fresh, lambda top: top[0][3], 20)
+    assert fresh.node_rank[fresh.ranked(1, fresh.chances())[0][0]] == 3 and fresh.accuracy.rates()[0, 3] > 0.6
 
 
 # ------------------------------------------------------------------------------------------- sampling

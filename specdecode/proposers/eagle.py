@@ -27,7 +27,7 @@ import torch
 
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..policy import Calibration, CostModel, best_count, smoothed
+from ..policy import CostModel, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
 from .base import Proposer
@@ -61,7 +61,8 @@ class EagleProposer(Proposer):
         self.known = 0  # positions with features
         self.cached = 0  # committed entries in the head's cache
         self.head_seconds: float | None = None  # one head forward, smoothed
-        self.calibration = {True: Calibration(), False: Calibration()}  # per mode: greedy tree, sampled chain
+        # calibration per mode (greedy tree, sampled chain): decayed [accepted, predicted] over verified trees
+        self.calibration = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.last: tuple[DraftTree, bool, float] | None = None  # the last tree sent, its mode, predicted accepted
         self._costs: dict[int, float] = {}  # forward seconds by size, for the step being sized
 
@@ -108,10 +109,17 @@ class EagleProposer(Proposer):
 
     def observe(self, tree, verdict, extra_logits) -> None:
         if self.last is not None and self.last[0] is tree:  # the tree went out as proposed
-            self.calibration[self.last[1]].record(verdict.num_accepted, self.last[2])
+            counts = self.calibration[self.last[1]]
+            counts[0] = 0.95 * counts[0] + verdict.num_accepted
+            counts[1] = 0.95 * counts[1] + self.last[2]
         self.last = None
 
     # ------------------------------------------------------------------------------------ sizing
+    def _alpha(self, greedy: bool) -> float:
+        """Accepted guesses per unit of predicted path probability (1.0 until seen)."""
+        accepted, predicted = self.calibration[greedy]
+        return min(max((accepted + 1.0) / (predicted + 1.0), 0.25), 2.0)
+
     def _timed_run(self, *args):
         started = time.perf_counter()
         out = self._run(*args)
@@ -144,7 +152,7 @@ class EagleProposer(Proposer):
 
     def _chain(self, root_token, root, logits, hidden, k, params, generator, spent) -> tuple[DraftTree, float]:
         drafted, probs, chances = [], [], []
-        alpha, path = self.calibration[False].alpha, 1.0
+        alpha, path = self._alpha(False), 1.0
         for depth in range(1, k + 1):
             q = params.probs(self._full_logits(logits).float())
             drafted.append(sample(q, generator))
@@ -180,7 +188,7 @@ class EagleProposer(Proposer):
 
         frontier = add_children(-1, logits.float().log_softmax(-1), 0.0)
         parent_hidden = {-1: hidden}
-        alpha = self.calibration[True].alpha
+        alpha = self._alpha(True)
         for depth in range(2, k + 1):
             frontier = sorted(frontier, key=lambda n: -scores[n])[:topk]
             if self.cost is not None:

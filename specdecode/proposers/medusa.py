@@ -4,17 +4,20 @@ The engine hands over the target's last-layer hidden state of every committed po
 (just before the root) feeds all heads, and head j's top guesses are candidates for depth j + 1.
 
 The tree (Medusa's sparse tree): a node is a tuple of ranks (r1, ..., rd) = head 1's r1-th guess, then
-head 2's r2-th, ...; its estimated chance of being accepted is the product of the heads' measured rank
-accuracies (saved with the heads). Best-first from the root, the nodes with the highest estimates are
-taken, up to `max_nodes` (a parent always scores at least its child, so every prefix is a tree).
+head 2's r2-th, ...; its chance of being accepted is estimated as the product of the heads' rank
+accuracies. The candidate nodes are the `max_nodes` best by the accuracies measured on held-out data
+(saved with the heads); every step ranks them by the current accuracies, best first (a parent always
+scores at least its child, so every prefix of the ranking is a tree).
 
-Sizing (with a cost model, the way EAGLE-2 sizes by draft confidence): a node's chance is its estimate times
-a calibration, accepted guesses per estimated guess, learned from how far each tree run would have matched
-the committed text (all its nodes, sent or not) and carried across requests. Before the heads run, each
-number of heads d is priced: the best count of nodes up to depth d costs the target's forward of them plus
-d heads. When no d beats a plain step, the heads do not run (the step costs nothing extra), except every
-PROBE_EVERY-th such step, which runs them all to keep the calibration current. Once they ran their cost is
-spent, and the count of nodes sent is the one maximising (1 + expected accepted) / forward seconds.
+The accuracies are learned as the text goes (RankAccuracy): P(head j's rank-r guess is right | the tokens
+before it were among their heads' guesses), from every run of the heads, whatever part of the tree was
+sent, and carried across requests. A summary accepts other guesses than a proof.
+
+Sizing (with a cost model): before the heads run, each number of heads d is priced, the best count of
+nodes up to depth d costing the target's forward of them plus d head forwards. When no d beats a plain
+step the heads do not run (the step costs nothing extra), except every PROBE_EVERY-th such step, which
+runs them all to keep learning. Once they ran their cost is spent, and the count of nodes sent is the
+one maximising (1 + expected accepted) / forward seconds.
 
 Greedy: node tokens are those ranks' guesses. Sampling: the same shape, but every node's token is drawn
 from its head's distribution q (the heads' logits through the request's sampling processor) independently
@@ -27,19 +30,18 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
 
-from ..policy import Calibration, CostModel, best_count, match_length, smoothed
+from ..policy import CostModel, best_count, smoothed
 from ..training.medusa import MedusaHeads
 from ..tree import DraftTree
 from .base import Proposer
 
 RANKS = 10  # guesses per head a tree may use
 PROBE_EVERY = 16  # skipped steps between runs of the heads that only learn (all heads: ~8% of a step)
-REQUEST_WEIGHT = 4.0  # a request starts from the long-run calibration worth this many estimated guesses
+REQUEST_TRIALS = 8.0  # a request starts from the long-run accuracies worth this many trials per head
 
 
 @dataclass
@@ -47,32 +49,6 @@ class TreeShape:
     ranks: list[tuple[int, ...]]  # per guessed node: its path of ranks; parents come first
     parents: list[int]  # per tree node (root = 0 at index 0, parent -1)
     estimates: list[float]  # per guessed node: estimated chance it is accepted
-
-    def within(self, depth: int) -> TreeShape:
-        """The nodes at most `depth` deep (still best first, parents first)."""
-        keep = [i for i, path in enumerate(self.ranks) if len(path) <= depth]
-        index = {0: 0} | {i + 1: j + 1 for j, i in enumerate(keep)}  # tree node: old index -> new
-        return TreeShape([self.ranks[i] for i in keep], [-1] + [index[self.parents[i + 1]] for i in keep],
-                         [self.estimates[i] for i in keep])
-
-    @cached_property
-    def head(self) -> torch.Tensor:  # per node: the head that guesses it
-        return torch.tensor([len(path) - 1 for path in self.ranks], dtype=torch.long)
-
-    @cached_property
-    def rank(self) -> torch.Tensor:  # per node: which of its head's guesses
-        return torch.tensor([path[-1] for path in self.ranks], dtype=torch.long)
-
-    @cached_property
-    def chances(self) -> np.ndarray:
-        return np.array(self.estimates)
-
-    def paths(self, guesses: list[int]) -> list[list[int]]:
-        """Per node: the tokens from the root's first child down to it."""
-        out: list[list[int]] = []
-        for token, parent in zip(guesses, self.parents[1:], strict=True):
-            out.append([*(out[parent - 1] if parent else []), token])
-        return out
 
 
 def default_accuracy(heads: int, ranks: int = RANKS) -> list[list[float]]:
@@ -105,28 +81,73 @@ def medusa_tree(accuracy: list[list[float]], max_nodes: int) -> TreeShape:
     return shape
 
 
+class RankAccuracy:
+    """Per head and rank: P(the guess is the committed token | the tokens before it were among their heads'
+    guesses). Decayed counts over a prior (the held-out accuracy) worth `weight` trials."""
+
+    def __init__(self, prior: np.ndarray, weight: float = 4.0, decay: float = 0.98) -> None:
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.hits = np.zeros_like(prior)  # [heads, ranks]
+        self.trials = np.zeros(len(prior))  # [heads]
+
+    @classmethod
+    def of(cls, heads: MedusaHeads) -> RankAccuracy:
+        """Starting from the accuracy saved with the heads (or a prior that falls with depth and rank)."""
+        saved = heads.config.accuracy or default_accuracy(heads.config.heads)
+        prior = np.full((heads.config.heads, min(RANKS, heads.config.draft_vocab_size)), 1e-6)  # distinct guesses
+        for j, row in enumerate(saved):
+            row = row[: prior.shape[1]]
+            prior[j, : len(row)] = np.clip(row, 1e-6, 1.0)
+        return cls(prior)
+
+    def rates(self) -> np.ndarray:
+        return (self.hits + self.weight * self.prior) / (self.trials[:, None] + self.weight)
+
+    def record(self, top: list[list[int]], actual: list[int]) -> None:
+        """top[j]: head j's guesses, best first; actual: the committed tokens at depths 1, 2, ..."""
+        self.hits *= self.decay
+        self.trials *= self.decay
+        for j, (guesses, token) in enumerate(zip(top, actual, strict=False)):
+            self.trials[j] += 1
+            if token not in guesses:
+                break
+            self.hits[j, guesses.index(token)] += 1
+
+    def fork(self, trials: float) -> RankAccuracy:
+        """A copy starting from these counts, scaled to at most `trials` trials per head (a request's own)."""
+        out = RankAccuracy(self.prior, self.weight, self.decay)
+        scale = min(1.0, trials / max(float(self.trials.max()), 1e-9))
+        out.hits, out.trials = self.hits * scale, self.trials * scale
+        return out
+
+
 class MedusaProposer(Proposer):
     name = "medusa"
     cheap = True  # without a cost model: ask deep, an adaptive policy cuts the tree by depth
     hidden_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads, vocab_size: int, *, cost: CostModel | None = None,
-                 max_nodes: int = 64, calibration: dict[bool, Calibration] | None = None) -> None:
-        """vocab_size: the target's; cost: sizes every step's tree (else up to `max_nodes` nodes, `k` deep);
-        calibration: the long-run one per mode (greedy, sampled), shared by the requests that pass it."""
+                 max_nodes: int = 64, accuracy: RankAccuracy | None = None) -> None:
+        """vocab_size: the target's; cost: sizes every step's tree (else all `max_nodes` nodes, `k` deep);
+        accuracy: the long-run one, shared by the requests that pass it (else the heads' saved one)."""
         if heads.config.target_vocab_size != vocab_size:
             raise ValueError(f"Medusa heads for a {heads.config.target_vocab_size}-token vocabulary cannot "
                              f"draft for a target with {vocab_size} tokens")
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         self.heads, self.vocab_size, self.cost = heads, vocab_size, cost
-        self.shared = calibration if calibration is not None else {True: Calibration(), False: Calibration()}
-        accuracy = heads.config.accuracy or default_accuracy(heads.config.heads)
-        vocab = heads.config.draft_vocab_size  # a head has no more distinct guesses than that
-        full = medusa_tree([row[:vocab] for row in accuracy], max_nodes)
-        self.max_depth = max(len(path) for path in full.ranks)  # heads the tree uses
-        self.shapes = {d: full.within(d) for d in range(1, self.max_depth + 1)}
-        self.ranks = max(r for path in full.ranks for r in path) + 1
+        self.shared = accuracy or RankAccuracy.of(heads)
+        shape = medusa_tree(self.shared.prior.tolist(), max_nodes)  # the candidates
+        self.max_depth = max(len(path) for path in shape.ranks)  # heads the tree uses
+        self.ranks = max(r for path in shape.ranks for r in path) + 1
+        self.node_head = np.array([len(path) - 1 for path in shape.ranks])
+        self.node_rank = np.array([path[-1] for path in shape.ranks])
+        self.node_parent = np.array(shape.parents[1:]) - 1  # candidate index, -1: the root
+        # per node, the flat (head, rank) index of each step of its path, padded with a cell worth 1.0
+        columns = self.shared.prior.shape[1]
+        self.path_cells = np.full((len(shape.ranks), self.max_depth), self.shared.prior.size)
+        for i, path in enumerate(shape.ranks):
+            self.path_cells[i, : len(path)] = [j * columns + r for j, r in enumerate(path)]
         self.head_seconds: float | None = None  # one head's forward, smoothed
         self.begin([0], 0)
 
@@ -137,13 +158,23 @@ class MedusaProposer(Proposer):
     def begin(self, prompt: list[int], max_len: int) -> None:
         self.hidden: torch.Tensor | None = None
         self.position = -1  # of the hidden state held
-        self.calibration = {mode: c.fork(REQUEST_WEIGHT) for mode, c in self.shared.items()}
-        self.pending: list[tuple[int, list[list[int]], float, bool]] = []  # start, paths, estimated, greedy
+        self.accuracy = self.shared.fork(REQUEST_TRIALS)
+        self.pending: list[tuple[int, list[list[int]]]] = []  # (index of depth 1, heads' guesses) per run
         self.skipped = 0  # steps since the heads last ran
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         states = hidden[0]
         self.hidden, self.position = states[-1], start + states.shape[0] - 1
+
+    def chances(self) -> np.ndarray:
+        """Per candidate: the product of the current accuracies along its path."""
+        return np.append(self.accuracy.rates().ravel(), 1.0)[self.path_cells].prod(axis=1)
+
+    def ranked(self, depth: int, chances: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates at most `depth` deep, best first, and their chances."""
+        nodes = np.flatnonzero(self.node_head < depth)
+        order = nodes[np.lexsort((self.node_head[nodes], -chances[nodes]))]  # ties: parents first
+        return order, chances[order]
 
     @torch.inference_mode()
     def propose(self, tokens, k, params, generator) -> DraftTree:
@@ -152,54 +183,56 @@ class MedusaProposer(Proposer):
         if self.hidden is None or self.position != len(tokens) - 2 or depth < 1:
             return DraftTree.root_only(root)  # no hidden state for the position before the root (1-token prompt)
         self._learn(tokens)
-        context, alpha = len(tokens) - 1, self.calibration[params.greedy].alpha
+        context, chances = len(tokens) - 1, self.chances()
         if self.cost is not None:
-            worth = self._heads_worth_running(depth, alpha, context)
+            worth = self._heads_worth_running(depth, chances, context)
             self.skipped = 0 if worth or self.skipped + 1 >= PROBE_EVERY else self.skipped + 1
             if self.skipped:
                 return DraftTree.root_only(root)
             depth = worth or depth  # a probe runs every head: it is for learning
-        shape = self.shapes[depth]
+        order, chances = self.ranked(depth, chances)
         started = time.perf_counter()
-        guesses, probs = self._guess(shape, depth, params, generator)
+        logits = self.heads(self.hidden.to(self.heads.out_weight.dtype), depth)  # [depth, draft vocab]
+        top = self.heads.vocab_ids[logits.topk(self.ranks, dim=-1).indices].tolist()
         self.head_seconds = smoothed(self.head_seconds, (time.perf_counter() - started) / depth)
-        self.pending.append((len(tokens), shape.paths(guesses), sum(shape.estimates), params.greedy))
-        n = len(guesses)
+        self.pending.append((len(tokens), top))
         if self.cost is not None:  # the heads' cost is spent: send what pays for the target's forward
-            n = best_count(np.minimum(alpha * shape.chances, 1.0), self.cost, context)[0]
-        return DraftTree([root, *guesses[:n]], shape.parents[: n + 1], [None, *probs[:n]])
+            order = order[: best_count(chances, self.cost, context)[0]]
+        index = {int(c): i for i, c in enumerate(order, 1)}  # candidate -> tree node
+        parents = [-1] + [index.get(int(self.node_parent[c]), 0) for c in order]
+        heads = self.node_head[order].tolist()
+        if params.greedy:
+            guesses = [top[j][r] for j, r in zip(heads, self.node_rank[order].tolist(), strict=True)]
+            probs: list[torch.Tensor | None] = [None] * len(guesses)
+        else:
+            guesses, probs = self._draw(logits, heads, params, generator)
+        return DraftTree([root, *guesses], parents, [None, *probs])
 
-    def _heads_worth_running(self, depth: int, alpha: float, context: int) -> int:
+    def _draw(self, logits: torch.Tensor, heads: list[int], params, generator) -> tuple[list[int], list]:
+        """Every node's token drawn from its head's q, independently; and that q."""
+        q = params.probs(self.heads.to_target_vocab(logits))  # [depth, V]
+        counts = np.bincount(heads, minlength=len(q)).tolist()
+        draws = [torch.multinomial(q[j], n, replacement=True, generator=generator).tolist() if n else []
+                 for j, n in enumerate(counts)]
+        return [draws[j].pop() for j in heads], [q[j] for j in heads]
+
+    def _heads_worth_running(self, depth: int, chances: np.ndarray, context: int) -> int:
         """How many heads (<= depth) make the best step counting their own cost; 0: none beats a plain step."""
         best, best_rate = 0, 1.0 / self.cost.forward_seconds(1, context)
         for d in range(1, depth + 1):
-            chances = np.minimum(alpha * self.shapes[d].chances, 1.0)
-            n, rate = best_count(chances, self.cost, context, d * (self.head_seconds or 0.0))
+            n, rate = best_count(self.ranked(d, chances)[1], self.cost, context, d * (self.head_seconds or 0.0))
             if n and rate > best_rate:
                 best, best_rate = d, rate
         return best
 
-    def _guess(self, shape: TreeShape, heads: int, params, generator) -> tuple[list[int], list]:
-        """Every node's token from the first `heads` heads, and the distribution it was drawn from (sampling)."""
-        hidden = self.hidden.to(self.heads.out_weight.dtype)
-        if params.greedy:
-            top = self.heads.vocab_ids[self.heads(hidden, heads).topk(self.ranks, dim=-1).indices]  # [heads, ranks]
-            return top[shape.head, shape.rank].tolist(), [None] * len(shape.ranks)
-        q = params.probs(self.heads.target_logits(hidden, heads))  # [heads, V]
-        counts = torch.bincount(shape.head, minlength=heads).tolist()
-        draws = [torch.multinomial(q[j], n, replacement=True, generator=generator).tolist() if n else []
-                 for j, n in enumerate(counts)]
-        nodes = shape.head.tolist()
-        return [draws[j].pop() for j in nodes], [q[j] for j in nodes]
-
     def _learn(self, tokens: list[int]) -> None:
-        """Calibrate on every tree the heads made, as far as the committed text now shows it would have matched."""
+        """Count every run of the heads whose guesses the committed text has settled (a miss, or all depths)."""
         still = []
-        for start, paths, estimated, greedy in self.pending:
-            matched, length = match_length(paths, tokens[start:])
-            if matched < min(length, len(tokens) - start) or matched == length:  # settled
-                for calibration in (self.calibration[greedy], self.shared[greedy]):
-                    calibration.record(matched, estimated)
+        for start, top in self.pending:
+            actual = tokens[start : start + len(top)]
+            if len(actual) == len(top) or any(t not in g for t, g in zip(actual, top, strict=False)):
+                for accuracy in (self.accuracy, self.shared):
+                    accuracy.record(top, actual)
             else:
-                still.append((start, paths, estimated, greedy))
+                still.append((start, top))
         self.pending = still

@@ -73,7 +73,10 @@ class MedusaHeads(nn.Module):
 
     def target_logits(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """[..., K, target vocab]: -inf on tokens outside the draft vocabulary (never guessed)."""
-        logits = self.forward(hidden, heads)
+        return self.to_target_vocab(self.forward(hidden, heads))
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft vocab] spread over the target's (-inf elsewhere)."""
         full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids, logits)
 
