@@ -200,11 +200,14 @@ SAMPLES = 1500
 # two tokens the heads can never guess (q = 0 there), and top-k / top-p processing on both p and q
 SAMPLING = Case(lambda t, d: MedusaProposer(small_heads(t, V - 2), V, max_nodes=8),
                 SamplingParams(temperature=0.9, top_k=7, top_p=0.95), 3)
+# the same, sized each step by a cost model from accuracies learned across the samples: trees change shape
+SIZED = Case(lambda t, d: MedusaProposer(small_heads(t, V - 2), V, cost=MILD, max_nodes=8), SAMPLING.params, 3)
 
 
-def test_medusa_sampling_matches_target_distribution(small_target) -> None:
-    joint = exact_joint(small_target, PROMPT, SAMPLING.params, SAMPLING.tokens)
-    counts, totals = sample_counts(small_target, None, SAMPLING, SAMPLES)
+@pytest.mark.parametrize("case", [SAMPLING, SIZED], ids=["whole-tree", "sized"])
+def test_medusa_sampling_matches_target_distribution(small_target, case: Case) -> None:
+    joint = exact_joint(small_target, PROMPT, case.params, case.tokens)
+    counts, totals = sample_counts(small_target, None, case, SAMPLES)
     assert 0 < totals["accepted"] < totals["drafted"], totals
     pvalue, tv = chi_square(counts, joint, SAMPLES)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}, total variation {tv:.3f}"
