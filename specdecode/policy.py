@@ -35,7 +35,7 @@ from .models import Transformer
 from .tree import DraftTree
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-DRIFT = 0.02  # per step, how far the corrections of sizes not run move towards the size that ran
+DRIFT = 0.02  # per step, how far corrections above the size that ran move down towards it
 
 
 # ------------------------------------------------------------------------------------------ cost
@@ -66,12 +66,13 @@ class CostModel:
         return np.interp(tokens, sizes, [self.observed[n] for n in sizes])
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
-        """A step of `tokens` took `seconds`. The other sizes drift towards its ratio (load moves every size
-        alike): a burst of load that made large steps look dear must not keep a policy that stopped running
-        them from ever trying again, as it did when only the sizes run were corrected."""
+        """A step of `tokens` took `seconds`. Other sizes corrected above its ratio drift down towards it
+        (load moves every size alike): a burst of load that made large steps look dear must not keep a policy
+        that stopped running them from ever trying again, as it did when only the sizes run were corrected.
+        Never up: sizes rarely run would take the ratio of the common ones and lose their own shape."""
         ratio = min(max(seconds / max(self.table_seconds(tokens, context), 1e-9), 0.25), 4.0)
         for n, value in self.observed.items():
-            if n != tokens:
+            if n != tokens and value > ratio:
                 self.observed[n] = value + DRIFT * (ratio - value)
         old = self.observed.get(tokens)
         self.observed[tokens] = ratio if old is None else 0.9 * old + 0.1 * ratio

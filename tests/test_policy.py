@@ -247,6 +247,9 @@ def test_a_burst_of_load_does_not_lock_out_large_steps() -> None:
     for _ in range(150):  # then plain steps only, at the table's cost
         cost.observe(1, 10, cost.table_seconds(1, 10))
     assert cost.forward_seconds(5, 10) < 1.2 * cost.table_seconds(5, 10)
+    for _ in range(150):  # plain steps dearer than the table do not raise the sizes seen cheaper
+        cost.observe(1, 10, 1.5 * cost.table_seconds(1, 10))
+    assert cost.forward_seconds(5, 10) < 1.2 * cost.table_seconds(5, 10)
 
 
 def test_fixed_k_rejects_negative() -> None:
