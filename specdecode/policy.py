@@ -35,7 +35,9 @@ from .models import Transformer
 from .tree import DraftTree
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-DRIFT = 0.02  # per step, how far corrections above the size that ran move down towards it
+# per step, how far corrections above the size that ran move down towards it: slow, since sizes run only
+# now and then are corrected seldom (0.02 pulled them so far towards plain steps' that policies over-guessed)
+DRIFT = 0.005
 
 
 # ------------------------------------------------------------------------------------------ cost

@@ -10,6 +10,7 @@ import pytest
 
 from specdecode.engine import generate_ids
 from specdecode.policy import (
+    DRIFT,
     AcceptanceStats,
     AdaptiveK,
     CostModel,
@@ -232,7 +233,7 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
         policy.observe(StepRecord(root, root, 3, [1, 2, 5, 6], 10, draft_seconds=0.0, target_seconds=1.0))
     assert cost.forward_seconds(1, 10) == pytest.approx(1.0)
     three = cost.forward_seconds(3, 10)
-    assert three == pytest.approx(1.0 + 0.98**10)  # drifting back slowly (DRIFT per step)
+    assert three == pytest.approx(1.0 + (1 - DRIFT) ** 10)  # drifting back slowly (DRIFT per step)
     assert cost.forward_seconds(2, 10) == pytest.approx((1.0 + three) / 2)  # between the sizes seen
 
 
@@ -244,7 +245,7 @@ def test_a_burst_of_load_does_not_lock_out_large_steps() -> None:
     for _ in range(30):
         cost.observe(5, 10, 4.0 * cost.table_seconds(5, 10))  # the burst: 5-token steps at 4x the table
     assert cost.forward_seconds(5, 10) > 3.5 * cost.table_seconds(5, 10)
-    for _ in range(150):  # then plain steps only, at the table's cost
+    for _ in range(600):  # then plain steps only, at the table's cost
         cost.observe(1, 10, cost.table_seconds(1, 10))
     assert cost.forward_seconds(5, 10) < 1.2 * cost.table_seconds(5, 10)
     for _ in range(150):  # plain steps dearer than the table do not raise the sizes seen cheaper
