@@ -198,8 +198,8 @@ class MedusaProposer(Proposer):
         self.pending.append((len(tokens), top))
         if self.cost is not None:  # the heads' cost is spent: send what pays for the target's forward
             order = order[: best_count(chances, self.cost, context)[0]]
-        index = {int(c): i for i, c in enumerate(order, 1)}  # candidate -> tree node
-        parents = [-1] + [index.get(int(self.node_parent[c]), 0) for c in order]
+        index = {-1: 0} | {int(c): i for i, c in enumerate(order, 1)}  # candidate -> tree node (-1: the root)
+        parents = [-1] + [index[int(self.node_parent[c])] for c in order]  # a parent always ranks first
         heads = self.node_head[order].tolist()
         if params.greedy:
             guesses = [top[j][r] for j, r in zip(heads, self.node_rank[order].tolist(), strict=True)]
