@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -116,7 +116,7 @@ class BatchCost:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tables = [{k: v for k, v in asdict(t).items() if k != "observed"} for t in self.tables]
+        tables = [t.table() for t in self.tables]
         path.write_text(json.dumps({"batch_sizes": self.batch_sizes, "tables": tables}, indent=1))
 
 

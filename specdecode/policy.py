@@ -5,8 +5,9 @@ Each step the policy picks the draft depth d that maximises expected committed t
     (1 + E[accepted | d]) / (T_target(nodes(d), context) + T_draft(d)),
 
 and d = 0 (a plain step) when no depth beats 1 / T_target(1). T_target comes from forward timings
-measured once per model and machine (cached on disk) and corrected online, per size, by what the
-steps actually cost; E[accepted] from per-depth conditional acceptance rates, tracked per proposal class.
+measured once per model and machine (cached on disk) and corrected online by what the steps actually
+cost (a load common to every size times each size's own shape); E[accepted] from per-depth conditional
+acceptance rates, tracked per proposal class.
 
 Acceptance is learned from every proposal, not only the verified part: once the committed text covers
 a guess we know how far it would have matched. So a policy that stops speculating still learns when
@@ -35,49 +36,69 @@ from .models import Transformer
 from .tree import DraftTree
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-# per step, how far corrections above the size that ran move down towards it: slow, since sizes run only
-# now and then are corrected seldom (0.02 pulled them so far towards plain steps' that policies over-guessed)
-DRIFT = 0.005
+# per step, how far the shape of sizes not run relaxes from above towards the table's (see CostModel.observe)
+RELAX = 0.001
 
 
 # ------------------------------------------------------------------------------------------ cost
 @dataclass
 class CostModel:
-    """Seconds per target forward as a function of tokens in the forward and cached context."""
+    """Seconds per target forward as a function of tokens in the forward and cached context.
+
+    The measured table is corrected online by what steps really cost, in two factors: the `load` (the
+    machine running slower or faster than when the table was measured: common to every size, so learned
+    from every step) times each size's `shape` (how far steps of that size stray from the table beyond the
+    load, e.g. a tree mask's attention or what a step adds around the forward: learned only from steps of
+    that size, relative to the smallest size seen).
+    """
 
     sizes: list[int]
     contexts: list[int]
     seconds: list[list[float]]  # [context][size], medians
     machine: str = ""
-    # online: tokens -> smoothed (observed step seconds / table), learned from the steps actually run
-    observed: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    load: float = field(default=1.0, compare=False, repr=False)
+    shape: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
     def forward_seconds(self, tokens: int, context: int) -> float:
         return float(self.forward_seconds_many(np.array([tokens]), context)[0])
 
     def forward_seconds_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
         """forward_seconds for an array of sizes at once: policies price every depth each step."""
-        return self._table_many(tokens, context) * self._correction_many(tokens)
+        return self._table_many(tokens, context) * self.load * self._shape_many(tokens)
 
-    def _correction_many(self, tokens: np.ndarray) -> np.ndarray:
-        """How far real steps of these sizes stray from the table (machine load, what a step adds around
-        the forward); interpolated between the sizes seen so far, 1.0 before any."""
-        if not self.observed:
+    def _shape_many(self, tokens: np.ndarray) -> np.ndarray:
+        """Interpolated between the sizes seen so far; 1.0 (the table's own shape) before any."""
+        if not self.shape:
             return np.ones(len(tokens))
-        sizes = sorted(self.observed)
-        return np.interp(tokens, sizes, [self.observed[n] for n in sizes])
+        sizes = sorted(self.shape)
+        return np.interp(tokens, sizes, [self.shape[n] for n in sizes])
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
-        """A step of `tokens` took `seconds`. Other sizes corrected above its ratio drift down towards it
-        (load moves every size alike): a burst of load that made large steps look dear must not keep a policy
-        that stopped running them from ever trying again, as it did when only the sizes run were corrected.
-        Never up: sizes rarely run would take the ratio of the common ones and lose their own shape."""
+        """A step of `tokens` took `seconds`: the load follows quickly, the size's own shape slowly.
+
+        A burst of load thus moves every size alike, and a policy that stopped running large steps during one
+        sees them cheap again as soon as the burst ends (when a single correction was kept per size, only the
+        sizes run were re-timed: every adaptive method stayed at plain steps after a burst). Shapes of sizes not
+        run relax from above towards the table's, slowly (RELAX): an escape for a size whose shape was learned
+        from an unlucky step, without losing the shape of sizes a policy runs only now and then."""
         ratio = min(max(seconds / max(self.table_seconds(tokens, context), 1e-9), 0.25), 4.0)
-        for n, value in self.observed.items():
-            if n != tokens and value > ratio:
-                self.observed[n] = value + DRIFT * (ratio - value)
-        old = self.observed.get(tokens)
-        self.observed[tokens] = ratio if old is None else 0.9 * old + 0.1 * ratio
+        if not self.shape:
+            self.load, self.shape[tokens] = ratio, 1.0
+        elif tokens in self.shape:
+            self.load = 0.8 * self.load + 0.2 * ratio / self.shape[tokens]
+            if tokens != min(self.shape):  # the smallest size seen is the reference: its steps show the load
+                self.shape[tokens] = 0.9 * self.shape[tokens] + 0.1 * ratio / self.load
+        else:  # a size's first step: what the load does not explain is its shape
+            self.shape[tokens] = min(max(ratio / self.load, 0.5), 2.0)
+        base = self.shape[min(self.shape)]  # 1 but when a smaller size than any before has just been seen
+        for n, value in self.shape.items():
+            value /= base
+            self.shape[n] = value + RELAX * (1.0 - value) if n != tokens and value > 1.0 else value
+        self.load *= base
+
+    def table(self) -> dict:
+        """The measured part, as saved: the online corrections are per process."""
+        return {k: v for k, v in asdict(self).items() if k not in ("load", "shape")}
 
     def table_seconds(self, tokens: int, context: int) -> float:
         return float(self._table_many(np.array([tokens]), context)[0])
@@ -143,8 +164,7 @@ class CostModel:
     def save(cls, model: Transformer, cost: CostModel, cache_dir: Path | None = None) -> None:
         path = cls.path(model, cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        table = {k: v for k, v in asdict(cost).items() if k != "observed"}  # the online part is per process
-        path.write_text(json.dumps(table, indent=1))
+        path.write_text(json.dumps(cost.table(), indent=1))
 
 
 def nondecreasing(values: list[float]) -> list[float]:
