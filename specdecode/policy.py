@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -36,6 +37,9 @@ from .models import Transformer
 from .tree import DraftTree
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# tables saved by another version of `measure` are measured again (version 1 timed 5 rounds in a fixed order:
+# one burst of load could flatten the small sizes, which then looked free to verify)
+TABLE_VERSION = 2
 # per step, how far the shape of sizes not run relaxes from above towards the table's (see CostModel.observe)
 RELAX = 0.001
 
@@ -56,6 +60,7 @@ class CostModel:
     contexts: list[int]
     seconds: list[list[float]]  # [context][size], medians
     machine: str = ""
+    version: int = 1
     load: float = field(default=1.0, compare=False, repr=False)
     shape: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
@@ -114,8 +119,9 @@ class CostModel:
         return np.where(tokens <= sizes[-1], np.interp(tokens, sizes, row), row[-1] + slope * (tokens - sizes[-1]))
 
     @classmethod
-    def measure(cls, model: Transformer, repeats: int = 5, sizes: tuple[int, ...] = COST_SIZES) -> CostModel:
-        """Time forwards of each size after a short and a long cached context, interleaved, medians."""
+    def measure(cls, model: Transformer, repeats: int = 10, sizes: tuple[int, ...] = COST_SIZES) -> CostModel:
+        """Time forwards of each size after a short and a long cached context, interleaved in a fresh order
+        each round (so drift in the machine's speed does not bend the table's shape), medians."""
         limit = model.config.max_position_embeddings
         long = min(1024, limit - sizes[-1])
         if long < 8:
@@ -129,18 +135,20 @@ class CostModel:
             cache = model.new_cache(c + sizes[-1])
             model.forward(torch.randint(0, vocab, (1, c), generator=g), cache, logits_at=None)
             caches.append(cache)
+        order = random.Random(0)
+        cells = [(ci, si) for ci in range(len(contexts)) for si in range(len(sizes))]
         for rep in range(repeats + 1):  # the first round warms up
-            for ci, (c, cache) in enumerate(zip(contexts, caches, strict=True)):
-                for si, n in enumerate(sizes):
-                    tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
-                    started = time.perf_counter()
-                    model.forward(tokens, cache)  # logits for every token, as a verification does
-                    elapsed = time.perf_counter() - started
-                    cache.rollback(c)
-                    if rep:
-                        times[ci][si].append(elapsed)
+            for ci, si in order.sample(cells, len(cells)):
+                c, cache, n = contexts[ci], caches[ci], sizes[si]
+                tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
+                started = time.perf_counter()
+                model.forward(tokens, cache)  # logits for every token, as a verification does
+                elapsed = time.perf_counter() - started
+                cache.rollback(c)
+                if rep:
+                    times[ci][si].append(elapsed)
         seconds = [nondecreasing([statistics.median(t) for t in row]) for row in times]
-        return cls(list(sizes), contexts, seconds, machine=machine_key(model))
+        return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION)
 
     @classmethod
     def for_model(cls, model: Transformer, cache_dir: Path | None = None) -> CostModel:
@@ -148,9 +156,11 @@ class CostModel:
         path = cls.path(model, cache_dir)
         if path.exists():
             try:
-                return cls(**json.loads(path.read_text()))
+                cost = cls(**json.loads(path.read_text()))
+                if cost.version == TABLE_VERSION:
+                    return cost
             except (ValueError, TypeError):
-                pass  # a damaged or older file: measure again
+                pass  # a damaged file: measure again
         cost = cls.measure(model)
         cls.save(model, cost, cache_dir)
         return cost

@@ -11,6 +11,7 @@ import pytest
 from specdecode.engine import generate_ids
 from specdecode.policy import (
     RELAX,
+    TABLE_VERSION,
     AcceptanceStats,
     AdaptiveK,
     CostModel,
@@ -68,6 +69,13 @@ def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch) -> None:
     files[0].write_text("{not json")  # a damaged file is measured again, not fatal
     assert CostModel.for_model(model, tmp_path).sizes == first.sizes
     assert json.loads(files[0].read_text())["sizes"] == first.sizes
+    older = json.loads(files[0].read_text())  # a table an older `measure` made is measured again
+    del older["version"]
+    older["seconds"] = [[1.0] * len(row) for row in older["seconds"]]
+    files[0].write_text(json.dumps(older))
+    again = CostModel.for_model(model, tmp_path)
+    assert again.version == TABLE_VERSION and again.seconds[0][0] < 1.0
+    assert json.loads(files[0].read_text())["version"] == TABLE_VERSION
 
 
 # ----------------------------------------------------------------------------------------- acceptance
