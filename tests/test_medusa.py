@@ -178,9 +178,10 @@ def test_accuracy_follows_the_text_and_carries_to_the_next_request(target) -> No
     assert proposer.accuracy.trials.max() <= REQUEST_TRIALS  # but worth a few trials: it can change its mind
     # a text that takes the first head's 4th guess every time: that guess comes to lead the tree
     fresh = sized(target, FLAT)
-    assert fresh.node_rank[fresh.ranked(1, fresh.chances())[0][0]] == 0
+    assert fresh.node_rank[fresh.within(fresh.ranked(fresh.chances()), 1)[0]] == 0
     run_text(fresh, lambda top: top[0][3], 20)
-    assert fresh.node_rank[fresh.ranked(1, fresh.chances())[0][0]] == 3 and fresh.accuracy.rates()[0, 3] > 0.6
+    assert fresh.node_rank[fresh.within(fresh.ranked(fresh.chances()), 1)[0]] == 3
+    assert fresh.accuracy.rates()[0, 3] > 0.6
 
 
 # ------------------------------------------------------------------------------------------- sampling

@@ -170,11 +170,13 @@ class MedusaProposer(Proposer):
         """Per candidate: the product of the current accuracies along its path."""
         return np.append(self.accuracy.rates().ravel(), 1.0)[self.path_cells].prod(axis=1)
 
-    def ranked(self, depth: int, chances: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The candidates at most `depth` deep, best first, and their chances."""
-        nodes = np.flatnonzero(self.node_head < depth)
-        order = nodes[np.lexsort((self.node_head[nodes], -chances[nodes]))]  # ties: parents first
-        return order, chances[order]
+    def ranked(self, chances: np.ndarray) -> np.ndarray:
+        """Every candidate, best first (ties: parents first); those of the first d heads keep this order."""
+        return np.lexsort((self.node_head, -chances))
+
+    def within(self, order: np.ndarray, depth: int) -> np.ndarray:
+        """The candidates of `order` at most `depth` deep."""
+        return order[self.node_head[order] < depth]
 
     @torch.inference_mode()
     def propose(self, tokens, k, params, generator) -> DraftTree:
@@ -184,20 +186,21 @@ class MedusaProposer(Proposer):
             return DraftTree.root_only(root)  # no hidden state for the position before the root (1-token prompt)
         self._learn(tokens)
         context, chances = len(tokens) - 1, self.chances()
+        order = self.ranked(chances)
         if self.cost is not None:
-            worth = self._heads_worth_running(depth, chances, context)
+            worth = self._heads_worth_running(depth, order, chances, context)
             self.skipped = 0 if worth or self.skipped + 1 >= PROBE_EVERY else self.skipped + 1
             if self.skipped:
                 return DraftTree.root_only(root)
             depth = worth or depth  # a probe runs every head: it is for learning
-        order, chances = self.ranked(depth, chances)
+        order = self.within(order, depth)
         started = time.perf_counter()
         logits = self.heads(self.hidden.to(self.heads.out_weight.dtype), depth)  # [depth, draft vocab]
         top = self.heads.vocab_ids[logits.topk(self.ranks, dim=-1).indices].tolist()
         self.head_seconds = smoothed(self.head_seconds, (time.perf_counter() - started) / depth)
         self.pending.append((len(tokens), top))
         if self.cost is not None:  # the heads' cost is spent: send what pays for the target's forward
-            order = order[: best_count(chances, self.cost, context)[0]]
+            order = order[: best_count(chances[order], self.cost, context)[0]]
         index = {-1: 0} | {int(c): i for i, c in enumerate(order, 1)}  # candidate -> tree node (-1: the root)
         parents = [-1] + [index[int(self.node_parent[c])] for c in order]  # a parent always ranks first
         heads = self.node_head[order].tolist()
@@ -216,11 +219,13 @@ class MedusaProposer(Proposer):
                  for j, n in enumerate(counts)]
         return [draws[j].pop() for j in heads], [q[j] for j in heads]
 
-    def _heads_worth_running(self, depth: int, chances: np.ndarray, context: int) -> int:
-        """How many heads (<= depth) make the best step counting their own cost; 0: none beats a plain step."""
+    def _heads_worth_running(self, depth: int, order: np.ndarray, chances: np.ndarray, context: int) -> int:
+        """How many heads (<= depth) make the best step counting their own cost; 0: none beats a plain step.
+        order: every candidate, best first."""
         best, best_rate = 0, 1.0 / self.cost.forward_seconds(1, context)
         for d in range(1, depth + 1):
-            n, rate = best_count(self.ranked(d, chances)[1], self.cost, context, d * (self.head_seconds or 0.0))
+            ranked = chances[self.within(order, d)]
+            n, rate = best_count(ranked, self.cost, context, d * (self.head_seconds or 0.0))
             if n and rate > best_rate:
                 best, best_rate = d, rate
         return best
