@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--questions", help="Spec-Bench question.jsonl (default: ../shared/data/eval/spec_bench)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--repeats", type=int, default=1,
-                   help="runs of each prompt and method, in interleaved rounds; the fastest is kept (timeit's rule)")
+                   help="runs of each prompt and method, in interleaved rounds; the fastest prefill and the "
+                        "fastest decode are kept (timeit's rule)")
     b.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
     return parser
 

@@ -42,6 +42,7 @@ def test_bench_end_to_end(tmp_path: Path, questions: Path, capsys, monkeypatch) 
                       "draft@k=1", "draft@k=2", "hf-plain", "hf-prompt-lookup", "hf-assisted"]
     assert list((tmp_path / "cache" / "costs").glob("*.json"))
     assert len(results["records"]) == 4 * len(labels) * 2  # prompts x methods x temperatures
+    assert all(0 < rec["prefill_seconds"] < rec["seconds"] for rec in results["records"])  # peers' too
     table = aggregate(results)
     for label in labels[1:]:  # greedy: every method reproduces plain decoding token for token
         assert table[0.0]["overall"][label].same_as_none == 1.0, label
@@ -74,6 +75,12 @@ def test_repeats_keep_the_fastest_run_and_flag_outputs_that_differ(tmp_path: Pat
     runs = [{"seconds": 2.0, "output_hash": "a", "tau": 1.0}, {"seconds": 1.5, "output_hash": "a", "tau": 2.0}]
     assert fastest(runs) == {"seconds": 1.5, "output_hash": "a", "tau": 2.0, "seconds_runs": [2.0, 1.5]}
     assert fastest([*runs, {"seconds": 3.0, "output_hash": "b"}])["output_hash"] == "differs-between-runs"
+    # a burst in the first run's decode steps and in the second one's prefill: each part keeps its fastest
+    split = [{"seconds": 2.0, "prefill_seconds": 0.4, "output_hash": "a"},
+             {"seconds": 1.9, "prefill_seconds": 0.8, "output_hash": "a"}]
+    best = fastest(split)
+    assert best["seconds"] == pytest.approx(0.4 + 1.1) and best["prefill_seconds"] == 0.4
+    assert best["seconds_runs"] == [2.0, 1.9] and best["prefill_seconds_runs"] == [0.4, 0.8]
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer())
@@ -84,9 +91,12 @@ def test_repeats_keep_the_fastest_run_and_flag_outputs_that_differ(tmp_path: Pat
     results = json.loads((out / "results.json").read_text())
     assert results["repeats"] == 3 and len(results["records"]) == 2 * 2  # one record per prompt and method
     for rec in results["records"]:
-        assert len(rec["seconds_runs"]) == 3 and rec["seconds"] == min(rec["seconds_runs"])
+        prefill, total = rec["prefill_seconds_runs"], rec["seconds_runs"]
+        assert len(total) == 3 and 0 < rec["prefill_seconds"] == min(prefill) < rec["seconds"] <= min(total)
+        assert rec["seconds"] == pytest.approx(min(prefill) + min(t - p for t, p in zip(total, prefill, strict=True)))
     assert aggregate(results)[0.0]["overall"]["prompt-lookup@k=2"].same_as_none == 1.0
-    assert "fastest run is kept" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "fastest is kept, as timeit does, for the prefill and the decode steps apart" in report
     assert cli_main(["bench", "--model", str(ckpt), "--repeats", "0", "--out", str(out)]) == 2
 
 
@@ -128,7 +138,7 @@ def test_a_round_steps_our_methods_in_turn_and_runs_peers_whole() -> None:
     for n in range(1, 7):  # while both run, neither gets two steps ahead of the other
         assert abs(ours[:n].count("none") - ours[:n].count("pl")) <= 1
     assert records["none"]["new_tokens"] == 5 and records["pl"]["new_tokens"] == 3
-    assert 0 < records["pl"]["seconds"] < 1.0
+    assert 0 < records["pl"]["prefill_seconds"] < records["pl"]["seconds"] < 1.0  # the first step is the prefill
 
 
 def test_questions_and_methods_are_checked(questions: Path) -> None:

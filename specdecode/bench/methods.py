@@ -95,10 +95,11 @@ class Runners:
                               temperature=temperature, seed=seed)
 
     @staticmethod
-    def record(gen: Generation, seconds: float) -> dict:
+    def record(gen: Generation, seconds: float, prefill_seconds: float | None = None) -> dict:
         s = gen.stats
-        return {"new_tokens": s.new_tokens, "seconds": seconds, "drafted": s.drafted, "accepted": s.accepted,
-                "target_forwards": s.target_forwards, "tau": s.tau, "output_hash": output_hash(gen.new_tokens)}
+        return {"new_tokens": s.new_tokens, "seconds": seconds, "prefill_seconds": prefill_seconds,
+                "drafted": s.drafted, "accepted": s.accepted, "target_forwards": s.target_forwards, "tau": s.tau,
+                "output_hash": output_hash(gen.new_tokens)}
 
     def ours(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         gen = self.start(m, prompt_ids, max_new_tokens, temperature, seed)
@@ -124,8 +125,9 @@ class Runners:
                 self._hf_drafts[path] = self._load_hf(path)
             kwargs["assistant_model"] = self._hf_drafts[path]
         ids = torch.tensor([prompt_ids])
-        calls = []  # every target forward, the prefill included: it yields the first token, as ours does
-        hook = self._hf.register_forward_pre_hook(lambda *_: calls.append(1))
+        # when every target forward ends, the prefill included: it yields the first token, as ours does
+        calls: list[float] = []
+        hook = self._hf.register_forward_hook(lambda *_: calls.append(time.perf_counter()))
         torch.manual_seed(seed)
         started = time.perf_counter()
         try:
@@ -135,6 +137,7 @@ class Runners:
             hook.remove()
         seconds = time.perf_counter() - started
         new = out[0, len(prompt_ids):].tolist()
-        return {"new_tokens": len(new), "seconds": seconds, "drafted": None, "accepted": None,
+        return {"new_tokens": len(new), "seconds": seconds, "prefill_seconds": calls[0] - started if calls else None,
+                "drafted": None, "accepted": None,
                 "target_forwards": len(calls), "tau": len(new) / len(calls) if calls else None,
                 "output_hash": output_hash(new)}

@@ -123,8 +123,10 @@ def interleaving_note(results: dict) -> str:
 def repeats_note(repeats: int) -> str:
     if repeats == 1:
         return ""
-    return (f"; each prompt ran {repeats} times per method in rounds (a fresh random order each) and "
-            "its fastest run is kept, as timeit does (every run's seconds are in results.json)")
+    return (f"; each prompt ran {repeats} times per method in rounds (a fresh random order each) and the "
+            "fastest is kept, as timeit does, for the prefill and the decode steps apart: the prefill is one long "
+            "step that a burst of load hits alone, and the same work in every run (every run's seconds are in "
+            "results.json)")
 
 
 def peer_lines(overall: dict[str, Cell]) -> list[str]:
