@@ -42,6 +42,8 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 TABLE_VERSION = 2
 # per step, how far the shape of sizes not run relaxes from above towards the table's (see CostModel.observe)
 RELAX = 0.001
+# a step's shape is learned only within this many steps of a plain one, which shows the load it ran under
+CONTRAST_STEPS = 8
 
 
 # ------------------------------------------------------------------------------------------ cost
@@ -53,7 +55,7 @@ class CostModel:
     machine running slower or faster than when the table was measured: common to every size, so learned
     from every step) times each size's `shape` (how far steps of that size stray from the table beyond the
     load, e.g. a tree mask's attention or what a step adds around the forward: learned only from steps of
-    that size, relative to the smallest size seen).
+    that size, against plain steps timed just before; the plain step's is 1 by definition).
     """
 
     sizes: list[int]
@@ -63,6 +65,8 @@ class CostModel:
     version: int = 1
     load: float = field(default=1.0, compare=False, repr=False)
     shape: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    plain: float = field(default=1.0, compare=False, repr=False)  # recent plain steps' cost over the table's
+    plain_age: int = field(default=CONTRAST_STEPS + 1, compare=False, repr=False)  # steps since the last one
 
     def forward_seconds(self, tokens: int, context: int) -> float:
         return float(self.forward_seconds_many(np.array([tokens]), context)[0])
@@ -72,38 +76,42 @@ class CostModel:
         return self._table_many(tokens, context) * self.load * self._shape_many(tokens)
 
     def _shape_many(self, tokens: np.ndarray) -> np.ndarray:
-        """Interpolated between the sizes seen so far; 1.0 (the table's own shape) before any."""
-        if not self.shape:
-            return np.ones(len(tokens))
-        sizes = sorted(self.shape)
-        return np.interp(tokens, sizes, [self.shape[n] for n in sizes])
+        """Interpolated between the sizes seen so far and the plain step's 1.0 (the table's own shape);
+        past the largest size seen, that size's shape."""
+        shape = {1: 1.0} | self.shape
+        sizes = sorted(shape)
+        return np.interp(tokens, sizes, [shape[n] for n in sizes])
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         """A step of `tokens` took `seconds`: the load follows quickly, the size's own shape slowly.
 
         A burst of load thus moves every size alike, and a policy that stopped running large steps during one
         sees them cheap again as soon as the burst ends (when a single correction was kept per size, only the
-        sizes run were re-timed: every adaptive method stayed at plain steps after a burst). Shapes of sizes not
-        run relax from above towards the table's, slowly (RELAX): an escape for a size whose shape was learned
-        from an unlucky step, without losing the shape of sizes a policy runs only now and then."""
+        sizes run were re-timed: every adaptive method stayed at plain steps after a burst).
+
+        Load and shape cannot be told apart from steps of one size alone, so a shape is learned only from
+        the contrast with plain steps timed at most CONTRAST_STEPS before (a policy that never runs plain
+        steps keeps the table's shape, and the load follows its steps). When a size's shape was learned
+        from its steps alone, one spike in Medusa's first tree set the load 1.7x too high while every shape
+        after it came out 0.6: plain steps looked dearer than 4-token trees, and Medusa guessed at 2%
+        acceptance for a whole request. Shapes of sizes not run relax from above towards the table's
+        (RELAX): an escape for a size that looks dear, without losing the shape of sizes run now and then."""
         ratio = min(max(seconds / max(self.table_seconds(tokens, context), 1e-9), 0.25), 4.0)
-        if not self.shape:
-            self.load, self.shape[tokens] = ratio, 1.0
-        elif tokens in self.shape:
-            self.load = 0.8 * self.load + 0.2 * ratio / self.shape[tokens]
-            if tokens != min(self.shape):  # the smallest size seen is the reference: its steps show the load
-                self.shape[tokens] = 0.9 * self.shape[tokens] + 0.1 * ratio / self.load
-        else:  # a size's first step: what the load does not explain is its shape
-            self.shape[tokens] = min(max(ratio / self.load, 0.5), 2.0)
-        base = self.shape[min(self.shape)]  # 1 but when a smaller size than any before has just been seen
+        shape = float(self._shape_many(np.array([tokens]))[0])
+        self.load = 0.8 * self.load + 0.2 * ratio / shape
         for n, value in self.shape.items():
-            value /= base
-            self.shape[n] = value + RELAX * (1.0 - value) if n != tokens and value > 1.0 else value
-        self.load *= base
+            if n != tokens and value > 1.0:
+                self.shape[n] = value + RELAX * (1.0 - value)
+        self.plain_age += 1
+        if tokens == 1:  # the plain step is the reference: its shape is 1 by definition
+            self.plain = ratio if self.plain_age > CONTRAST_STEPS else 0.5 * self.plain + 0.5 * ratio
+            self.plain_age = 0
+        elif self.plain_age <= CONTRAST_STEPS:
+            self.shape[tokens] = 0.9 * shape + 0.1 * min(max(ratio / self.plain, 0.5), 2.0)
 
     def table(self) -> dict:
         """The measured part, as saved: the online corrections are per process."""
-        return {k: v for k, v in asdict(self).items() if k not in ("load", "shape")}
+        return {k: v for k, v in asdict(self).items() if k not in ("load", "shape", "plain", "plain_age")}
 
     def table_seconds(self, tokens: int, context: int) -> float:
         return float(self._table_many(np.array([tokens]), context)[0])

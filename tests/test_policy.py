@@ -237,11 +237,23 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     fresh.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, 1.0, None, seconds_per_guess=0.01))
     assert fresh.draft_per_guess == pytest.approx(0.01)
     root = DraftTree.root_only(5)
-    for _ in range(10):  # plain steps cost what the table says: 3-token steps keep their own shape
+    for _ in range(30):  # then plain steps at the table's cost: the 2x was load, which every size follows
         policy.observe(StepRecord(root, root, 3, [1, 2, 5, 6], 10, draft_seconds=0.0, target_seconds=1.0))
-    assert cost.forward_seconds(1, 10) == pytest.approx(1.0)
-    assert cost.forward_seconds(3, 10) == pytest.approx(1.0 + (1 - RELAX) ** 10)  # relaxing back slowly
-    assert cost.forward_seconds(2, 10) == pytest.approx((1.0 + cost.forward_seconds(3, 10)) / 2)  # in between
+    assert cost.forward_seconds(1, 10) == pytest.approx(1.0, rel=0.01)
+    assert cost.forward_seconds(3, 10) == pytest.approx(1.0, rel=0.01)
+
+
+def test_steps_of_one_size_alone_teach_the_load_not_their_shape() -> None:
+    """Seen with Medusa on SmolLM2: its first tree met a spike (1.7x), every step after sent 4 tokens at the
+    table's cost. Learning shapes from those steps alone made plain steps look 1.7x dear, so Medusa kept
+    guessing at 2% acceptance; without plain steps to contrast them with, the table's shape must stand."""
+    cost = linear_cost(0.1)
+    cost.observe(3, 10, 1.72 * cost.table_seconds(3, 10))
+    for _ in range(30):
+        cost.observe(4, 10, cost.table_seconds(4, 10))
+    assert cost.shape == {}
+    assert cost.forward_seconds(1, 10) == pytest.approx(cost.table_seconds(1, 10), rel=0.01)
+    assert cost.forward_seconds(4, 10) == pytest.approx(cost.table_seconds(4, 10), rel=0.01)
 
 
 def test_load_moves_every_size_and_shapes_stay_their_own() -> None:
@@ -252,9 +264,11 @@ def test_load_moves_every_size_and_shapes_stay_their_own() -> None:
     for _ in range(20):
         cost.observe(1, 10, cost.table_seconds(1, 10))
         cost.observe(12, 10, 1.5 * cost.table_seconds(12, 10))
+    assert cost.forward_seconds(12, 10) > 1.45 * cost.table_seconds(12, 10)
+    assert cost.forward_seconds(1, 10) == pytest.approx(cost.table_seconds(1, 10), rel=0.05)
     for _ in range(100):  # plain steps only, e.g. a stretch where guessing does not pay
         cost.observe(1, 10, cost.table_seconds(1, 10))
-    assert cost.forward_seconds(12, 10) > 1.4 * cost.table_seconds(12, 10)
+    assert cost.forward_seconds(12, 10) > 1.35 * cost.table_seconds(12, 10)  # relaxing only slowly
     for _ in range(20):  # load: plain steps twice as dear; twelve-token steps follow without being run
         cost.observe(1, 10, 2.0 * cost.table_seconds(1, 10))
     assert cost.forward_seconds(1, 10) == pytest.approx(2.0 * cost.table_seconds(1, 10), rel=0.02)
@@ -276,16 +290,19 @@ def test_a_burst_of_load_does_not_lock_out_large_steps() -> None:
 
 
 def test_a_size_first_timed_in_a_spike_is_tried_again() -> None:
-    """A size whose only step met a spike (a page fault, another process's burst) looks dear; a policy that
-    therefore never runs it again must still come back to it: its shape relaxes towards the table's."""
+    """A size whose only step met a spike (a page fault, another process's burst) must not look dear for
+    good: its shape moves a tenth of the way (capped at 2x), and relaxes towards the table's while not run."""
     cost = linear_cost(0.1)
     for _ in range(20):
         cost.observe(1, 10, cost.table_seconds(1, 10))
     cost.observe(5, 10, 4.0 * cost.table_seconds(5, 10))
-    assert cost.forward_seconds(5, 10) > 1.9 * cost.table_seconds(5, 10)  # at most twice, from one step
+    assert cost.shape == {5: pytest.approx(1.1)}
+    for _ in range(20):  # plain steps: the load is back at once
+        cost.observe(1, 10, cost.table_seconds(1, 10))
+    assert cost.forward_seconds(5, 10) < 1.11 * cost.table_seconds(5, 10)
     for _ in range(2000):  # some 16 requests of plain steps
         cost.observe(1, 10, cost.table_seconds(1, 10))
-    assert cost.forward_seconds(5, 10) < 1.2 * cost.table_seconds(5, 10)
+    assert cost.shape[5] == pytest.approx(1 + 0.1 * (1 - RELAX) ** 2020)
 
 
 def test_fixed_k_rejects_negative() -> None:
@@ -337,6 +354,7 @@ def test_fixed_k_with_a_cost_model_teaches_it_what_steps_cost():
     step = StepRecord(tree, tree, 10, list(range(13)), 9, 0.0, 2.0)
     FixedK(2).observe(step)
     assert cost.shape == {}
-    FixedK(2, cost=cost).observe(step)
-    assert cost.shape == {3: 1.0} and cost.load == pytest.approx(2.0 / cost.table_seconds(3, 9))
-    assert cost.forward_seconds(3, 9) == pytest.approx(2.0)
+    for _ in range(40):
+        FixedK(2, cost=cost).observe(step)
+    assert cost.shape == {} and cost.load == pytest.approx(2.0 / cost.table_seconds(3, 9), rel=0.01)
+    assert cost.forward_seconds(3, 9) == pytest.approx(2.0, rel=0.01)
