@@ -27,7 +27,7 @@ import statistics
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -110,8 +110,9 @@ class CostModel:
             self.shape[tokens] = 0.9 * shape + 0.1 * min(max(ratio / self.plain, 0.5), 2.0)
 
     def table(self) -> dict:
-        """The measured part, as saved: the online corrections are per process."""
-        return {k: v for k, v in asdict(self).items() if k not in ("load", "shape", "plain", "plain_age")}
+        """The measured part, as saved: the online corrections (the fields outside comparison) are per process."""
+        online = {f.name for f in fields(self) if not f.compare}
+        return {k: v for k, v in asdict(self).items() if k not in online}
 
     def table_seconds(self, tokens: int, context: int) -> float:
         return float(self._table_many(np.array([tokens]), context)[0])
