@@ -140,15 +140,15 @@ def test_tree_size_from_cost(target) -> None:
 def test_heads_do_not_run_while_they_cannot_pay(target) -> None:
     linear = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 64.0], [1.0, 64.0]])
     proposer = sized(target, linear)  # each node costs a whole forward: guessing never pays
-    for _ in range(PROBE_EVERY - 1):
+    for _ in range(PROBE_EVERY):
         assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
     assert proposer.head_seconds is None  # the heads were skipped: those steps cost nothing extra
     assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
     assert proposer.head_seconds is not None  # a probe ran them, to keep learning
     costly = sized(target, STEEP)  # guesses would pay, but not heads costing 4 plain steps each
     costly.head_seconds = 4.0
-    drafted = [costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted for _ in range(PROBE_EVERY)]
-    assert drafted == [0] * (PROBE_EVERY - 1) + [10]  # the probe's heads are spent: what pays is sent
+    drafted = [costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted for _ in range(PROBE_EVERY + 1)]
+    assert drafted == [0] * PROBE_EVERY + [10]  # the probe's heads are spent: what pays is sent
     costly.head_seconds = 0.1
     assert costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 10  # cheap heads: every step
 

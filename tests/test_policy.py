@@ -10,7 +10,6 @@ import pytest
 
 from specdecode.engine import generate_ids
 from specdecode.policy import (
-    RELAX,
     TABLE_VERSION,
     AcceptanceStats,
     AdaptiveK,
@@ -176,10 +175,10 @@ def test_costly_drafts_probe_with_backoff() -> None:
     policy = AdaptiveK(linear_cost(0.0), confident(0.05), cheap=False)
     assert policy.depth_to_propose(10, 20) == 2  # first: a short draft to measure what it costs
     policy.draft_per_guess = 0.5  # half a target forward per guess, for ~5% acceptance: never pays
-    depths = [policy.depth_to_propose(10, 20) for _ in range(8 + 16 + 32)]
+    depths = [policy.depth_to_propose(10, 20) for _ in range(8 + 1 + 16 + 1 + 32 + 1)]
     probes = [i for i, d in enumerate(depths) if d]
-    assert probes == [7, 7 + 16, 7 + 16 + 32]  # intervals double while the draft keeps not paying
-    policy.stats = confident(0.95)
+    assert probes == [8, 8 + 1 + 16, 8 + 1 + 16 + 1 + 32]  # intervals double while the draft keeps not paying
+    policy.stats = confident(0.95)  # what the last probe found
     policy.scorer.stats = policy.stats
     policy.draft_per_guess = 0.5
     assert policy.depth_to_propose(10, 20) > 0  # good again: speculate every step
@@ -205,8 +204,8 @@ def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> N
     assert policy.propose_seconds == pytest.approx(0.004)  # under 1% of a plain step: still asked every step
     assert all(policy.depth_to_propose(10, 20) == 16 for _ in range(50))
     policy.propose_seconds = 0.1  # heads costing a tenth of a plain step, for ~5% acceptance: never pays
-    depths = [policy.depth_to_propose(10, 20) for _ in range(8 + 16 + 32)]
-    assert [i for i, d in enumerate(depths) if d] == [7, 7 + 16, 7 + 16 + 32]  # probes, backing off
+    depths = [policy.depth_to_propose(10, 20) for _ in range(8 + 1 + 16 + 1 + 32 + 1)]
+    assert [i for i, d in enumerate(depths) if d] == [8, 8 + 1 + 16, 8 + 1 + 16 + 1 + 32]  # probes, backing off
     policy.stats = confident(0.9)
     policy.propose_seconds = 0.1
     assert policy.depth_to_propose(10, 20) == 16 and policy.probe_every == 8  # good again: every step
@@ -243,66 +242,50 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     assert cost.forward_seconds(3, 10) == pytest.approx(1.0, rel=0.01)
 
 
-def test_steps_of_one_size_alone_teach_the_load_not_their_shape() -> None:
+def test_a_spike_in_one_step_leaves_with_the_next_steps() -> None:
     """Seen with Medusa on SmolLM2: its first tree met a spike (1.7x), every step after sent 4 tokens at the
-    table's cost. Learning shapes from those steps alone made plain steps look 1.7x dear, so Medusa kept
-    guessing at 2% acceptance; without plain steps to contrast them with, the table's shape must stand."""
+    table's cost. The spike must not stay in the price of any size."""
     cost = linear_cost(0.1)
     cost.observe(3, 10, 1.72 * cost.table_seconds(3, 10))
+    assert cost.load == pytest.approx(1.144)
     for _ in range(30):
         cost.observe(4, 10, cost.table_seconds(4, 10))
-    assert cost.shape == {}
     assert cost.forward_seconds(1, 10) == pytest.approx(cost.table_seconds(1, 10), rel=0.01)
     assert cost.forward_seconds(4, 10) == pytest.approx(cost.table_seconds(4, 10), rel=0.01)
 
 
-def test_load_moves_every_size_and_shapes_stay_their_own() -> None:
-    """Large steps really cost 1.5x what the table says relative to plain ones (seen on SmolLM2 with
-    lookahead's 10-17 token steps): run only now and then, they must keep that shape while plain steps run,
-    or a policy prices them too cheap and over-guesses; load must reach them without running them."""
+def test_noisy_steps_never_make_guesses_cheaper_than_the_table_says() -> None:
+    """Seen with Medusa on SmolLM2 (q163): a burst on plain steps, then 3-token steps timed at the table's
+    price. When each size learned its own deviation against the plain steps just before, 3-token steps came
+    out at 0.85 of a plain step and Medusa guessed at 3% acceptance for 100 steps, each 13% dearer than
+    a plain step. Every size must stay at the table's price relative to the plain step, whatever the timings."""
     cost = linear_cost(0.1)
-    for _ in range(20):
-        cost.observe(1, 10, cost.table_seconds(1, 10))
-        cost.observe(12, 10, 1.5 * cost.table_seconds(12, 10))
-    assert cost.forward_seconds(12, 10) > 1.45 * cost.table_seconds(12, 10)
-    assert cost.forward_seconds(1, 10) == pytest.approx(cost.table_seconds(1, 10), rel=0.05)
-    for _ in range(100):  # plain steps only, e.g. a stretch where guessing does not pay
-        cost.observe(1, 10, cost.table_seconds(1, 10))
-    assert cost.forward_seconds(12, 10) > 1.35 * cost.table_seconds(12, 10)  # relaxing only slowly
-    for _ in range(20):  # load: plain steps twice as dear; twelve-token steps follow without being run
-        cost.observe(1, 10, 2.0 * cost.table_seconds(1, 10))
-    assert cost.forward_seconds(1, 10) == pytest.approx(2.0 * cost.table_seconds(1, 10), rel=0.02)
-    assert cost.forward_seconds(12, 10) > 2.7 * cost.table_seconds(12, 10)
+    rng = random.Random(0)
+    for burst in (1.85, 1.5, 1.6):
+        cost.observe(1, 10, burst * cost.table_seconds(1, 10))
+    for _ in range(200):
+        n = rng.choice([1, 3, 3, 12])
+        cost.observe(n, 10, rng.uniform(0.7, 1.9) * cost.table_seconds(n, 10))
+        for size in (3, 12):
+            relative = cost.forward_seconds(size, 10) / cost.forward_seconds(1, 10)
+            assert relative == pytest.approx(cost.table_seconds(size, 10) / cost.table_seconds(1, 10))
 
 
-def test_a_burst_of_load_does_not_lock_out_large_steps() -> None:
-    """A burst of load hits every step; once a policy stops running large steps only plain steps are timed,
-    and they must bring the large sizes back down, or speculation never resumes (seen in a Spec-Bench run:
-    every adaptive method stuck at plain steps after a few seconds of load)."""
+def test_load_moves_every_size_alike() -> None:
+    """Plain steps alone teach the price of sizes not run (a policy that stopped guessing during a burst must
+    see guesses cheap again once it ends; seen in a Spec-Bench run: every adaptive method stuck at plain
+    steps after a few seconds of load)."""
     cost = linear_cost(0.1)
     for _ in range(30):  # the burst: every step at 4x the table
         cost.observe(1, 10, 4.0 * cost.table_seconds(1, 10))
         cost.observe(5, 10, 4.0 * cost.table_seconds(5, 10))
     assert cost.forward_seconds(5, 10) > 3.5 * cost.table_seconds(5, 10)
-    for _ in range(20):  # then plain steps only, at the table's cost
+    for _ in range(30):  # then plain steps only, at the table's cost
         cost.observe(1, 10, cost.table_seconds(1, 10))
-    assert cost.forward_seconds(5, 10) < 1.1 * cost.table_seconds(5, 10)
-
-
-def test_a_size_first_timed_in_a_spike_is_tried_again() -> None:
-    """A size whose only step met a spike (a page fault, another process's burst) must not look dear for
-    good: its shape moves a tenth of the way (capped at 2x), and relaxes towards the table's while not run."""
-    cost = linear_cost(0.1)
-    for _ in range(20):
-        cost.observe(1, 10, cost.table_seconds(1, 10))
-    cost.observe(5, 10, 4.0 * cost.table_seconds(5, 10))
-    assert cost.shape == {5: pytest.approx(1.1)}
-    for _ in range(20):  # plain steps: the load is back at once
-        cost.observe(1, 10, cost.table_seconds(1, 10))
-    assert cost.forward_seconds(5, 10) < 1.11 * cost.table_seconds(5, 10)
-    for _ in range(2000):  # some 16 requests of plain steps
-        cost.observe(1, 10, cost.table_seconds(1, 10))
-    assert cost.shape[5] == pytest.approx(1 + 0.1 * (1 - RELAX) ** 2020)
+    assert cost.forward_seconds(5, 10) == pytest.approx(cost.table_seconds(5, 10), rel=0.01)
+    for _ in range(30):  # plain steps twice as dear: twelve-token steps follow without being run
+        cost.observe(1, 10, 2.0 * cost.table_seconds(1, 10))
+    assert cost.forward_seconds(12, 10) == pytest.approx(2.0 * cost.table_seconds(12, 10), rel=0.02)
 
 
 def test_fixed_k_rejects_negative() -> None:
@@ -353,8 +336,8 @@ def test_fixed_k_with_a_cost_model_teaches_it_what_steps_cost():
     tree = DraftTree.chain(5, [1, 2], [None, None])
     step = StepRecord(tree, tree, 10, list(range(13)), 9, 0.0, 2.0)
     FixedK(2).observe(step)
-    assert cost.shape == {}
+    assert cost.load == 1.0
     for _ in range(40):
         FixedK(2, cost=cost).observe(step)
-    assert cost.shape == {} and cost.load == pytest.approx(2.0 / cost.table_seconds(3, 9), rel=0.01)
+    assert cost.load == pytest.approx(2.0 / cost.table_seconds(3, 9), rel=0.01)
     assert cost.forward_seconds(3, 9) == pytest.approx(2.0, rel=0.01)
