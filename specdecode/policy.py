@@ -451,9 +451,11 @@ class AdaptiveK(Policy):
         return self._plain_or_probe(depth if self.could_pay(context, depth, overhead) else 0)
 
     def _between_probes(self) -> bool:
-        """A proposer that costs to run is not run on plain steps, so they teach the policy nothing new: within
-        a plain streak the decision stands until the next probe is due (and costs nothing to make)."""
-        if 0 < self.plain_streak < self.probe_every:
+        """A proposer that costs to run is not run on plain steps, so once its last proposals are scored they
+        teach the policy nothing new: the decision stands (costing nothing to make) until a probe is due.
+        Not before: a guess that matched is scored only once the text covers all of it, a miss at once, so
+        deciding before then would see the misses alone."""
+        if 0 < self.plain_streak < self.probe_every and not self.scorer.pending:
             self.plain_streak += 1
             return True
         return False
@@ -463,10 +465,10 @@ class AdaptiveK(Policy):
         return depth
 
     def _plain_or_probe(self, probe_depth: int) -> int:
-        """Nothing is worth guessing: a plain step that starts a streak, or at the streak's end a probe (depth
-        `probe_depth`), the interval doubling while probes find nothing worth guessing."""
-        if self.plain_streak == 0:
-            self.plain_streak = 1
+        """Nothing is worth guessing: a plain step, or after `probe_every` of them a probe (depth `probe_depth`),
+        the interval doubling while probes find nothing worth guessing."""
+        self.plain_streak += 1
+        if self.plain_streak <= self.probe_every:
             return 0
         self.plain_streak, self.probe_every = 0, min(2 * self.probe_every, 4096)
         return probe_depth

@@ -211,6 +211,24 @@ def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> N
     assert policy.depth_to_propose(10, 20) == 16 and policy.probe_every == 8  # good again: every step
 
 
+def test_the_decision_is_made_again_while_earlier_proposals_are_scored() -> None:
+    """Between probes a plain step is not priced again, but only once every proposal made before is scored:
+    a miss is scored at once, a match only when the text covers the whole guess, so a policy that stopped
+    deciding at the first plain step would have seen the misses alone."""
+    def after_one_plain_step(pending: bool) -> int:
+        policy = AdaptiveK(linear_cost(0.05), confident(0.05), cheap=True)
+        policy.propose_seconds = 0.1  # a tenth of a plain step: asked only while it pays
+        assert policy.depth_to_propose(10, 20) == 0
+        if pending:  # a guess made before, still uncovered
+            policy.scorer.add(DraftTree.chain(9, [10, 11, 12]), 10)
+        policy.stats = policy.scorer.stats = confident(0.9)  # what scoring the others has taught meanwhile
+        policy.propose_seconds = 0.1
+        return policy.depth_to_propose(10, 20)
+
+    assert after_one_plain_step(pending=True) == 16  # decided again: guessing pays now
+    assert after_one_plain_step(pending=False) == 0  # nothing left to score: the decision stands until a probe
+
+
 def test_a_request_starts_from_what_earlier_requests_found() -> None:
     shared = AcceptanceStats()
     first = AdaptiveK(linear_cost(0.0), shared, cheap=False)

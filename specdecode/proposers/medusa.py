@@ -15,8 +15,9 @@ sent, and carried across requests. A summary accepts other guesses than a proof.
 
 Sizing (with a cost model): before the heads run, each number of heads d is priced, the best count of
 nodes up to depth d costing the target's forward of them plus d head forwards. When no d beats a plain
-step the heads do not run (the step costs nothing extra, and the decision stands: steps without the heads
-teach nothing) until PROBE_EVERY such steps have passed; then a probe runs them all to keep learning.
+step the heads do not run (the step costs nothing extra) until PROBE_EVERY such steps have passed; then
+a probe runs them all to keep learning. Once the heads' last runs are settled (a miss settles at once, a
+hit only when the text covers the whole run) such steps teach nothing, so the decision stands unpriced.
 Once they ran their cost is spent, and the count of nodes sent is the one maximising
 (1 + expected accepted) / forward seconds.
 
@@ -186,14 +187,14 @@ class MedusaProposer(Proposer):
         if self.hidden is None or self.position != len(tokens) - 2 or depth < 1:
             return DraftTree.root_only(root)  # no hidden state for the position before the root (1-token prompt)
         self._learn(tokens)
-        if self.cost is not None and 0 < self.skipped < PROBE_EVERY:  # heads not run teach nothing: no new decision
+        if self.cost is not None and 0 < self.skipped < PROBE_EVERY and not self.pending:  # nothing new to decide on
             self.skipped += 1
             return DraftTree.root_only(root)
         context, chances = len(tokens) - 1, self.chances()
         order = self.ranked(chances)
         if self.cost is not None:
             worth = self._heads_worth_running(depth, order, chances, context)
-            self.skipped = 0 if worth or self.skipped >= PROBE_EVERY else 1  # 0: the heads run now
+            self.skipped = 0 if worth or self.skipped >= PROBE_EVERY else self.skipped + 1  # 0: the heads run now
             if self.skipped:
                 return DraftTree.root_only(root)
             depth = worth or depth  # a probe runs every head: it is for learning
