@@ -95,7 +95,7 @@ class CostModel:
     def _table_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
         inside = np.minimum(tokens, self.sizes[-1])  # past the largest size measured: linear
         t0, t1 = self._dense[:, inside] + self._beyond[:, None] * (tokens - inside)
-        (c0, c1) = self.contexts
+        c0, c1 = self.contexts
         slope = (t1 - t0) / (c1 - c0)  # attention grows with the context; extrapolate linearly
         return np.maximum(t0 + slope * (context - c0), 0.2 * t0)
 
@@ -435,7 +435,9 @@ class AdaptiveK(Policy):
         depth = self.best_depth(0, context, limit)
         if depth:
             return self._guessing(depth)
-        return self._plain_or_probe(min(2, limit) if self.could_pay(context, limit) else 0)
+        if not self._probe_due():
+            return 0
+        return min(2, limit) if self.could_pay(context, limit) else 0
 
     def _cheap_depth(self, context: int, depth: int) -> int:
         """Ask for the whole depth (the tree is cut after it is seen) unless proposing itself costs more
@@ -448,7 +450,9 @@ class AdaptiveK(Policy):
             return 0
         if any(self.best_depth(b, context, depth, overhead=overhead) for b in self.stats.hits or [0]):
             return self._guessing(depth)
-        return self._plain_or_probe(depth if self.could_pay(context, depth, overhead) else 0)
+        if not self._probe_due():
+            return 0
+        return depth if self.could_pay(context, depth, overhead) else 0
 
     def _between_probes(self) -> bool:
         """A proposer that costs to run is not run on plain steps, so once its last proposals are scored they
@@ -464,14 +468,14 @@ class AdaptiveK(Policy):
         self.plain_streak, self.probe_every = 0, 8
         return depth
 
-    def _plain_or_probe(self, probe_depth: int) -> int:
-        """Nothing is worth guessing: a plain step, or after `probe_every` of them a probe (depth `probe_depth`),
-        the interval doubling while probes find nothing worth guessing."""
+    def _probe_due(self) -> bool:
+        """Nothing is worth guessing: a plain step, or after `probe_every` of them a probe (True), the interval
+        doubling while probes find nothing worth guessing. Only then is it worth asking whether guesses could pay."""
         self.plain_streak += 1
         if self.plain_streak <= self.probe_every:
-            return 0
+            return False
         self.plain_streak, self.probe_every = 0, min(2 * self.probe_every, 4096)
-        return probe_depth
+        return True
 
     def could_pay(self, context: int, limit: int, overhead: float = 0.0) -> bool:
         """Would even all-accepted guesses beat plain steps?"""
