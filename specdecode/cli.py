@@ -98,6 +98,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with err.status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype)
+    if args.k == "auto" and args.method != "none":
+        measure_costs_once(llm)
     options = dict(
         method=args.method, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -119,6 +121,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     show_stats([stream.output])
     return 0
+
+
+def measure_costs_once(llm: LLM) -> None:
+    """`--k auto` prices guesses with the target's forward costs, timed on the first run on a machine:
+    say so rather than look hung."""
+    from .policy import CostModel
+
+    if CostModel.cached(llm.model) is None:
+        with err.status("timing target forwards (once per model and machine, about a minute)..."):
+            llm.cost_model()
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

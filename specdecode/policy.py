@@ -4,7 +4,7 @@ Each step the policy picks the draft depth d that maximises expected committed t
 
     (1 + E[accepted | d]) / (T_target(nodes(d), context) + T_draft(d)),
 
-and d = 0 (a plain step) when no depth beats 1 / T_target(1). T_target comes from forward timings
+and d = 0 (a plain step) when no depth beats 1 / T_target(1) by MARGIN. T_target comes from forward timings
 measured once per model and machine (cached on disk) and scaled online by the load the machine is under
 (what steps actually cost over the table's price); E[accepted] from per-depth conditional acceptance
 rates, tracked per proposal class.
@@ -38,8 +38,14 @@ from .tree import DraftTree
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # tables saved by another version of `measure` are measured again (version 1 timed 5 rounds in a fixed order:
-# one burst of load could flatten the small sizes, which then looked free to verify)
-TABLE_VERSION = 2
+# one burst of load could flatten the small sizes, which then looked free to verify; version 2 took unpaired
+# medians, up to 10% optimistic for small sizes at long context)
+TABLE_VERSION = 3
+# a guess must beat a plain step's rate by this fraction: a small size's price is known to +-3% and acceptance
+# is estimated from a few dozen guesses, and guessing is chosen when those estimates look best, so a step
+# estimated within a few percent of a plain one loses about as often as it wins (Medusa in summarization:
+# guesses at 8% acceptance, each step 4% dearer than the table said, 0.96x of plain decoding)
+MARGIN = 0.04
 
 
 # ------------------------------------------------------------------------------------------ cost
@@ -100,9 +106,18 @@ class CostModel:
         return np.maximum(t0 + slope * (context - c0), 0.2 * t0)
 
     @classmethod
-    def measure(cls, model: Transformer, repeats: int = 10, sizes: tuple[int, ...] = COST_SIZES) -> CostModel:
-        """Time forwards of each size after a short and a long cached context, interleaved in a fresh order
-        each round (so drift in the machine's speed does not bend the table's shape), medians."""
+    def measure(cls, model: Transformer, repeats: int = 32) -> CostModel:
+        """Time forwards of each size after a short and a long cached context, each next to a 1-token forward.
+
+        A size's price is the 1-token median times the median of its paired ratios: the machine's speed drifts
+        within seconds, and unpaired medians of 10 rounds were off by up to 10% for 3-4 tokens at long context
+        (pricing Medusa's small trees as paying when they cost more than they saved). Sizes past 16 tokens are
+        timed every fourth round: they cost as much as all the small ones and are far from any decision's margin.
+        Still, one forward's time strays by +-15% on a 2-core machine, so a small size's price is known to +-3%.
+        """
+        if repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {repeats}")
+        sizes = COST_SIZES
         limit = model.config.max_position_embeddings
         long = min(1024, limit - sizes[-1])
         if long < 8:
@@ -110,41 +125,58 @@ class CostModel:
         contexts = [min(64, long // 4), long]
         g = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
-        times: list[list[list[float]]] = [[[] for _ in sizes] for _ in contexts]
         caches = []
         for c in contexts:
             cache = model.new_cache(c + sizes[-1])
             model.forward(torch.randint(0, vocab, (1, c), generator=g), cache, logits_at=None)
             caches.append(cache)
+
+        def timed(ci: int, n: int) -> float:
+            tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
+            started = time.perf_counter()
+            model.forward(tokens, caches[ci])  # logits for every token, as a verification does
+            elapsed = time.perf_counter() - started
+            caches[ci].rollback(contexts[ci])
+            return elapsed
+
         order = random.Random(0)
-        cells = [(ci, si) for ci in range(len(contexts)) for si in range(len(sizes))]
+        single: list[list[float]] = [[] for _ in contexts]
+        ratios: list[list[list[float]]] = [[[] for _ in sizes] for _ in contexts]
         for rep in range(repeats + 1):  # the first round warms up
+            large = rep % 4 == 1 or rep == 0
+            cells = [(ci, si) for ci in range(len(contexts)) for si, n in enumerate(sizes)
+                     if n > 1 and (n <= 16 or large)]
             for ci, si in order.sample(cells, len(cells)):
-                c, cache, n = contexts[ci], caches[ci], sizes[si]
-                tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
-                started = time.perf_counter()
-                model.forward(tokens, cache)  # logits for every token, as a verification does
-                elapsed = time.perf_counter() - started
-                cache.rollback(c)
+                n = sizes[si]
+                took = {m: timed(ci, m) for m in order.sample([1, n], 2)}  # either may run first
                 if rep:
-                    times[ci][si].append(elapsed)
-        seconds = [nondecreasing([statistics.median(t) for t in row]) for row in times]
+                    single[ci].append(took[1])
+                    ratios[ci][si].append(took[n] / took[1])
+        seconds = []
+        for ci in range(len(contexts)):
+            plain = statistics.median(single[ci])
+            seconds.append(nondecreasing([plain] + [plain * statistics.median(r) for r in ratios[ci][1:]]))
         return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION)
 
     @classmethod
     def for_model(cls, model: Transformer, cache_dir: Path | None = None) -> CostModel:
-        """The model's cost table for this machine: read from disk, or measured once and saved."""
-        path = cls.path(model, cache_dir)
-        if path.exists():
-            try:
-                cost = cls(**json.loads(path.read_text()))
-                if cost.version == TABLE_VERSION:
-                    return cost
-            except (ValueError, TypeError):
-                pass  # a damaged file: measure again
-        cost = cls.measure(model)
-        cls.save(model, cost, cache_dir)
+        """The model's cost table for this machine: read from disk, or measured once (about a minute for
+        SmolLM2-135M on 2 CPU cores) and saved."""
+        cost = cls.cached(model, cache_dir)
+        if cost is None:
+            cost = cls.measure(model)
+            cls.save(model, cost, cache_dir)
         return cost
+
+    @classmethod
+    def cached(cls, model: Transformer, cache_dir: Path | None = None) -> CostModel | None:
+        """The table saved for this model and machine by this version of `measure`, if any."""
+        path = cls.path(model, cache_dir)
+        try:
+            cost = cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None  # none yet, or a damaged file: measure again
+        return cost if cost.version == TABLE_VERSION else None
 
     @staticmethod
     def path(model: Transformer, cache_dir: Path | None = None) -> Path:
@@ -197,10 +229,11 @@ def best_count(chances: np.ndarray, cost: CostModel, context: int, overhead: np.
                ) -> tuple[int, float]:
     """For guesses ranked best first (each prefix a tree) with these chances of acceptance: the count n
     maximising (1 + chances of the first n) / (forward of n + 1 tokens + overhead[n]), and that rate.
-    n = 0 is a plain step; overhead: what proposing costs (an array: per count), 0 once it is spent."""
+    n = 0 is a plain step, chosen unless guessing beats it by MARGIN; overhead: what proposing costs (an array:
+    per count), 0 once it is spent."""
     expected = 1.0 + np.concatenate(([0.0], np.cumsum(chances)))
     rates = expected / (cost.forward_seconds_many(np.arange(1, len(expected) + 1), context) + overhead)
-    n = int(np.argmax(rates))  # the first of equal rates: the fewest guesses
+    n = int(np.argmax(np.append(rates[0] * (1 + MARGIN), rates[1:])))  # the first of equal rates: the fewest guesses
     return n, float(rates[n])
 
 
@@ -422,7 +455,7 @@ class AdaptiveK(Policy):
         sizes = self._sizes(top) if nodes is None else np.array(nodes[1 : top + 1])
         rates = self._rates(expected, sizes, context, overhead)
         best = int(np.argmax(rates))
-        return best + 1 if rates[best] > 1.0 / self._target(1, context) else 0
+        return best + 1 if rates[best] > (1 + MARGIN) / self._target(1, context) else 0
 
     def depth_to_propose(self, context: int, limit: int) -> int:
         if self.cheap:
@@ -483,7 +516,7 @@ class AdaptiveK(Policy):
         if top < 1:
             return False
         rates = self._rates(np.arange(top + 1, dtype=float), self._sizes(top), context, overhead)
-        return bool(rates.max() > 1.0 / self._target(1, context))
+        return bool(rates.max() > (1 + MARGIN) / self._target(1, context))
 
     def choose(self, tree: DraftTree, context: int) -> DraftTree:
         if not self.cheap:  # a model draft was paid for: verify all of it

@@ -102,8 +102,8 @@ class Case:
     adaptive: bool = False  # depth chosen by AdaptiveK, which learns across the samples
 
 
-# Verifying costs 1 + 0.3 per extra token: the adaptive policy's choices depend on what it has seen.
-STEEP = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 19.9], [1.0, 19.9]])
+# Verifying costs 1 + 0.25 per extra token: the adaptive policy's choices depend on what it has seen.
+STEEP = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 16.75], [1.0, 16.75]])
 
 
 CASES = {

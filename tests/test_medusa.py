@@ -28,9 +28,9 @@ GREEDY_PROMPTS = PROMPTS[1:7]  # one without a prefill, random ones, repeats (ke
 NEW = 30
 
 FLAT = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 1.0], [1.0, 1.0]])
-# +5% per verified node: random heads are right too rarely to pay on the tiny model's measured costs (the
+# +3% per verified node: random heads are right too rarely to pay on the tiny model's measured costs (the
 # adaptive policy would stop guessing); on this table it guesses, at depths that vary with acceptance
-MILD = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 4.0], [1.0, 4.0]])
+MILD = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 2.89], [1.0, 2.89]])
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import pytest
 
 from specdecode.engine import generate_ids
 from specdecode.policy import (
+    MARGIN,
     TABLE_VERSION,
     AcceptanceStats,
     AdaptiveK,
@@ -17,6 +18,7 @@ from specdecode.policy import (
     FixedK,
     ProposalScorer,
     StepRecord,
+    best_count,
     nondecreasing,
 )
 from specdecode.proposers import DraftModelProposer, Proposer
@@ -48,9 +50,34 @@ def test_noisy_timings_become_nondecreasing() -> None:
     assert nondecreasing([2.0, 1.0]) == pytest.approx([1.5, 1.5])
 
 
+def test_measured_prices_follow_the_sizes_while_the_machine_speed_swings(monkeypatch) -> None:
+    """The machine's speed swings 3x every three pairs of forwards: each size is timed next to a 1-token forward,
+    so the table's shape (price over a plain step's) comes out exact. Medians of unpaired timings would not."""
+    import specdecode.policy as policy
+
+    model = tiny_model(0, vocab_size=40)
+    clock, forwards = [0.0], [0]
+
+    def forward(tokens, cache, **kwargs) -> None:
+        forwards[0] += 1
+        cache.length += tokens.shape[1]
+        slow = 3.0 if (forwards[0] - 1) // 6 % 2 else 1.0  # forwards 1, 2: the contexts; then pairs
+        clock[0] += slow * (1.0 + 0.1 * (tokens.shape[1] - 1))
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(policy, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    cost = CostModel.measure(model, repeats=8)
+    for row in cost.seconds:
+        assert [t / row[0] for t in row] == pytest.approx([1.0 + 0.1 * (n - 1) for n in cost.sizes])
+    with pytest.raises(ValueError, match="repeats"):
+        CostModel.measure(model, repeats=0)
+
+
 def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch) -> None:
     model = tiny_model(0, vocab_size=40)
+    assert CostModel.cached(model, tmp_path) is None
     first = CostModel.for_model(model, tmp_path)
+    assert CostModel.cached(model, tmp_path) == first
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1 and first.sizes[0] == 1 and len(first.seconds) == 2
     assert all(s > 0 for row in first.seconds for s in row)
@@ -155,6 +182,20 @@ def test_depth_follows_cost_and_acceptance() -> None:
     costly.draft_per_guess = 0.05
     cheap_depth = AdaptiveK(flat, confident(0.6), cheap=True).best_depth(0, 0, 16)
     assert costly.best_depth(0, 0, 16) < cheap_depth  # a draft that costs time is asked for less
+
+
+def test_a_guess_must_beat_a_plain_step_by_the_margin() -> None:
+    """One guess on a 10% dearer step: 13% accepted wins 2.7% on paper, inside the error of the estimates
+    (MARGIN), so the step stays plain; 20% accepted wins 9%."""
+    cost = linear_cost(0.1)
+    assert (1 + 0.13) / 1.1 - 1 < MARGIN < (1 + 0.2) / 1.1 - 1
+    for rate, depth in ((0.13, 0), (0.2, 1)):
+        policy = AdaptiveK(cost, AcceptanceStats(), cheap=True)
+        policy.stats = confident(rate)  # the request's own estimate (a fork mixes in the prior)
+        assert policy.best_depth(0, 0, 16) == depth
+    assert best_count(np.array([0.13]), cost, 0)[0] == 0
+    n, rate = best_count(np.array([0.2]), cost, 0)
+    assert n == 1 and rate == pytest.approx(1.2 / 1.1)
 
 
 def test_cheap_proposals_are_cut_after_seeing_them() -> None:
