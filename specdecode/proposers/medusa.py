@@ -15,8 +15,8 @@ sent, and carried across requests. A summary accepts other guesses than a proof.
 
 Sizing (with a cost model): before the heads run, each number of heads d is priced, the best count of
 nodes up to depth d costing the target's forward of them plus d head forwards. When no d beats a plain
-step the heads do not run (the step costs nothing extra) until PROBE_EVERY such steps have passed; then
-a probe runs them all to keep learning. Once the heads' last runs are settled (a miss settles at once, a
+step by MARGIN the heads do not run (the step costs nothing extra) until PROBE_EVERY such steps have
+passed; then a probe runs them all to keep learning. Once the heads' last runs are settled (a miss settles at once, a
 hit only when the text covers the whole run) such steps teach nothing, so the decision stands unpriced.
 Once they ran their cost is spent, and the count of nodes sent is the one maximising
 (1 + expected accepted) / forward seconds.
