@@ -74,11 +74,13 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
                     records.append(rec)
                     by_label[m.label] = rec
                 base = by_label["none"]
-                for label, rec in by_label.items():
-                    if label != "none" and rec["seconds"] and base["seconds"]:
-                        speedups.setdefault(label, []).append(tps(rec) / tps(base))
+                this = {label: tps(rec) / tps(base) for label, rec in by_label.items()
+                        if label != "none" and rec["seconds"] and base["seconds"]}
+                for label, speedup in this.items():
+                    speedups.setdefault(label, []).append(speedup)
                 progress.console.log(f"T={temperature} q{q.question_id} {q.category}: none {tps(base):.1f} tok/s;"
-                                     + running(speedups))
+                                     + " ".join(f" {label}={x:.2f}x" for label, x in this.items())
+                                     + ";" + running(speedups))
 
     bandwidth = memory_bandwidth_gbs()
     bytes_per_token = weight_bytes(llm.model)
@@ -143,8 +145,8 @@ def fastest(runs: list[dict]) -> dict:
 
 
 def running(speedups: dict[str, list[float]]) -> str:
-    """Median speedup so far per method."""
-    return "  " + " ".join(f"{k}={statistics.median(v):.2f}x" for k, v in speedups.items() if v)
+    """Median speedup so far per method (not the last prompt's)."""
+    return "  median so far: " + " ".join(f"{k}={statistics.median(v):.2f}x" for k, v in speedups.items() if v)
 
 
 def save_results(results: dict, out: Path) -> Path:
