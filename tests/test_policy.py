@@ -366,6 +366,17 @@ class Oracle(Proposer):
         return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])
 
 
+def test_a_draft_that_never_guesses_holds_no_cache() -> None:
+    target = tiny_model(0, vocab_size=56)
+    draft = DraftModelProposer(target, 56)
+    _, stats = generate_ids(target, [1, 2, 3], proposer=draft, k=FixedK(0), max_new_tokens=5)
+    assert stats.drafted == 0 and draft.cache is None
+    with pytest.raises(RuntimeError, match="begin"):
+        DraftModelProposer(target, 56).propose([1, 2], 2, None, None)
+    generate_ids(target, [1, 2, 3], proposer=draft, k=2, max_new_tokens=5)
+    assert draft.cache is not None
+
+
 def test_engine_stops_guessing_when_guesses_fail_and_guesses_deep_when_they_pay() -> None:
     target = tiny_model(0, vocab_size=56)
     rng = random.Random(0)

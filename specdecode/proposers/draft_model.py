@@ -24,14 +24,17 @@ class DraftModelProposer(Proposer):
         self.vocab_size = vocab_size  # the target's: q must live on the same support as p
         self.cache: KVCache | None = None
         self.cached: list[int] = []
+        self.max_len: int | None = None
 
     def begin(self, prompt: list[int], max_len: int) -> None:
-        self.cache = self.model.new_cache(max_len)
-        self.cached = []
+        self.cache, self.cached, self.max_len = None, [], max_len  # the cache waits for a first guess: many
+        # requests never draft (the policy finds it does not pay), and zeroing it is a few ms of a long prefill
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
-        if self.cache is None:
+        if self.max_len is None:
             raise RuntimeError("DraftModelProposer.begin() must be called before propose()")
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.max_len)
         common = 0
         limit = min(len(self.cached), len(tokens) - 1)  # always feed at least the last token
         while common < limit and self.cached[common] == tokens[common]:
