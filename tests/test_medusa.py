@@ -144,7 +144,8 @@ def test_heads_do_not_run_while_they_cannot_pay(target) -> None:
         assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
     assert proposer.head_seconds is None  # the heads were skipped: those steps cost nothing extra
     assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
-    assert proposer.head_seconds is not None  # a probe ran them, to keep learning
+    assert proposer.head_seconds is not None  # a probe ran the first head, to keep learning
+    assert [len(top) for _, top in proposer.pending] == [1]
     costly = sized(target, STEEP)  # guesses would pay, but not heads costing 4 plain steps each
     costly.head_seconds = 4.0
     drafted = [costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted for _ in range(PROBE_EVERY + 1)]
