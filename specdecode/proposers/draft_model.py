@@ -27,8 +27,8 @@ class DraftModelProposer(Proposer):
         self.max_len: int | None = None
 
     def begin(self, prompt: list[int], max_len: int) -> None:
-        self.cache, self.cached, self.max_len = None, [], max_len  # the cache waits for a first guess: many
-        # requests never draft (the policy finds it does not pay), and zeroing it is a few ms of a long prefill
+        # the cache waits for a first guess: many requests never draft (the policy finds it does not pay)
+        self.cache, self.cached, self.max_len = None, [], max_len
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         if self.max_len is None:
