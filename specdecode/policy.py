@@ -225,6 +225,11 @@ def machine_key(model: Transformer) -> str:
     return f"{shape}|{model.dtype}|{model.device.type}|{cpu}|{threads} threads|torch {torch.__version__}"
 
 
+def rate_to_beat(cost: CostModel, context: int) -> float:
+    """What guessing must beat: a plain step's tokens per second, raised by MARGIN."""
+    return (1 + MARGIN) / cost.forward_seconds(1, context)
+
+
 def best_count(chances: np.ndarray, cost: CostModel, context: int, overhead: np.ndarray | float = 0.0
                ) -> tuple[int, float]:
     """For guesses ranked best first (each prefix a tree) with these chances of acceptance: the count n
@@ -455,7 +460,7 @@ class AdaptiveK(Policy):
         sizes = self._sizes(top) if nodes is None else np.array(nodes[1 : top + 1])
         rates = self._rates(expected, sizes, context, overhead)
         best = int(np.argmax(rates))
-        return best + 1 if rates[best] > (1 + MARGIN) / self._target(1, context) else 0
+        return best + 1 if rates[best] > rate_to_beat(self.cost, context) else 0
 
     def depth_to_propose(self, context: int, limit: int) -> int:
         if self.cheap:
@@ -516,7 +521,7 @@ class AdaptiveK(Policy):
         if top < 1:
             return False
         rates = self._rates(np.arange(top + 1, dtype=float), self._sizes(top), context, overhead)
-        return bool(rates.max() > (1 + MARGIN) / self._target(1, context))
+        return bool(rates.max() > rate_to_beat(self.cost, context))
 
     def choose(self, tree: DraftTree, context: int) -> DraftTree:
         if not self.cheap:  # a model draft was paid for: verify all of it

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..policy import MARGIN, CostModel, best_count, smoothed
+from ..policy import CostModel, best_count, rate_to_beat, smoothed
 from ..training.medusa import MedusaHeads
 from ..tree import DraftTree
 from .base import Proposer
@@ -229,7 +229,7 @@ class MedusaProposer(Proposer):
     def _heads_worth_running(self, depth: int, order: np.ndarray, chances: np.ndarray, context: int) -> int:
         """How many heads (<= depth) make the best step counting their own cost; 0: none beats a plain step.
         order: every candidate, best first."""
-        best, best_rate = 0, (1 + MARGIN) / self.cost.forward_seconds(1, context)
+        best, best_rate = 0, rate_to_beat(self.cost, context)
         for d in range(1, depth + 1):
             ranked = chances[self.within(order, d)]
             n, rate = best_count(ranked, self.cost, context, d * (self.head_seconds or 0.0))
