@@ -89,14 +89,17 @@ class DraftTree:
         return self._children[node]
 
     def depths(self) -> torch.Tensor:
+        return torch.tensor(self._depth_list())
+
+    def _depth_list(self) -> list[int]:
         depth = [0] * len(self.tokens)
         for i, p in enumerate(self.parents[1:], start=1):
             depth[i] = depth[p] + 1
-        return torch.tensor(depth)
+        return depth
 
     @property
     def depth(self) -> int:
-        return int(self.depths().max())
+        return max(self._depth_list())  # asked after every step: no tensor
 
     def paths(self) -> list[list[int]]:
         """Guessed tokens from the root to each leaf."""
@@ -112,7 +115,7 @@ class DraftTree:
 
     def truncate(self, depth: int) -> DraftTree:
         """The nodes at most `depth` guesses deep (parents come first, so indices stay ordered)."""
-        depths = self.depths().tolist()
+        depths = self._depth_list()
         if max(depths) <= depth:
             return self
         keep = [i for i, d in enumerate(depths) if d <= depth]

@@ -44,6 +44,19 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
     assert cost.forward_seconds(1, 3000) == pytest.approx(4.0)  # longer than measured: linear in context
 
 
+def test_one_size_is_priced_as_the_many_sizes_are() -> None:
+    """forward_seconds (plain Python, asked every step) and forward_seconds_many (numpy) are one price."""
+    rng = np.random.default_rng(0)
+    seconds = [sorted(rng.uniform(0.03, 0.2, 12).tolist()) for _ in range(2)]
+    cost = CostModel([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], [64, 1024], seconds)
+    cost.load = 1.3
+    sizes = np.arange(1, 130)
+    for context in (0, 64, 300, 1024, 5000):
+        many = cost.forward_seconds_many(sizes, context)
+        one = [cost.forward_seconds(int(n), context) for n in sizes]
+        assert one == pytest.approx(many.tolist(), rel=1e-12)
+
+
 def test_noisy_timings_become_nondecreasing() -> None:
     assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert nondecreasing([4.0, 5.0, 3.0, 6.0]) == pytest.approx([4.0, 4.0, 4.0, 6.0])
