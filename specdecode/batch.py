@@ -183,15 +183,6 @@ class Row(Generation):
             self.policy.finish(self.tokens)
 
 
-def tree_nodes(tree: DraftTree) -> list[int]:
-    """nodes[d]: tokens the target sees when the tree is cut at depth d (depth 0: the root alone)."""
-    nodes = np.cumsum(np.bincount(tree.depths().numpy())).tolist()
-    extra = len(tree.extra.tokens) if tree.extra is not None else 0
-    return [1] + [n + extra for n in nodes[1:]]
-
-
-def cut(tree: DraftTree, depth: int) -> DraftTree:
-    return tree.truncate(depth) if depth else DraftTree.root_only(tree.tokens[0])
 
 
 # ---------------------------------------------------------------------------------------- decoder
@@ -248,7 +239,7 @@ class BatchDecoder:
             floor = max(floor, len(trees[i]) + (len(trees[i].extra.tokens) if trees[i].extra else 0))
             fixed_gain += 1.0
         if free:
-            nodes = {i: tree_nodes(proposals[i]) for i in free}
+            nodes = {i: proposals[i].forward_sizes() for i in free}
             expected = {i: self.rows[i].policy.stats.expected_accepted(proposals[i].bucket) for i in free}
             top = max(len(n) - 1 for n in nodes.values())
             best, best_rate, best_width = 0, -1.0, floor
@@ -263,7 +254,7 @@ class BatchDecoder:
                     best, best_rate, best_width = depth, rate, width
             for i in free:  # the deepest cut that still fits the batch's width
                 fits = [d for d, n in enumerate(nodes[i]) if n <= best_width]
-                trees[i] = cut(proposals[i], max(min(best, len(nodes[i]) - 1), fits[-1]))
+                trees[i] = proposals[i].cut(max(min(best, len(nodes[i]) - 1), fits[-1]))
         return trees  # type: ignore[return-value]
 
     def step(self) -> list[tuple[Row, list[int] | Exception]]:

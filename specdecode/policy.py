@@ -534,10 +534,8 @@ class AdaptiveK(Policy):
             return tree
         if tree.num_drafted == 0:  # nothing to verify: a lookahead window alone would only slow the step
             return DraftTree.root_only(tree.tokens[0])
-        nodes = np.cumsum(np.bincount(tree.depths().numpy())).tolist()  # nodes[d]: root + guesses to depth d
-        extra = len(tree.extra.tokens) if tree.extra is not None else 0
-        depth = self.best_depth(tree.bucket, context, len(nodes) - 1, [n + extra for n in nodes])
-        return tree.truncate(depth) if depth else DraftTree.root_only(tree.tokens[0])
+        nodes = tree.forward_sizes()
+        return tree.cut(self.best_depth(tree.bucket, context, len(nodes) - 1, nodes))
 
     def observe(self, step: StepRecord) -> None:
         self.scorer.add(step.proposal, step.start)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -101,6 +102,16 @@ class DraftTree:
     def depth(self) -> int:
         return max(self._depth_list())  # asked after every step: no tensor
 
+    def forward_sizes(self) -> list[int]:
+        """[d]: tokens the target sees when the tree is `cut` at depth d (the root alone at depth 0; else the nodes
+        at most d deep and any extra nodes)."""
+        depths = self._depth_list()
+        per_depth = [0] * (max(depths) + 1)
+        for d in depths:
+            per_depth[d] += 1
+        extra = len(self.extra.tokens) if self.extra is not None else 0
+        return [1] + [n + extra for n in accumulate(per_depth)][1:]
+
     def paths(self) -> list[list[int]]:
         """Guessed tokens from the root to each leaf."""
         leaves = [i for i in range(len(self.tokens)) if not self.children(i)]
@@ -127,6 +138,10 @@ class DraftTree:
             bucket=self.bucket,
             extra=self.extra,
         )
+
+    def cut(self, depth: int) -> DraftTree:
+        """What the target verifies when a policy keeps `depth` guesses: at depth 0 a plain step (no extra nodes)."""
+        return self.truncate(depth) if depth else DraftTree.root_only(self.tokens[0])
 
     def without_extra(self) -> DraftTree:
         return self if self.extra is None else DraftTree(self.tokens, self.parents, self.draft_probs, self.bucket)

@@ -9,7 +9,7 @@ import torch
 
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
-from specdecode.tree import DraftTree
+from specdecode.tree import DraftTree, ExtraNodes
 from specdecode.verify import residual, verify
 
 from .helpers import tiny_model
@@ -40,6 +40,12 @@ def test_from_paths_merges_shared_prefixes_into_a_trie() -> None:
     assert tree.children(0) == [1, 6] and tree.children(1) == [2, 5] and tree.children(2) == [3, 4]
     assert tree.depths().tolist() == [0, 1, 2, 3, 3, 2, 1]
     assert not tree.is_chain
+    assert tree.depth == 3 and tree.forward_sizes() == [1, 3, 5, 7]  # tokens verified when cut at each depth
+    assert tree.cut(2).tokens == [0, 1, 2, 5, 6] and tree.cut(0).tokens == [0]
+    extra = ExtraNodes([8, 9], [1, 2], torch.ones(2, 2, dtype=torch.bool))
+    with_extra = DraftTree(tree.tokens, tree.parents, bucket=1, extra=extra)
+    assert with_extra.forward_sizes() == [1, 5, 7, 9]  # extra nodes ride along with any guess, not a plain step
+    assert with_extra.cut(0).extra is None and with_extra.cut(1).extra is extra
     # the same token under different parents is a different node
     other = DraftTree.from_paths(0, [[1, 1], [2, 1]])
     assert other.tokens == [0, 1, 1, 2, 1] and other.parents == [-1, 0, 1, 0, 3]
