@@ -25,7 +25,7 @@ import torch
 
 from .engine import MAX_DRAFT_NODES, Generation
 from .models import BatchKVCache, Transformer
-from .policy import AdaptiveK, CostModel, default_cache_dir, machine_key, nondecreasing
+from .policy import AdaptiveK, CostModel, default_cache_dir, machine_key
 from .tree import DraftTree
 from .verify import Verdict, verify
 
@@ -323,3 +323,17 @@ class BatchDecoder:
         nodes = tree.num_drafted + (len(tree.extra.tokens) if tree.extra is not None else 0)
         if nodes > MAX_DRAFT_NODES:
             raise ValueError(f"{row.proposer.name} sent {nodes} tokens besides the root; at most {MAX_DRAFT_NODES}")
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): the batch table takes the fastest of a few
+    unpaired runs, so its dips are mostly noise, averaged away with their neighbours (the single-request table is
+    paired and kept as measured: there, some sizes really are cheaper than smaller ones)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "picks each step's depth from measured forward cost and acceptance")
     g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram matched")
     g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram matched")
-    g.add_argument("--branches", type=int, default=1, help="prompt-lookup: continuations merged into a tree")
+    g.add_argument("--branches", type=int, help="prompt-lookup: continuations merged into a tree (default: "
+                   "3 with --k auto, which verifies as much of the tree as pays; 1 with a fixed k)")
     g.add_argument("--window", type=int, default=4, help="lookahead: Jacobi window columns")
     g.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size (levels = ngram - 1)")
     g.add_argument("--guesses", type=int, default=4, help="lookahead: pool n-grams verified per step")

@@ -36,11 +36,14 @@ import torch
 from .models import Transformer
 from .tree import DraftTree
 
-COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# every size up to 8: small forwards are not monotone in size (oneDNN picks its kernels by row count), so an
+# interpolated size would be priced wrong
+COST_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 # tables saved by another version of `measure` are measured again (version 1 timed 5 rounds in a fixed order:
 # one burst of load could flatten the small sizes, which then looked free to verify; version 2 took unpaired
-# medians, up to 10% optimistic for small sizes at long context)
-TABLE_VERSION = 3
+# medians, up to 10% optimistic for small sizes at long context; version 3 forced the table non-decreasing,
+# pricing 2 tokens 14% under and 3-6 tokens 5% over what they cost)
+TABLE_VERSION = 4
 # a guess must beat a plain step's rate by this fraction: a small size's price is known to +-3% and acceptance
 # is estimated from a few dozen guesses, and guessing is chosen when those estimates look best, so a step
 # estimated within a few percent of a plain one loses about as often as it wins (Medusa in summarization:
@@ -120,6 +123,9 @@ class CostModel:
         (pricing Medusa's small trees as paying when they cost more than they saved). Sizes past 16 tokens are
         timed every fourth round: they cost as much as all the small ones and are far from any decision's margin.
         Still, one forward's time strays by +-15% on a 2-core machine, so a small size's price is known to +-3%.
+        The medians are kept as measured, not forced non-decreasing: on a 2-core EPYC with oneDNN, 2 tokens cost
+        1.15x of one and 3-6 tokens 0.95x at a short context (the same in a direct paired timing), so a guess of
+        one token is dear and guesses two to five deep are cheaper than a plain step.
         """
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -161,7 +167,7 @@ class CostModel:
         seconds = []
         for ci in range(len(contexts)):
             plain = statistics.median(single[ci])
-            seconds.append(nondecreasing([plain] + [plain * statistics.median(r) for r in ratios[ci][1:]]))
+            seconds.append([plain] + [plain * statistics.median(r) for r in ratios[ci][1:]])
         return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION)
 
     @classmethod
@@ -194,19 +200,6 @@ class CostModel:
         path = cls.path(model, cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cost.table(), indent=1))
-
-
-def nondecreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence (pool adjacent violators): a forward never gets cheaper with
-    more tokens, so a dip in the medians is timing noise, averaged away with its neighbours."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def default_cache_dir() -> Path:
@@ -253,17 +246,20 @@ def best_count(chances: np.ndarray, cost: CostModel, context: int, overhead: np.
 class AcceptanceStats:
     """Conditional acceptance per proposal class and depth: P(guess d matches | guesses 1..d-1 matched).
 
-    Counts decay geometrically so the estimate follows the text as it changes; a prior worth two
-    observations keeps unseen depths at 0.5 until a request has ended, and at what the requests before
-    found after that: a weak draft (3% accepted) starts a request near 3%, not halfway to 50%, so it does
-    not spend the request's first steps finding out again.
+    Counts decay geometrically so the estimate follows the text as it changes. Each depth's counts are
+    pulled, with the weight of two observations, toward the estimate one depth up: a deep guess is resolved
+    only after the ones above it matched, so it has few observations of its own, and the depth above is
+    the best guess for it (a per-depth prior carried over from a request that copied its prompt kept
+    summarization guessing 13 deep at half the acceptance it expected). The first depth is pulled toward
+    what the requests before found (0.5 before any ended): a weak draft (3% accepted) starts a request
+    near 3%, not halfway to 50%, so it does not spend the request's first steps finding out again.
     """
 
     max_depth: int = 16
     decay: float = 0.97
     hits: dict[int, np.ndarray] = field(default_factory=dict)
     trials: dict[int, np.ndarray] = field(default_factory=dict)
-    prior: dict[int, np.ndarray] = field(default_factory=dict)  # per bucket and depth; 0.5 where missing
+    prior: dict[int, float] = field(default_factory=dict)  # per bucket, the first depth's; 0.5 where missing
     # what else a policy learns about a proposer, kept across requests: a model draft's seconds per guess,
     # a cheap proposer's seconds per proposal, and how many plain steps pass before the next probe
     # (doubling while probes find guessing does not pay)
@@ -288,7 +284,11 @@ class AcceptanceStats:
 
     def rates(self, bucket: int) -> np.ndarray:
         hits, trials = self._rows(bucket)
-        return (hits + 2.0 * self.prior.get(bucket, 0.5)) / (trials + 2.0)
+        out, above = [], self.prior.get(bucket, 0.5)
+        for h, t in zip(hits.tolist(), trials.tolist(), strict=True):  # a few floats: Python beats numpy here
+            above = (h + 2.0 * above) / (t + 2.0)
+            out.append(above)
+        return np.array(out)
 
     def expected_accepted(self, bucket: int) -> np.ndarray:
         """[d] = expected accepted guesses for a chain of depth d (index 0: depth 0)."""
@@ -299,7 +299,7 @@ class AcceptanceStats:
         out = AcceptanceStats(self.max_depth, self.decay)
         out.draft_per_guess, out.propose_seconds = self.draft_per_guess, self.propose_seconds
         out.probe_every = self.probe_every
-        out.prior = {b: p.copy() for b, p in self.prior.items()}
+        out.prior = dict(self.prior)
         for b in self.hits:
             scale = min(1.0, weight / max(float(self.trials[b][0]), 1e-9))
             out.hits[b], out.trials[b] = self.hits[b] * scale, self.trials[b] * scale
@@ -309,7 +309,7 @@ class AcceptanceStats:
         """A request ended: its final estimate (which started from this one) becomes the long-run one."""
         for b in request.hits:
             self.hits[b], self.trials[b] = request.hits[b].copy(), request.trials[b].copy()
-            self.prior[b] = request.rates(b)  # what the next request expects before it has seen anything
+            self.prior[b] = float(request.rates(b)[0])  # what the next request expects before it has seen anything
         self.draft_per_guess, self.propose_seconds = request.draft_per_guess, request.propose_seconds
         self.probe_every = request.probe_every
 

@@ -73,6 +73,16 @@ def test_every_method_and_k_through_the_api(llm, plain, checkpoint, method, opti
     assert out.token_ids == plain.token_ids and out.method == method
 
 
+def test_prompt_lookup_branches_under_auto_and_fixed_k(llm, plain):
+    """k='auto' prices each depth of a tree, so it is offered several continuations; a fixed k verifies every
+    branch whole, so it gets one unless asked for more."""
+    assert llm.proposer("prompt-lookup", k="auto").branches == specdecode.api.AUTO_BRANCHES > 1
+    assert llm.proposer("prompt-lookup", k=4).branches == 1
+    assert llm.proposer("prompt-lookup", k=4, branches=2).branches == 2
+    out = llm.generate(PROMPT, max_new_tokens=60, method="prompt-lookup", k="auto")
+    assert out.token_ids == plain.token_ids
+
+
 def test_layer_skip_search_runs_once_and_is_reused(tmp_path, capsys, monkeypatch):
     deep = write_checkpoint(tmp_path / "deep", make_tokenizer(), layers=4)
     assert cli_main(["tune", "layer-skip", "--model", str(deep), "--texts", "2", "--max-tokens", "48"]) == 0

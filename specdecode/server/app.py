@@ -108,7 +108,7 @@ class Server:
         try:
             params = SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                     top_k=req.top_k or 0)
-            proposer = self.llm.proposer(method, self.config.draft)
+            proposer = self.llm.proposer(method, self.config.draft, k=k)
             return Row(self.llm.model, proposer, prompt, max_new_tokens=limit, params=params,
                        k=self.policy(k, proposer, method),
                        stop_token_ids=() if req.ignore_eos else self.llm.stop_token_ids, seed=req.seed)
