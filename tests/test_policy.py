@@ -162,24 +162,24 @@ def test_scorer_learns_from_unverified_guesses() -> None:
     tokens += [5, 6]
     scorer.update(tokens)
     assert not scorer.pending
-    assert stats.trials[2][:3].tolist() == [1, 1, 1] and stats.hits[2][:3].tolist() == [1, 1, 0]
+    assert stats.trials[2][:3] == [1, 1, 1] and stats.hits[2][:3] == [1, 1, 0]
     # a tree is as good as its best branch
     scorer.add(DraftTree.from_paths(6, [[7, 7], [8, 1]]), len(tokens))
     tokens += [8, 2]
     scorer.update(tokens)
-    assert stats.hits[0][:2].tolist() == [1, 0] and stats.trials[0][:2].tolist() == [1, 1]
+    assert stats.hits[0][:2] == [1, 0] and stats.trials[0][:2] == [1, 1]
     # a request that ends mid-match records what it saw, without inventing a miss
     scorer.add(DraftTree.from_paths(2, [[3, 4, 5]], bucket=1), len(tokens))
     tokens += [3]
     scorer.update(tokens, final=True)
-    assert stats.trials[1][:3].tolist() == [1, 0, 0] and stats.hits[1][0] == 1
+    assert stats.trials[1][:3] == [1, 0, 0] and stats.hits[1][0] == 1
 
 
 # -------------------------------------------------------------------------------------------- choices
 def confident(rate: float, bucket: int = 0, depth: int = 16) -> AcceptanceStats:
     """Stats that have seen 200 trials at every depth with conditional acceptance `rate`."""
     stats = AcceptanceStats(max_depth=depth, decay=1.0)
-    stats.hits[bucket], stats.trials[bucket] = np.full(depth, rate * 200), np.full(depth, 200.0)
+    stats.hits[bucket], stats.trials[bucket] = [rate * 200] * depth, [200.0] * depth
     return stats
 
 
@@ -212,8 +212,8 @@ def test_a_guess_must_beat_a_plain_step_by_the_margin() -> None:
 
 def test_cheap_proposals_are_cut_after_seeing_them() -> None:
     stats = AcceptanceStats(max_depth=16, decay=1.0)
-    stats.hits[3], stats.trials[3] = np.full(16, 190.0), np.full(16, 200.0)  # 3-gram matches: good
-    stats.hits[1], stats.trials[1] = np.full(16, 10.0), np.full(16, 200.0)  # 1-gram matches: poor
+    stats.hits[3], stats.trials[3] = [190.0] * 16, [200.0] * 16  # 3-gram matches: good
+    stats.hits[1], stats.trials[1] = [10.0] * 16, [200.0] * 16  # 1-gram matches: poor
     policy = AdaptiveK(linear_cost(0.05), stats, cheap=True)
     assert policy.depth_to_propose(100, 50) == 16 and policy.depth_to_propose(100, 5) == 5
     good = DraftTree.from_paths(0, [list(range(1, 11))], bucket=3)
