@@ -33,9 +33,8 @@ from .training.medusa import MedusaHeads
 
 METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa")
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
-# it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (replaying Spec-Bench's
-# greedy outputs under the measured cost table: 1.66x with 3 branches, 1.63x with one; a fixed k does best
-# with one branch, as it verifies every branch whole)
+# it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
+# 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
 AUTO_BRANCHES = 3
 # EAGLE heads that ship with the package, by registry name of their target
 SHIPPED_EAGLE = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle"}
