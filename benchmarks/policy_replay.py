@@ -55,9 +55,9 @@ def matched(tree: DraftTree, truth: list[int]) -> int:
     return m
 
 
-def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], output: list[int]) -> tuple[float, int]:
-    """Seconds (table-priced) and target forwards to commit `output`; policy None: the oracle."""
-    tokens, pos, seconds, forwards = list(prompt), 0, 0.0, 0
+def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], output: list[int]) -> float:
+    """Seconds (table-priced) to commit `output`; policy None: the oracle."""
+    tokens, pos, seconds = list(prompt), 0, 0.0
     while pos < len(output):
         context, remaining, truth = len(tokens) - 1, len(output) - pos, output[pos:]
         k = min(16, remaining - 1) if policy is None else policy.depth_to_propose(context, remaining - 1)
@@ -70,13 +70,13 @@ def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], 
             tree = policy.choose(proposal, context)
         new = truth[: matched(tree, truth) + 1]
         price = cost.forward_seconds(len(tree.tokens), context)
-        seconds, forwards = seconds + price, forwards + 1
+        seconds += price
         start, tokens, pos = len(tokens), tokens + new, pos + len(new)
         if policy is not None:
             policy.observe(StepRecord(proposal, tree, start, tokens, context, PROPOSE_SECONDS, price))
     if policy is not None:
         policy.finish(tokens)
-    return seconds, forwards
+    return seconds
 
 
 def main() -> None:
@@ -109,7 +109,7 @@ def main() -> None:
         for d in data.values():
             for r in range(args.rounds):
                 policy = None if k is None else AdaptiveK(cost, shared, cheap=True) if k == "auto" else FixedK(k)
-                took, _ = replay(policy, proposer, cost, d["prompt"], d["output"])
+                took = replay(policy, proposer, cost, d["prompt"], d["output"])
                 if r == args.rounds - 1:
                     seconds[d["category"]][name] += took
         print(name, flush=True)

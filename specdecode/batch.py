@@ -129,9 +129,6 @@ class RowCost:
     def forward_seconds(self, tokens: int, context: int) -> float:
         return self.cost.seconds(self.rows, tokens, context)
 
-    def forward_seconds_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
-        return np.array([self.cost.seconds(self.rows, int(n), context) for n in tokens])
-
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         """Rows do not time their share of a batched forward; the decoder corrects the table per step."""
 
@@ -181,8 +178,6 @@ class Row(Generation):
             self._finished = True
             self.stats.seconds = time.perf_counter() - self.started
             self.policy.finish(self.tokens)
-
-
 
 
 # ---------------------------------------------------------------------------------------- decoder

@@ -316,7 +316,7 @@ class AcceptanceStats:
         """A request ended: its final estimate (which started from this one) becomes the long-run one."""
         for b in request.hits:
             self.hits[b], self.trials[b] = list(request.hits[b]), list(request.trials[b])
-            self.prior[b] = float(request.rates(b)[0])  # what the next request expects before it has seen anything
+            self.prior[b] = request.rates(b)[0]  # what the next request expects before it has seen anything
         self.draft_per_guess, self.propose_seconds = request.draft_per_guess, request.propose_seconds
         self.probe_every = request.probe_every
 
