@@ -45,13 +45,26 @@ class BatchCost:
     tables: list[CostModel]
 
     def seconds(self, rows: int, tokens: int, context: int) -> float:
-        times = [t.forward_seconds(tokens, context) for t in self.tables]
-        if len(times) == 1:
-            return times[0] * rows / self.batch_sizes[0]
-        if rows <= self.batch_sizes[-1]:
-            return float(np.interp(rows, self.batch_sizes, times))
-        slope = (times[-1] - times[-2]) / (self.batch_sizes[-1] - self.batch_sizes[-2])
-        return times[-1] + slope * (rows - self.batch_sizes[-1])
+        return float(self._across_rows(rows, [t.forward_seconds(tokens, context) for t in self.tables]))
+
+    def seconds_many(self, rows: int, tokens: np.ndarray, context: int) -> np.ndarray:
+        """`seconds` for an array of token counts at once."""
+        return self._across_rows(rows, np.stack([t.forward_seconds_many(tokens, context) for t in self.tables]))
+
+    def _across_rows(self, rows: int, times):
+        """Seconds at `rows` from the seconds at each measured batch size (times[i]: at batch_sizes[i])."""
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            return np.asarray(times[0]) * rows / sizes[0]
+        if rows >= sizes[-1]:
+            slope = (np.asarray(times[-1]) - np.asarray(times[-2])) / (sizes[-1] - sizes[-2])
+            return np.asarray(times[-1]) + slope * (rows - sizes[-1])
+        upper = next(i for i, b in enumerate(sizes) if b >= rows)
+        lower = max(upper - 1, 0)
+        if sizes[upper] == rows or upper == 0:
+            return np.asarray(times[upper])
+        w = (rows - sizes[lower]) / (sizes[upper] - sizes[lower])
+        return (1 - w) * np.asarray(times[lower]) + w * np.asarray(times[upper])
 
     def observe(self, rows: int, tokens: int, context: int, seconds: float) -> None:
         """A real step: the table of that batch size (if measured) learns how far it strays."""
@@ -121,13 +134,17 @@ class BatchCost:
 
 
 class RowCost:
-    """What one row's AdaptiveK sees: forward seconds at the batch's current size (the decoder sets `rows`)."""
+    """A `ForwardCost` for one row's policy or self-sizing proposer: forward seconds at the batch's current size
+    (the decoder sets `rows`)."""
 
     def __init__(self, cost: BatchCost) -> None:
         self.cost, self.rows = cost, 1
 
     def forward_seconds(self, tokens: int, context: int) -> float:
         return self.cost.seconds(self.rows, tokens, context)
+
+    def forward_seconds_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
+        return self.cost.seconds_many(self.rows, tokens, context)
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         """Rows do not time their share of a batched forward; the decoder corrects the table per step."""

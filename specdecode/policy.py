@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -52,6 +53,18 @@ MARGIN = 0.04
 
 
 # ------------------------------------------------------------------------------------------ cost
+class ForwardCost(Protocol):
+    """What a policy or a self-sizing proposer asks of a target's forward cost: `CostModel` for one request,
+    `batch.RowCost` for a row of a running batch. Both must answer all three (a method missing from one of
+    them failed every eagle and medusa request in the server while the library path worked)."""
+
+    def forward_seconds(self, tokens: int, context: int) -> float: ...
+
+    def forward_seconds_many(self, tokens: np.ndarray, context: int) -> np.ndarray: ...
+
+    def observe(self, tokens: int, context: int, seconds: float) -> None: ...
+
+
 @dataclass
 class CostModel:
     """Seconds per target forward as a function of tokens in the forward and cached context.
@@ -224,12 +237,12 @@ def machine_key(model: Transformer) -> str:
     return f"{shape}|{model.dtype}|{model.device.type}|{cpu}|{threads} threads|torch {torch.__version__}"
 
 
-def rate_to_beat(cost: CostModel, context: int) -> float:
+def rate_to_beat(cost: ForwardCost, context: int) -> float:
     """What guessing must beat: a plain step's tokens per second, raised by MARGIN."""
     return (1 + MARGIN) / cost.forward_seconds(1, context)
 
 
-def best_count(chances: np.ndarray, cost: CostModel, context: int, overhead: np.ndarray | float = 0.0
+def best_count(chances: np.ndarray, cost: ForwardCost, context: int, overhead: np.ndarray | float = 0.0
                ) -> tuple[int, float]:
     """For guesses ranked best first (each prefix a tree) with these chances of acceptance: the count n
     maximising (1 + chances of the first n) / (forward of n + 1 tokens + overhead[n]), and that rate.
@@ -401,7 +414,7 @@ class StepRecord:
 
 
 class FixedK(Policy):
-    def __init__(self, k: int, cost: CostModel | None = None) -> None:
+    def __init__(self, k: int, cost: ForwardCost | None = None) -> None:
         """cost: a cost model to teach what steps really cost (for a proposer that sizes its own trees by it)."""
         if k < 0:
             raise ValueError(f"k (tokens to guess per step) must be >= 0 or 'auto', got {k}")
@@ -433,7 +446,7 @@ class AdaptiveK(Policy):
     is chosen before drafting, from the draft's measured time per guess.
     """
 
-    def __init__(self, cost: CostModel, shared: AcceptanceStats, *, cheap: bool, max_k: int = 16,
+    def __init__(self, cost: ForwardCost, shared: AcceptanceStats, *, cheap: bool, max_k: int = 16,
                  tree_size: Callable[[int], int] | None = None) -> None:
         """tree_size(d): tokens a depth-d proposal sends to the target, root included (default d + 1: a chain)."""
         self.cost, self.shared, self.cheap, self.max_k = cost, shared, cheap, max_k

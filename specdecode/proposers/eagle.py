@@ -27,7 +27,7 @@ import torch
 
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..policy import CostModel, best_count, smoothed
+from ..policy import ForwardCost, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
 from .base import Proposer
@@ -48,7 +48,7 @@ class EagleProposer(Proposer):
     max_depth = 8  # deepest tree when the proposer sizes itself (k="auto")
 
     def __init__(self, head: EagleHead, target: Transformer, *, topk: int = 4, nodes: int = 24,
-                 cost: CostModel | None = None) -> None:
+                 cost: ForwardCost | None = None) -> None:
         """cost: the target's forward cost; with it each step's tree is sized by expected tokens per second."""
         head.check_target(target)
         if topk < 1 or nodes < 1:

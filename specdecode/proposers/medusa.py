@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..policy import CostModel, best_count, rate_to_beat, smoothed
+from ..policy import ForwardCost, best_count, rate_to_beat, smoothed
 from ..training.medusa import MedusaHeads
 from ..tree import DraftTree
 from .base import Proposer
@@ -130,7 +130,7 @@ class MedusaProposer(Proposer):
     cheap = True  # without a cost model: ask deep, an adaptive policy cuts the tree by depth
     hidden_layers = (-1,)
 
-    def __init__(self, heads: MedusaHeads, vocab_size: int, *, cost: CostModel | None = None,
+    def __init__(self, heads: MedusaHeads, vocab_size: int, *, cost: ForwardCost | None = None,
                  max_nodes: int = 64, accuracy: RankAccuracy | None = None) -> None:
         """vocab_size: the target's; cost: sizes every step's tree (else all `max_nodes` nodes, `k` deep);
         accuracy: the long-run one, shared by the requests that pass it (else the heads' saved one)."""

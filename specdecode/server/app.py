@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -25,11 +24,9 @@ from ..policy import AcceptanceStats, AdaptiveK, FixedK, Policy
 from ..proposers import HybridProposer, NoProposer, Proposer
 from ..sampling import SamplingParams
 from . import schemas
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, internal_error
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Failed, Job, LockedTokenizer, Piece, Scheduler
-
-log = logging.getLogger("specdecode.server")
 
 
 @dataclass
@@ -150,9 +147,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)
+    async def unhandled(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(internal_error("internal server error", e).body(), status_code=500)
 
     def authorize(request: Request) -> None:
         key = config.api_key

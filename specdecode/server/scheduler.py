@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..batch import BatchDecoder, Row
 from ..detokenize import IncrementalText
-from .errors import APIError, overloaded
+from .errors import APIError, internal_error, overloaded
 from .metrics import Metrics
 
 log = logging.getLogger("specdecode.server")
@@ -155,11 +155,10 @@ class Scheduler:
                 if self.active:
                     self._step()
             except Exception:  # a bug outside any one row: fail the batch, keep serving
-                log.exception("scheduler step failed")
+                error = internal_error("internal error in the batch step")
                 for job in list(self.active.values()):
                     self._leave(job)
-                    self._close(job, "error", Failed(APIError(500, "internal error in the batch step",
-                                                               type="server_error")))
+                    self._close(job, "error", Failed(error))
         with self._cond:
             jobs = [*self.waiting, *self.active.values()]
             self.waiting.clear()
@@ -176,8 +175,7 @@ class Scheduler:
             try:
                 self.decoder.add(job.row)
             except Exception as e:  # noqa: BLE001
-                log.exception("prefill failed")
-                self._close(job, "error", Failed(APIError(500, f"prefill failed: {e}", type="server_error")))
+                self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
                 continue
             self.active[id(job.row)] = job
             self.metrics.prompt_tokens.inc(job.row.stats.prompt_tokens)
@@ -198,9 +196,8 @@ class Scheduler:
         for row, result in results:
             job = self.active[id(row)]
             if isinstance(result, Exception):
-                log.error("request failed: %r", result, exc_info=result)
                 self._leave(job)
-                self._close(job, "error", Failed(APIError(500, f"the request failed: {result}", type="server_error")))
+                self._close(job, "error", Failed(internal_error("the request failed", result)))
                 continue
             drafted, accepted = before[id(row)]
             self.metrics.observe_row_step(row.stats.drafted - drafted, row.stats.accepted - accepted, len(result))

@@ -1,0 +1,128 @@
+"""Every method through the server's own path (`Server.policy`, `RowCost`, the batch decoder), at k="auto" and at
+a fixed k, streamed and not: greedy output equals plain decoding. The library path hands a proposer a
+`CostModel`, the server a `RowCost`; a method one of them lacked once failed every eagle and medusa request in
+the server (HTTP 500) while every library test passed. And a 500 carries no exception text to the client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+import specdecode
+from specdecode.batch import BatchCost
+from specdecode.models.eagle import EagleConfig, EagleHead
+from specdecode.policy import CostModel
+from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
+from specdecode.proposers.medusa import MedusaHeads
+from specdecode.server.app import ServerConfig, create_app
+
+from .helpers import make_tokenizer, write_checkpoint
+
+MAX_TOKENS = 24
+PROMPTS = ["the cat sat on the mat and the cat sat on the", "one two three one two three one two"]
+
+
+def cheap_guesses(sizes=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
+    """A cost under which guessing nearly always pays, so every method speculates."""
+    return CostModel(list(sizes), [64, 512], [[1e-3 * (1 + 0.002 * n) for n in sizes]] * 2)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("methods")
+    tokenizer = make_tokenizer()
+    target_dir = write_checkpoint(root / "target", tokenizer)
+    draft_dir = write_checkpoint(root / "draft", tokenizer, layers=1)
+    llm = specdecode.load(target_dir, dtype="float64")
+    llm._cost = cheap_guesses()  # what the library path would measure: not what these tests are about
+    model = llm.model
+    vocab = torch.arange(model.config.vocab_size)
+    head = EagleHead(EagleConfig.for_target(model.config, model.config.vocab_size)).double()
+    head.init_from_target(model, vocab)
+    head.save(root / "eagle")
+    MedusaHeads.from_target(model, 2, vocab).save(root / "medusa")
+    skip = SkipSearchResult(skipped=[1], agreement=0.5, speedup=1.2, k=3, num_layers=2,
+                            trajectory=[SkipStep(skipped=[], agreement=1.0, speedup=1.0, k=3),
+                                        SkipStep(skipped=[1], agreement=0.5, speedup=1.2, k=3)])
+    save_skip_layers(model, skip, root / "cache")
+    return llm, {"eagle": root / "eagle", "medusa": root / "medusa"}, draft_dir, root / "cache"
+
+
+def plain(llm, prompt: str) -> str:
+    return llm.generate(prompt, method="none", max_new_tokens=MAX_TOKENS, temperature=0.0).text
+
+
+def client_for(llm, draft: Path | None) -> TestClient:
+    batch_cost = BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)])
+    return TestClient(create_app(llm, ServerConfig("tiny", method="none", draft=str(draft) if draft else None,
+                                                   max_batch=4), batch_cost))
+
+
+def ask(client: TestClient, prompt: str, method: str, k, stream: bool) -> tuple[str, dict]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+            "speculation": {"method": method, "k": k}}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        text, usage = [], {}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                text += [c["text"] for c in chunk["choices"] if c.get("text")]
+        return "".join(text), usage
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], r.json()["usage"]
+
+
+METHODS = ["none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_through_the_server_equals_plain(world, method, monkeypatch) -> None:
+    llm, heads, draft_dir, cache = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
+    expected = {p: plain(llm, p) for p in PROMPTS}
+    with client_for(llm, heads.get(method, draft_dir)) as client:
+        drafted = 0
+        for k in ("auto", 3):
+            for stream in (False, True):
+                for prompt in PROMPTS:
+                    text, usage = ask(client, prompt, method, k, stream)
+                    assert text == expected[prompt], (method, k, stream, prompt)
+                    drafted += usage.get("drafted", 0)
+        if method != "none":
+            assert drafted > 0, f"{method} never speculated: the test would not see its server path"
+
+
+def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -> None:
+    llm, _, draft_dir, cache = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
+    with client_for(llm, draft_dir) as client:
+        server = client.app.state.server
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("secret internals /home/user/weights.bin")
+
+        original = server.decoder.step
+        monkeypatch.setattr(server.decoder, "step", broken)
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": stream}
+            r = client.post("/v1/completions", json=body)
+            text = r.text
+            assert "secret internals" not in text and "RuntimeError" not in text
+            assert "error id" in text
+            assert r.status_code == (200 if stream else 500)
+        assert "secret internals" in caplog.text  # the log keeps what the client is not told
+        monkeypatch.setattr(server.decoder, "step", original)
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 200  # and the server goes on serving
