@@ -11,9 +11,9 @@ from typing import Any
 
 from .detokenize import IncrementalText
 from .engine import Generation, GenerationStats
-from .models import Transformer, load_transformer, resolve
+from .models import Transformer
 from .models.eagle import EagleHead
-from .models.loading import DTYPES
+from .models.loading import DTYPES, load_model
 from .policy import AcceptanceStats, AdaptiveK, CostModel, FixedK, Policy
 from .proposers import (
     DraftModelProposer,
@@ -77,13 +77,15 @@ class LLM:
         self._rank_accuracy: dict[int, RankAccuracy] = {}  # long-run, per loaded Medusa heads (by id)
 
     @classmethod
-    def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32") -> LLM:
+    def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
+             quantization: str | None = "auto") -> LLM:
+        """quantization: "auto" (a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored, others in `dtype`), None
+        (every weight in `dtype`), "int4" or "int8" (weight-only, blocks of 32; activations stay float32)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         from transformers import AutoTokenizer
 
-        path = resolve(name_or_path)
-        model = load_transformer(path, dtype=DTYPES[dtype])
+        model, path = load_model(name_or_path, dtype=DTYPES[dtype], quantization=quantization)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(model, tokenizer, name=str(name_or_path))
 
@@ -356,7 +358,8 @@ def check_same_tokenizer(target, draft) -> None:
         )
 
 
-def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32") -> LLM:
-    """Load a model by registry name, HF checkpoint dir or .gguf file."""
-    return LLM.load(name_or_path, dtype=dtype)
+def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
+         quantization: str | None = "auto") -> LLM:
+    """Load a model by registry name, HF checkpoint dir or .gguf file (see `LLM.load` for quantization)."""
+    return LLM.load(name_or_path, dtype=dtype, quantization=quantization)
 

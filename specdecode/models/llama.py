@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .cache import BatchKVCache, KVCache
 from .config import ModelConfig
 
@@ -142,12 +143,12 @@ class Transformer(nn.Module):
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+    def dtype(self) -> torch.dtype:  # the final norm's: the embedding may be a quantized table
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         cfg = self.config
@@ -199,15 +200,49 @@ class Transformer(nn.Module):
         wanted = [i % num_layers for i in hidden_layers]  # negative indices count from the last layer
         x = self.embed(tokens)
         states = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, start, mask)
-            if i in wanted:
-                states[i] = x
+        native = self._native_blocks(tokens, cache)
+        if native is not None:  # the same blocks, one native call each
+            lib, blocks = native
+            flat = x.reshape(n, -1).float().contiguous()
+            window = self.config.sliding_window
+            windowed = window is not None and int(positions.max()) >= window
+            full = mask.to(torch.uint8).contiguous() if windowed else None  # [n, start + n]
+            tree = None if windowed or tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
+            if start + n > cache.max_len:
+                raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
+            for i in range(num_layers):
+                blocks.run(lib, flat, i, cache, start, cos, sin, tree, full, self.config)
+                if i in wanted:
+                    states[i] = flat.clone().view(1, n, -1)
+            x = flat.view(1, n, -1)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache, i, start, mask)
+                if i in wanted:
+                    states[i] = x
         cache.length = start + n
         logits = None
         if logits_at is not None:
             logits = self.lm_head(self.norm(x[:, logits_at]))
         return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
+
+    def _native_blocks(self, tokens: torch.Tensor, cache):
+        """(library, NativeBlocks) when this forward can run its blocks natively (models/native.py), else None."""
+        from . import native  # imported here: native.py builds on this module
+
+        if not native.applies(self, tokens, cache):
+            return None
+        lib = kernels.native()
+        if lib is None:
+            return None
+        first, last = self.layers[0], self.layers[-1]
+        key = (self.layers, *(getattr(m, "qs", getattr(m, "weight", None)).data_ptr()
+                              for m in (first.attn.wqkv, last.mlp.w2)))
+        cached = self.__dict__.get("_native")
+        if cached is None or cached[0] != key:  # weights moved or replaced: describe them again
+            cached = (key, native.NativeBlocks.build(self.layers))
+            self.__dict__["_native"] = cached
+        return None if cached[1] is None else (lib, cached[1])
 
     def _attention_mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None):
         """[n, start + n] bool (True = attend), or None when every query may see every cached key."""

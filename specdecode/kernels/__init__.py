@@ -1,0 +1,128 @@
+"""Native kernels, compiled once per CPU at first use (a C compiler is all they need; gcc ships on our machines).
+
+`native()` returns the loaded library, or None when it cannot be built here; callers then fall back to
+PyTorch and this module logs one line saying so and why. The build is cached under the cache dir, keyed by
+the source, the compiler and the CPU's flags, so a machine with other flags (AVX-512, AVX2 only, no AVX)
+builds its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the kernels share)
+
+log = logging.getLogger("specdecode")
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "block.c")]
+FLAGS = ["-O3", "-march=native", "-mtune=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), or the machine name where /proc has none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+
+
+def _build(cache_dir: Path) -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode() + version.encode()
+                       + cpu_flags().encode()).hexdigest()[:16]
+    lib = cache_dir / "kernels" / f"specdecode-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    log.warning("compiling the native kernels for this CPU (once, a few seconds)...")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-400:]}")
+        out.replace(lib)
+    log.info("compiled %s in %.1f s", lib.name, time.perf_counter() - started)
+    return lib
+
+
+def native() -> ctypes.CDLL | None:
+    """The kernels' library, built on first use; None (and one log line) where it cannot be had."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib = None
+        if os.environ.get("SPECDECODE_NATIVE", "1") == "0":
+            reason = "SPECDECODE_NATIVE=0"
+        else:
+            try:
+                from ..policy import default_cache_dir
+
+                lib = ctypes.CDLL(str(_build(default_cache_dir())))
+                _declare(lib)
+                reason = ""
+            except (OSError, RuntimeError) as e:
+                lib, reason = None, str(e)
+        if lib is None:
+            log.warning("native quantized kernels unavailable (%s): quantized weights run through PyTorch, "
+                        "dequantized per call (same model, several times slower)", reason)
+        elif lib.specdecode_simd() == 0:
+            log.warning("this CPU lacks AVX2/FMA/F16C: the quantized kernels run as plain C (correct, slower)")
+        _state["lib"] = lib
+        return lib
+
+
+def simd() -> str:
+    lib = native()
+    return "none" if lib is None else {2: "avx2", 0: "scalar"}[lib.specdecode_simd()]
+
+
+class Weight(ctypes.Structure):
+    """A linear layer's weight as block.c reads it (kind: 0 float32, 1 int4, 2 int8)."""
+
+    _fields_ = [("kind", ctypes.c_int), ("n_out", ctypes.c_int), ("n_in", ctypes.c_int), ("qs", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.specdecode_q4_matmul.argtypes = [p, p, i, i, p, p, p, p, i]
+    lib.specdecode_q8_matmul.argtypes = [p, i, i, p, p, p, i]
+    lib.specdecode_f32_matmul.argtypes = [p, i, i, p, p, i]
+    w = ctypes.POINTER(Weight)
+    lib.specdecode_block.argtypes = [p, i, i, p, p, f, w, w, w, w, p, p, i, i, p, p, p, p, i, i, i, i]
+    lib.specdecode_block.restype = i
+    lib.specdecode_simd.restype = i
+    for fn in (lib.specdecode_q4_matmul, lib.specdecode_q8_matmul, lib.specdecode_f32_matmul):
+        fn.restype = None
+
+
+def reset() -> None:
+    """Forget the loaded library (tests: build again, or take the fallback)."""
+    with _lock:
+        _state.clear()
+
+
+__all__ = ["Weight", "native", "simd", "cpu_flags", "reset"]

@@ -1,0 +1,261 @@
+/* Weight-only quantized matmuls for the few-row shapes of decoding and tree verification.
+
+   y[M, N] = x[M, K] @ W[N, K]^T with W stored in blocks of 32 weights along K (GGUF's block size):
+     q4: w = d * q + m, q in 0..15, 16 bytes per block (byte j: weight j in its low nibble, weight j + 16 in
+         its high nibble: GGUF's Q4_0 / Q4_1 order; Q4_0 is m = -8 d), d and m in float16;
+     q8: w = d * q, q in -128..127, 32 bytes per block, d in float16 (GGUF's Q8_0).
+   Activations stay float32: each block's weights are widened to float32 in registers and meet x in FMAs,
+   so the result is dequantize-then-matmul up to float32 rounding. Per block, sum(q * x) is formed first and
+   scaled by d once (and m * sum(x) added at the end), which is where the summation order differs.
+
+   Every output y[r, n] is computed by the same instruction sequence whatever M is (rows are tiled in groups
+   of up to 4 and each row's accumulator sees the same operations in the same order), so a row's result does
+   not depend on how many rows share the call: verifying a tree gives bit for bit the numbers a one-token step
+   would, which keeps speculation lossless at this precision.
+
+   Built at first use for the CPU it runs on (-march=native): AVX2 + FMA + F16C where the CPU has them, plain
+   C otherwise. Threads: OpenMP over output tiles (the process's OpenMP runtime, the one torch loaded). */
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECDECODE_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define TILE_N 16
+
+static inline float half_to_float(uint16_t h) {
+#if SPECDECODE_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+int specdecode_simd(void) {
+#if SPECDECODE_AVX2
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+#if SPECDECODE_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 widen(__m128i bytes8, int is_signed) {  /* the low 8 bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
+}
+
+/* rows r0..r0+R of one output n; R is a constant at every call site, so the loops unroll */
+static inline __attribute__((always_inline)) void q4_rows(
+    const float *x, const float *xsum, int K, const uint8_t *q, const uint16_t *d, const uint16_t *m,
+    float *y, int N, int R) {
+    const int nb = K / QK;
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + 16 * b));
+        const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        const __m256 q0 = widen(lo, 0), q1 = widen(_mm_srli_si128(lo, 8), 0);
+        const __m256 q2 = widen(hi, 0), q3 = widen(_mm_srli_si128(hi, 8), 0);
+        const __m256 scale = _mm256_set1_ps(half_to_float(d[b]));
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + (int64_t)r * K + QK * b;
+            __m256 s = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+            s = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), s);
+            s = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), s);
+            s = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), s);
+            acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float total = hsum(acc[r]);
+        const float *xs = xsum + (int64_t)r * nb;
+        for (int b = 0; b < nb; b++) total += half_to_float(m[b]) * xs[b];
+        y[(int64_t)r * N] = total;
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_rows(
+    const float *x, int K, const int8_t *q, const uint16_t *d, float *y, int N, int R) {
+    const int nb = K / QK;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(q + QK * b));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(q + QK * b + 16));
+        const __m256 q0 = widen(a, 1), q1 = widen(_mm_srli_si128(a, 8), 1);
+        const __m256 q2 = widen(c, 1), q3 = widen(_mm_srli_si128(c, 8), 1);
+        const __m256 scale = _mm256_set1_ps(half_to_float(d[b]));
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + (int64_t)r * K + QK * b;
+            __m256 s = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+            s = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), s);
+            s = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), s);
+            s = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), s);
+            acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[(int64_t)r * N] = hsum(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void f32_rows(
+    const float *x, int K, const float *w, float *y, int N, int R) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 wk = _mm256_loadu_ps(w + k);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + (int64_t)r * K + k), acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        float total = hsum(acc[r]);
+        for (int j = k; j < K; j++) total += w[j] * x[(int64_t)r * K + j];
+        y[(int64_t)r * N] = total;
+    }
+}
+#else
+static inline void q4_rows(const float *x, const float *xsum, int K, const uint8_t *q, const uint16_t *d,
+                           const uint16_t *m, float *y, int N, int R) {
+    const int nb = K / QK;
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (int64_t)r * K;
+        float total = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t byte = q[16 * b + j];
+                s += (float)(byte & 0x0f) * xr[QK * b + j] + (float)(byte >> 4) * xr[QK * b + j + 16];
+            }
+            total += s * half_to_float(d[b]) + half_to_float(m[b]) * xsum[(int64_t)r * nb + b];
+        }
+        y[(int64_t)r * N] = total;
+    }
+}
+
+static inline void q8_rows(const float *x, int K, const int8_t *q, const uint16_t *d, float *y, int N, int R) {
+    const int nb = K / QK;
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (int64_t)r * K;
+        float total = 0.0f;
+        for (int b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < QK; j++) s += (float)q[QK * b + j] * xr[QK * b + j];
+            total += s * half_to_float(d[b]);
+        }
+        y[(int64_t)r * N] = total;
+    }
+}
+
+static inline void f32_rows(const float *x, int K, const float *w, float *y, int N, int R) {
+    for (int r = 0; r < R; r++) {
+        float total = 0.0f;
+        for (int k = 0; k < K; k++) total += w[k] * x[(int64_t)r * K + k];
+        y[(int64_t)r * N] = total;
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ dequant(W)^T; W: qs [N, K / 2], d and m [N, K / 32]. xsum: scratch of M * K / 32 floats. */
+void specdecode_q4_matmul(const float *x, float *xsum, int M, int K, const uint8_t *qs, const uint16_t *d,
+                          const uint16_t *m, float *y, int N) {
+    const int nb = K / QK;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < QK; j++) s += x[(int64_t)r * K + QK * b + j];
+            xsum[(int64_t)r * nb + b] = s;
+        }
+    const int tiles = (N + TILE_N - 1) / TILE_N;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int n1 = (t + 1) * TILE_N < N ? (t + 1) * TILE_N : N;
+        for (int r0 = 0; r0 < M; r0 += 4) {
+            const int R = M - r0 < 4 ? M - r0 : 4;
+            for (int n = t * TILE_N; n < n1; n++) {
+                const float *xr = x + (int64_t)r0 * K;
+                const float *xs = xsum + (int64_t)r0 * nb;
+                const uint8_t *q = qs + (int64_t)n * (K / 2);
+                const uint16_t *dn = d + (int64_t)n * nb, *mn = m + (int64_t)n * nb;
+                float *yr = y + (int64_t)r0 * N + n;
+                switch (R) {
+                    case 4: q4_rows(xr, xs, K, q, dn, mn, yr, N, 4); break;
+                    case 3: q4_rows(xr, xs, K, q, dn, mn, yr, N, 3); break;
+                    case 2: q4_rows(xr, xs, K, q, dn, mn, yr, N, 2); break;
+                    default: q4_rows(xr, xs, K, q, dn, mn, yr, N, 1); break;
+                }
+            }
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] @ dequant(W)^T; W: qs [N, K] int8, d [N, K / 32]. */
+void specdecode_q8_matmul(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, float *y, int N) {
+    const int nb = K / QK;
+    const int tiles = (N + TILE_N - 1) / TILE_N;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int n1 = (t + 1) * TILE_N < N ? (t + 1) * TILE_N : N;
+        for (int r0 = 0; r0 < M; r0 += 4) {
+            const int R = M - r0 < 4 ? M - r0 : 4;
+            for (int n = t * TILE_N; n < n1; n++) {
+                const float *xr = x + (int64_t)r0 * K;
+                const int8_t *q = qs + (int64_t)n * K;
+                const uint16_t *dn = d + (int64_t)n * nb;
+                float *yr = y + (int64_t)r0 * N + n;
+                switch (R) {
+                    case 4: q8_rows(xr, K, q, dn, yr, N, 4); break;
+                    case 3: q8_rows(xr, K, q, dn, yr, N, 3); break;
+                    case 2: q8_rows(xr, K, q, dn, yr, N, 2); break;
+                    default: q8_rows(xr, K, q, dn, yr, N, 1); break;
+                }
+            }
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] @ W[N, K]^T in float32 (the native step's float path). */
+void specdecode_f32_matmul(const float *x, int M, int K, const float *w, float *y, int N) {
+    const int tiles = (N + TILE_N - 1) / TILE_N;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int n1 = (t + 1) * TILE_N < N ? (t + 1) * TILE_N : N;
+        for (int r0 = 0; r0 < M; r0 += 4) {
+            const int R = M - r0 < 4 ? M - r0 : 4;
+            for (int n = t * TILE_N; n < n1; n++) {
+                const float *xr = x + (int64_t)r0 * K;
+                const float *wn = w + (int64_t)n * K;
+                float *yr = y + (int64_t)r0 * N + n;
+                switch (R) {
+                    case 4: f32_rows(xr, K, wn, yr, N, 4); break;
+                    case 3: f32_rows(xr, K, wn, yr, N, 3); break;
+                    case 2: f32_rows(xr, K, wn, yr, N, 2); break;
+                    default: f32_rows(xr, K, wn, yr, N, 1); break;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+"""The model's blocks run by the native kernel (kernels/block.c): one call per layer instead of ~30 PyTorch
+operators, for one sequence on the CPU in float32, with int4, int8 or float32 weights.
+
+`NativeBlocks.for_model` returns None where the kernel does not apply (another device or dtype, gradients,
+a batch, layers it does not know, or no native library: see kernels.native), and the PyTorch blocks run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import kernels
+from .cache import KVCache
+from .llama import Linear
+from .quant import QuantLinear
+
+
+def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
+    """block.c's view of a linear layer, or None for a layer it cannot run."""
+    bias = getattr(layer, "bias", None)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(layer, QuantLinear):
+        kind = 1 if layer.kind == "int4" else 2
+        m = None if layer.m is None else layer.m.data_ptr()
+        return kernels.Weight(kind, layer.out_features, layer.in_features, layer.qs.data_ptr(), layer.d.data_ptr(),
+                              m, bias_ptr)
+    if isinstance(layer, Linear) and layer.weight.dtype == torch.float32 and layer.weight.is_contiguous():
+        w = layer.weight
+        return kernels.Weight(0, w.shape[0], w.shape[1], w.data_ptr(), None, None, bias_ptr)
+    return None
+
+
+class NativeBlocks:
+    def __init__(self, layers: torch.nn.ModuleList, structs: list[tuple]) -> None:
+        self.layers, self.structs = layers, structs
+
+    @classmethod
+    def build(cls, layers: torch.nn.ModuleList) -> NativeBlocks | None:
+        structs = []
+        for block in layers:
+            ws = [weight_struct(m) for m in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2)]
+            norms = (block.attn_norm, block.mlp_norm)
+            if any(w is None for w in ws) or any(n.weight.dtype != torch.float32 for n in norms):
+                return None
+            eps = block.attn_norm.eps if block.attn_norm.eps is not None else torch.finfo(torch.float32).eps
+            structs.append((norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), float(eps),
+                            *(ctypes.pointer(w) for w in ws)))
+        return cls(layers, structs)
+
+    def run(self, lib, x: torch.Tensor, layer: int, cache: KVCache, start: int, cos: torch.Tensor,
+            sin: torch.Tensor, tree_mask: torch.Tensor | None, full_mask: torch.Tensor | None, cfg) -> None:
+        """Block `layer` on x [n, H] (updated in place), its keys and values written into `cache`."""
+        n, hidden = x.shape
+        attn_norm, mlp_norm, eps, wqkv, wo, w13, w2 = self.structs[layer]
+        kv = cache.kv[layer]  # [2, 1, kv_heads, max_len, head_dim]
+        failed = lib.specdecode_block(
+            x.data_ptr(), n, hidden, attn_norm, mlp_norm, eps, wqkv, wo, w13, w2,
+            kv[0].data_ptr(), kv[1].data_ptr(), cache.max_len, start, cos.data_ptr(), sin.data_ptr(),
+            None if tree_mask is None else tree_mask.data_ptr(), None if full_mask is None else full_mask.data_ptr(),
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        if failed:
+            raise MemoryError("the native block could not allocate its scratch memory")
+
+
+def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
+    """Whether this forward can take the native path (before looking at the layers)."""
+    return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and type(cache) is KVCache
+            and cache.kv.dtype == torch.float32 and model.dtype == torch.float32 and not torch.is_grad_enabled()
+            and cache.kv.is_contiguous())

@@ -1,0 +1,165 @@
+"""Weight-only quantized linear layers: int4 and int8 in GGUF's blocks of 32, activations in float32.
+
+int4 is GGUF's Q4_1 (w = d * q + m, q in 0..15; Q4_0 loads as m = -8 d) and int8 its Q8_0 (w = d * q), with
+d and m in float16, so a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors load as they are, never through float32, and
+a float checkpoint quantizes into the same form. On the CPU the matmul runs in the native kernels
+(specdecode/kernels), which stream these bytes and widen them to float32 in registers; elsewhere, or where
+the kernels cannot be built, the weights are dequantized once into the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+
+QK = 32  # weights per block
+GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34)}  # kind, bytes per block
+QUANTIZATIONS = ("int4", "int8")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(W).T (+ bias) with W [out, in] in blocks of 32 along `in`."""
+
+    def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if kind not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        self.kind = kind
+        self.out_features = qs.shape[0]
+        self.in_features = qs.shape[1] * (2 if kind == "int4" else 1)
+        self.register_buffer("qs", qs.contiguous())
+        # float16 scales kept as their int16 bits: `model.to(dtype)` casts floating buffers, never these
+        self.register_buffer("d", half_bits(d))
+        self.register_buffer("m", None if m is None else half_bits(m))
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._dense: torch.Tensor | None = None  # the fallback's dequantized weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (float32): what this layer computes with, for tests and conversions."""
+        return self.dequantize()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        d = self.d.view(torch.float16).float().reshape(n, k // QK, 1)
+        if self.kind == "int4":
+            qs = self.qs.reshape(n, k // QK, QK // 2)
+            q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # per block: the low nibbles, then the high
+            w = q * d + self.m.view(torch.float16).float().reshape(n, k // QK, 1)
+        else:
+            w = self.qs.float().reshape(n, k // QK, QK) * d
+        return w.reshape(n, k).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = kernels.native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if lib is None:
+            if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
+                self._dense = self.dequantize(x.dtype).to(x.device)
+            return F.linear(x, self._dense, None if self.bias is None else self.bias.to(x.dtype))
+        rows = x.reshape(-1, self.in_features).contiguous()
+        m, k, n = rows.shape[0], self.in_features, self.out_features
+        out = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            if self.kind == "int4":
+                scratch = torch.empty(m, k // QK, dtype=torch.float32)
+                lib.specdecode_q4_matmul(rows.data_ptr(), scratch.data_ptr(), m, k, self.qs.data_ptr(),
+                                         self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(), n)
+            else:
+                lib.specdecode_q8_matmul(rows.data_ptr(), m, k, self.qs.data_ptr(), self.d.data_ptr(),
+                                         out.data_ptr(), n)
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+
+    # ------------------------------------------------------------------------------------ building
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> QuantLinear:
+        """Round a float weight [out, in] to `kind` (int4: per block min and scale; int8: per block absmax)."""
+        n, k = weight.shape
+        if k % QK:
+            raise ValueError(f"cannot quantize a [{n}, {k}] weight to {kind}: its input size {k} is not a multiple "
+                             f"of the block size {QK}; load this model without quantization (or with dtype)")
+        w = weight.detach().float().cpu().reshape(n, k // QK, QK)
+        if kind == "int4":
+            lo, hi = w.amin(-1), w.amax(-1)
+            d = ((hi - lo) / 15).to(torch.float16)
+            m = lo.to(torch.float16)
+            inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+            q = ((w - m.float()[..., None]) * inv[..., None]).round().clamp(0, 15).to(torch.uint8)
+            qs = q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+            return cls("int4", qs.reshape(n, k // 2), d, m, bias)
+        if kind == "int8":
+            d = (w.abs().amax(-1) / 127).to(torch.float16)
+            inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+            q = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+            return cls("int8", q.reshape(n, k), d, None, bias)
+        raise ValueError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZATIONS)}")
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, ggml_type: str) -> QuantLinear:
+        """A GGUF tensor's bytes [out, blocks * block_bytes] in Q4_0, Q4_1 or Q8_0, as stored."""
+        if ggml_type not in GGUF_BLOCKS:
+            raise ValueError(f"GGUF type {ggml_type} has no quantized path here (supported: {', '.join(GGUF_BLOCKS)})")
+        kind, size = GGUF_BLOCKS[ggml_type]
+        n = raw.shape[0]
+        blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+        if ggml_type == "Q4_1":
+            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+            qs = torch.from_numpy(blocks[..., 4:].copy()).reshape(n, -1)
+        elif ggml_type == "Q4_0":  # w = d * (q - 8)
+            m = -8 * d.float()
+            qs = torch.from_numpy(blocks[..., 2:].copy()).reshape(n, -1)
+        else:
+            m = None
+            qs = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, -1)
+        return cls(kind, qs, d, m)
+
+    def rows(self, index: torch.Tensor) -> QuantLinear:
+        """A layer of the chosen output rows (to fuse or permute projections without dequantizing)."""
+        return QuantLinear(self.kind, self.qs[index], self.d[index], None if self.m is None else self.m[index],
+                           None if self.bias is None else self.bias[index])
+
+    @staticmethod
+    def cat(layers: list[QuantLinear]) -> QuantLinear:
+        """One layer computing all of `layers` (stacked outputs): q|k|v and gate|up fused."""
+        kinds = {layer.kind for layer in layers}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse projections quantized differently ({', '.join(sorted(kinds))})")
+        biases = [layer.bias for layer in layers]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers, strict=True)])
+        m = None if layers[0].m is None else torch.cat([layer.m for layer in layers])
+        return QuantLinear(layers[0].kind, torch.cat([layer.qs for layer in layers]),
+                           torch.cat([layer.d for layer in layers]), m, bias)
+
+
+def half_bits(t: torch.Tensor) -> torch.Tensor:
+    """float16 values as int16 bits (int16 input: already bits)."""
+    return (t if t.dtype == torch.int16 else t.to(torch.float16).view(torch.int16)).contiguous()
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored as a QuantLinear's weight (tied to the output layer, as GGUF files do)."""
+
+    def __init__(self, table: QuantLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.dequantize()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        flat = tokens.reshape(-1).to(t.qs.device)
+        picked = QuantLinear(t.kind, t.qs[flat], t.d[flat], None if t.m is None else t.m[flat])
+        return picked.dequantize().reshape(*tokens.shape, t.in_features)

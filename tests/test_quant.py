@@ -1,0 +1,196 @@
+"""int4 / int8 weights and the native kernels: the matmul equals dequantize-then-matmul, a row's result does
+not depend on how many rows share the call, GGUF blocks load as stored, the native block equals the PyTorch
+block, the fallback works and says so, and speculation over a quantized target is lossless (greedy and
+sampled)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode import kernels
+from specdecode.engine import generate_ids
+from specdecode.models.loading import quantize_
+from specdecode.models.quant import QuantLinear
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.sampling import SamplingParams
+
+from .helpers import noisy_copy, tiny_model
+from .test_distribution import ALPHA, PROMPT, V, chi_square, exact_joint
+
+SHAPES = [(64, 40), (576, 960), (1536, 96)]  # (in, out): the default model's widths and a tiny one
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    """The PyTorch fallback, as on a machine where the kernels cannot be built."""
+    monkeypatch.setenv("SPECDECODE_NATIVE", "0")
+    kernels.reset()
+    yield
+    kernels.reset()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matmul_equals_dequantize_then_matmul(kind, shape) -> None:
+    assert kernels.native() is not None, "the native kernels must build on CI machines"
+    k, n = shape
+    g = torch.Generator().manual_seed(0)
+    layer = QuantLinear.quantize(torch.randn(n, k, generator=g) * 0.05, kind)
+    dense = layer.dequantize().double()
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+        x = torch.randn(rows, k, generator=g)
+        expected = x.double() @ dense.T
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind) -> None:
+    g = torch.Generator().manual_seed(1)
+    layer = QuantLinear.quantize(torch.randn(96, 576, generator=g), kind)
+    x = torch.randn(16, 576, generator=g)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(16)])
+    for rows in (2, 3, 4, 7, 16):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows  # bit for bit
+
+
+def test_quantization_error_is_what_the_format_allows() -> None:
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    for kind, bound in (("int4", 0.5 / 15), ("int8", 0.5 / 127)):
+        layer = QuantLinear.quantize(w, kind)
+        blocks = w.reshape(64, 8, 32)
+        spread = (blocks.amax(-1) - blocks.amin(-1)) if kind == "int4" else blocks.abs().amax(-1)
+        err = (layer.dequantize() - w).abs().reshape(64, 8, 32).amax(-1)
+        assert (err <= spread * bound * 1.01 + 1e-3).all(), kind
+
+
+def test_gguf_blocks_load_as_stored() -> None:
+    """Q4_0, Q4_1 and Q8_0 bytes laid out as GGUF stores them give the weights gguf's own dequantizer gives."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    for name in ("Q4_0", "Q4_1", "Q8_0"):
+        kind = gguf.GGMLQuantizationType[name]
+        raw = gguf.quants.quantize(w, kind)
+        expected = gguf.quants.dequantize(raw, kind)
+        got = QuantLinear.from_gguf(raw, name).dequantize().numpy()
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+        QuantLinear.from_gguf(raw, "Q6_K")
+
+
+def test_bad_shapes_and_kinds_say_what_to_do() -> None:
+    with pytest.raises(ValueError, match="not a multiple of the block size 32.*without quantization"):
+        QuantLinear.quantize(torch.randn(8, 48), "int4")
+    with pytest.raises(ValueError, match="int4, int8"):
+        QuantLinear.quantize(torch.randn(8, 64), "int3")
+
+
+def takes_native_path(model) -> bool:
+    with torch.inference_mode():
+        return model._native_blocks(torch.zeros(1, 1, dtype=torch.long), model.new_cache(4)) is not None
+
+
+def forward_both_ways(model, monkeypatch) -> list[torch.Tensor]:
+    """A prefill, a token tree and a one-token step: native blocks, then the PyTorch blocks."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    runs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(type(model), "_native_blocks", lambda *a: None)
+        cache = model.new_cache(64)
+        a = model.forward(prompt, cache, hidden_layers=[0])
+        b = model.forward(torch.tensor([[3, 4, 5, 6]]), cache, tree_mask=tree, positions=torch.tensor([20, 21, 21, 22]))
+        cache.keep(20, [0, 2])
+        c = model.forward(torch.tensor([[7]]), cache)
+        runs.append([a.logits, a.hidden[0], b.logits, c.logits])
+    monkeypatch.undo()
+    return runs
+
+
+@pytest.mark.parametrize("kind", [None, "int4", "int8"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_native_block_equals_pytorch_block(kind, window, monkeypatch) -> None:
+    model = tiny_model(0, dtype=torch.float32, sliding_window=window)
+    if kind:
+        quantize_(model, kind)
+    assert takes_native_path(model)
+    native, reference = forward_both_ways(model, monkeypatch)
+    for got, expected in zip(native, reference, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fallback_without_native_kernels_logs_and_computes_the_same(no_native, caplog) -> None:
+    g = torch.Generator().manual_seed(4)
+    layer = QuantLinear.quantize(torch.randn(40, 64, generator=g), "int4")
+    x = torch.randn(3, 64, generator=g)
+    with caplog.at_level(logging.WARNING, logger="specdecode"):
+        got = layer(x)
+    assert "native quantized kernels unavailable (SPECDECODE_NATIVE=0)" in caplog.text
+    torch.testing.assert_close(got, x @ layer.dequantize().T)
+    assert not takes_native_path(tiny_model(0, dtype=torch.float32))
+
+
+def test_kernels_build_once_per_machine_and_name_the_simd(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    kernels.reset()
+    try:
+        assert kernels.simd() in ("avx2", "scalar")
+        built = list((tmp_path / "kernels").glob("*.so"))
+        assert len(built) == 1
+        kernels.reset()
+        kernels.native()
+        assert list((tmp_path / "kernels").glob("*.so")) == built  # cached, not built again
+    finally:
+        kernels.reset()
+
+
+# ------------------------------------------------------------------------------------ lossless
+def quantized_pair(kind: str):
+    target = quantize_(tiny_model(0, dtype=torch.float32), kind)
+    draft = quantize_(tiny_model(1, dtype=torch.float32), kind)
+    return target, draft
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculation_over_a_quantized_target_equals_its_plain_decoding(kind, k) -> None:
+    target, draft = quantized_pair(kind)
+    params = SamplingParams(temperature=0.0)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    plain = generate_ids(target, prompt, max_new_tokens=40, params=params, k=0)[0]
+    for proposer in (PromptLookupProposer(), PromptLookupProposer(branches=3),
+                     DraftModelProposer(draft, target.config.vocab_size)):
+        spec, stats = generate_ids(target, prompt, max_new_tokens=40, params=params, k=k, proposer=proposer)
+        assert spec == plain, proposer.name
+        assert stats.drafted > 0
+
+
+def test_sampled_speculation_over_an_int4_target_follows_its_distribution() -> None:
+    """Draft-model speculation at T=1 over an int4 target (native kernels): 3,000 samples of the first 3 tokens
+    against the int4 target's exact joint distribution (chi-square), as tests/test_distribution.py does."""
+    target = quantize_(tiny_model(3, dtype=torch.float32, head_gain=3.0, vocab_size=V, num_layers=1,
+                                  hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16),
+                       "int4")
+    draft = quantize_(noisy_copy(tiny_model(3, dtype=torch.float32, head_gain=3.0, vocab_size=V, num_layers=1,
+                                            hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
+                                            head_dim=16), seed=5, noise=0.3), "int4")
+    assert takes_native_path(target)
+    params, samples = SamplingParams(temperature=1.0), 3000
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(samples):
+        out, stats = generate_ids(target, PROMPT, proposer=DraftModelProposer(draft, V), k=4, max_new_tokens=3,
+                                  params=params, seed=seed)
+        counts[tuple(out)] += 1
+        accepted += stats.accepted
+    p_value, tv = chi_square(counts, exact_joint(target, PROMPT, params, 3), samples)
+    assert accepted > 0
+    assert p_value > ALPHA, (p_value, tv)
