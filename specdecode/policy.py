@@ -234,7 +234,8 @@ def machine_key(model: Transformer) -> str:
     cfg = model.config
     shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
     threads = torch.get_num_threads()
-    return f"{shape}|{model.dtype}|{model.device.type}|{cpu}|{threads} threads|torch {torch.__version__}"
+    return (f"{shape}|{model.dtype}|{model.weights_kind()}|{model.device.type}|{cpu}|{threads} threads"
+            f"|torch {torch.__version__}")
 
 
 def rate_to_beat(cost: ForwardCost, context: int) -> float:

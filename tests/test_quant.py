@@ -15,7 +15,7 @@ import torch
 from specdecode import kernels
 from specdecode.engine import generate_ids
 from specdecode.models.loading import quantize_
-from specdecode.models.quant import QuantLinear
+from specdecode.models.quant import QuantLinear, round_activations
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 
@@ -34,9 +34,10 @@ def no_native(monkeypatch):
     kernels.reset()
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4-a8", "int8-a8"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matmul_equals_dequantize_then_matmul(kind, shape) -> None:
+    """Weight-only: x @ dequant(W).T; with int8 activations: round(x) @ dequant(W).T, x rounded per block."""
     assert kernels.native() is not None, "the native kernels must build on CI machines"
     k, n = shape
     g = torch.Generator().manual_seed(0)
@@ -44,13 +45,13 @@ def test_matmul_equals_dequantize_then_matmul(kind, shape) -> None:
     dense = layer.dequantize().double()
     for rows in (1, 2, 3, 4, 5, 8, 13, 16):
         x = torch.randn(rows, k, generator=g)
-        expected = x.double() @ dense.T
+        expected = (round_activations(x) if layer.act8 else x).double() @ dense.T
         got = layer(x)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4-a8", "int8-a8"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind) -> None:
     g = torch.Generator().manual_seed(1)
     layer = QuantLinear.quantize(torch.randn(96, 576, generator=g), kind)
@@ -115,7 +116,7 @@ def forward_both_ways(model, monkeypatch) -> list[torch.Tensor]:
     return runs
 
 
-@pytest.mark.parametrize("kind", [None, "int4", "int8"])
+@pytest.mark.parametrize("kind", [None, "int4", "int8", "int4-a8", "int8-a8"])
 @pytest.mark.parametrize("window", [None, 8])
 def test_native_block_equals_pytorch_block(kind, window, monkeypatch) -> None:
     model = tiny_model(0, dtype=torch.float32, sliding_window=window)
@@ -129,13 +130,38 @@ def test_native_block_equals_pytorch_block(kind, window, monkeypatch) -> None:
 
 def test_fallback_without_native_kernels_logs_and_computes_the_same(no_native, caplog) -> None:
     g = torch.Generator().manual_seed(4)
-    layer = QuantLinear.quantize(torch.randn(40, 64, generator=g), "int4")
-    x = torch.randn(3, 64, generator=g)
+    weight, x = torch.randn(40, 64, generator=g), torch.randn(3, 64, generator=g)
     with caplog.at_level(logging.WARNING, logger="specdecode"):
-        got = layer(x)
+        got = {kind: QuantLinear.quantize(weight, kind)(x) for kind in ("int4", "int4-a8")}
     assert "native quantized kernels unavailable (SPECDECODE_NATIVE=0)" in caplog.text
-    torch.testing.assert_close(got, x @ layer.dequantize().T)
+    dense = QuantLinear.quantize(weight, "int4").dequantize()
+    torch.testing.assert_close(got["int4"], x @ dense.T)
+    torch.testing.assert_close(got["int4-a8"], round_activations(x) @ dense.T)
     assert not takes_native_path(tiny_model(0, dtype=torch.float32))
+
+
+def test_portable_build_without_avx2_computes_the_same(monkeypatch, caplog) -> None:
+    """The plain-C kernels a CPU without AVX2 gets: same numbers (to rounding), rows still independent."""
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(96, 576, generator=g), torch.randn(6, 576, generator=g)
+    layers = {kind: QuantLinear.quantize(weight, kind) for kind in ("int4", "int8", "int4-a8", "int8-a8")}
+    fast = {kind: layer(x) for kind, layer in layers.items()}
+    monkeypatch.setenv("SPECDECODE_NATIVE", "portable")
+    kernels.reset()
+    try:
+        with caplog.at_level(logging.WARNING, logger="specdecode"):
+            assert kernels.simd() == "scalar"
+        assert "lacks AVX2" in caplog.text
+        for kind, layer in layers.items():
+            plain = layer(x)
+            torch.testing.assert_close(plain, fast[kind], rtol=1e-5, atol=1e-4)
+            assert torch.equal(plain[2:3], layer(x[2:3])), kind
+        model = quantize_(tiny_model(0, dtype=torch.float32), "int4-a8")
+        native, reference = forward_both_ways(model, monkeypatch)
+        for got, expected in zip(native, reference, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        kernels.reset()
 
 
 def test_kernels_build_once_per_machine_and_name_the_simd(tmp_path, monkeypatch) -> None:
@@ -159,7 +185,7 @@ def quantized_pair(kind: str):
     return target, draft
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4-a8", "int8-a8"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_speculation_over_a_quantized_target_equals_its_plain_decoding(kind, k) -> None:
     target, draft = quantized_pair(kind)
@@ -174,14 +200,14 @@ def test_greedy_speculation_over_a_quantized_target_equals_its_plain_decoding(ki
 
 
 def test_sampled_speculation_over_an_int4_target_follows_its_distribution() -> None:
-    """Draft-model speculation at T=1 over an int4 target (native kernels): 3,000 samples of the first 3 tokens
+    """Draft-model speculation at T=1 over an int4-a8 target (native kernels): 3,000 samples of the first 3 tokens
     against the int4 target's exact joint distribution (chi-square), as tests/test_distribution.py does."""
     target = quantize_(tiny_model(3, dtype=torch.float32, head_gain=3.0, vocab_size=V, num_layers=1,
                                   hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16),
-                       "int4")
+                       "int4-a8")
     draft = quantize_(noisy_copy(tiny_model(3, dtype=torch.float32, head_gain=3.0, vocab_size=V, num_layers=1,
                                             hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1,
-                                            head_dim=16), seed=5, noise=0.3), "int4")
+                                            head_dim=16), seed=5, noise=0.3), "int4-a8")
     assert takes_native_path(target)
     params, samples = SamplingParams(temperature=1.0), 3000
     counts: Counter = Counter()

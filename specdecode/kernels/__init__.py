@@ -3,7 +3,8 @@
 `native()` returns the loaded library, or None when it cannot be built here; callers then fall back to
 PyTorch and this module logs one line saying so and why. The build is cached under the cache dir, keyed by
 the source, the compiler and the CPU's flags, so a machine with other flags (AVX-512, AVX2 only, no AVX)
-builds its own.
+builds its own. SPECDECODE_NATIVE=0 turns the kernels off; SPECDECODE_NATIVE=portable builds them for the
+baseline of the architecture (plain C: what a CPU without AVX2 runs, and what its tests check).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the ker
 
 log = logging.getLogger("specdecode")
 SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "block.c")]
-FLAGS = ["-O3", "-march=native", "-mtune=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+def _target_flags() -> list[str]:
+    if os.environ.get("SPECDECODE_NATIVE") == "portable":
+        return ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else []
+    return ["-march=native", "-mtune=native"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -49,7 +56,8 @@ def _build(cache_dir: Path) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode() + version.encode()
+    flags = [*_target_flags(), *FLAGS]
+    key = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode() + version.encode()
                        + cpu_flags().encode()).hexdigest()[:16]
     lib = cache_dir / "kernels" / f"specdecode-{key}.so"
     if lib.exists():
@@ -59,7 +67,7 @@ def _build(cache_dir: Path) -> Path:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True,
                               check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-400:]}")
@@ -100,7 +108,7 @@ def simd() -> str:
 
 
 class Weight(ctypes.Structure):
-    """A linear layer's weight as block.c reads it (kind: 0 float32, 1 int4, 2 int8)."""
+    """A linear layer's weight as block.c reads it (kind: 0 float32, 1 int4, 2 int8, 3 int4-a8, 4 int8-a8)."""
 
     _fields_ = [("kind", ctypes.c_int), ("n_out", ctypes.c_int), ("n_in", ctypes.c_int), ("qs", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
@@ -111,6 +119,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_q4_matmul.argtypes = [p, p, i, i, p, p, p, p, i]
     lib.specdecode_q8_matmul.argtypes = [p, i, i, p, p, p, i]
     lib.specdecode_f32_matmul.argtypes = [p, i, i, p, p, i]
+    lib.specdecode_a8_matmul.argtypes = [i, p, i, i, p, p, p, p, i]
+    lib.specdecode_a8_matmul.restype = i
     w = ctypes.POINTER(Weight)
     lib.specdecode_block.argtypes = [p, i, i, p, p, f, w, w, w, w, p, p, i, i, p, p, p, p, i, i, i, i]
     lib.specdecode_block.restype = i

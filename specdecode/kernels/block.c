@@ -22,7 +22,7 @@
 #include <immintrin.h>
 #endif
 
-enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2 };
+enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_Q4A8 = 3, W_Q8A8 = 4 };
 
 typedef struct {
     int kind, n_out, n_in;
@@ -35,9 +35,13 @@ void specdecode_q4_matmul(const float *x, float *xsum, int M, int K, const uint8
                           const uint16_t *m, float *y, int N);
 void specdecode_q8_matmul(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, float *y, int N);
 void specdecode_f32_matmul(const float *x, int M, int K, const float *w, float *y, int N);
+int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d,
+                         const uint16_t *m, float *y, int N);
 
 static void linear(const Weight *w, const float *x, int M, float *y, float *scratch) {
-    if (w->kind == W_Q4)
+    if (w->kind == W_Q4A8 || w->kind == W_Q8A8)
+        specdecode_a8_matmul(w->kind == W_Q4A8 ? 1 : 2, x, M, w->n_in, w->qs, w->d, w->m, y, w->n_out);
+    else if (w->kind == W_Q4)
         specdecode_q4_matmul(x, scratch, M, w->n_in, (const uint8_t *)w->qs, w->d, w->m, y, w->n_out);
     else if (w->kind == W_Q8)
         specdecode_q8_matmul(x, M, w->n_in, (const int8_t *)w->qs, w->d, y, w->n_out);

@@ -150,6 +150,13 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    def weights_kind(self) -> str:
+        """How the weights are stored and multiplied (forward costs differ by it): e.g. 'int4 native avx2'."""
+        layer = self.layers[0].attn.wqkv if len(self.layers) else self.lm_head
+        kind = getattr(layer, "kind", str(self.dtype).removeprefix("torch."))
+        path = "native " + kernels.simd() if self.device.type == "cpu" and self.dtype == torch.float32 else "torch"
+        return f"{kind} {path}"
+
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         cfg = self.config
         return KVCache(
@@ -236,7 +243,7 @@ class Transformer(nn.Module):
         if lib is None:
             return None
         first, last = self.layers[0], self.layers[-1]
-        key = (self.layers, *(getattr(m, "qs", getattr(m, "weight", None)).data_ptr()
+        key = (self.layers, *(m._buffers["qs"].data_ptr() if "qs" in m._buffers else m._parameters["weight"].data_ptr()
                               for m in (first.attn.wqkv, last.mlp.w2)))
         cached = self.__dict__.get("_native")
         if cached is None or cached[0] != key:  # weights moved or replaced: describe them again

@@ -291,15 +291,18 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
     """The model and the directory holding its tokenizer.
 
     quantization: "auto" loads a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored (int4 / int8) and everything
-    else in `dtype`; None keeps every weight in `dtype` (a GGUF file dequantized); "int4" / "int8" quantize
-    every linear layer's weight (a GGUF file's from its dequantized values)."""
+    else in `dtype`, and an HF checkpoint in `dtype`; None keeps every weight in `dtype` (a GGUF file
+    dequantized); "int4" / "int8" make every linear layer's weight that (a GGUF tensor stored so loads as
+    stored, others are quantized from their float values) with float32 activations; "int4-a8" / "int8-a8"
+    the same with int8 activations (llama.cpp's arithmetic: faster, a little further from the float model)."""
     if quantization not in ("auto", None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be 'auto', None, {' or '.join(map(repr, QUANTIZATIONS))}; "
                          f"got {quantization!r}")
     gguf_file = gguf_source(name_or_path)
-    if gguf_file is not None and quantization == "auto":
+    if gguf_file is not None and quantization is not None:
         path = convert_gguf(gguf_file, weights=False)
-        return load_gguf(gguf_file, path, dtype, device), path
+        kind = None if quantization == "auto" else quantization.removesuffix("-a8")
+        return load_gguf(gguf_file, path, dtype, device, kind=kind, act8=quantization.endswith("-a8")), path
     path = resolve(name_or_path)
     model = load_transformer(path, dtype=dtype, device=device)
     if quantization in QUANTIZATIONS:
@@ -320,20 +323,24 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
     return model
 
 
-def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu") -> Transformer:
-    """A GGUF file's Llama model, its quantized tensors loaded as they are stored."""
+def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu", kind: str | None = None,
+              act8: bool = False) -> Transformer:
+    """A GGUF file's Llama model, its quantized tensors loaded as they are stored; with `kind` ("int4", "int8")
+    every 2-d tensor is that (stored so, or quantized from its float values); act8: int8 activations."""
     import gguf
 
     cfg = ModelConfig.from_hf(json.loads((config_dir / "config.json").read_text()))
     parts: dict[str, QuantLinear | torch.Tensor] = {}
     for name, t, rows in gguf_tensors(gguf_file):
-        kind = t.tensor_type.name
-        if kind in GGUF_BLOCKS:
-            layer = QuantLinear.from_gguf(t.data, kind)
+        stored = t.tensor_type.name
+        if stored in GGUF_BLOCKS and kind in (None, GGUF_BLOCKS[stored][0]):
+            layer = QuantLinear.from_gguf(t.data, stored)
+            layer.act8 = act8
             parts[name] = layer if rows is None else layer.rows(rows)
-        else:
-            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-            parts[name] = (w if rows is None else w[rows]).contiguous()
+            continue
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        w = (w if rows is None else w[rows]).contiguous()
+        parts[name] = w if kind is None or w.dim() != 2 else QuantLinear.quantize(w, kind + ("-a8" if act8 else ""))
     with torch.device("meta"):
         model = Transformer(cfg)
 

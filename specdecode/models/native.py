@@ -24,7 +24,7 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
         return None
     bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(layer, QuantLinear):
-        kind = 1 if layer.kind == "int4" else 2
+        kind = (1 if layer.kind == "int4" else 2) + (2 if layer.act8 else 0)
         m = None if layer.m is None else layer.m.data_ptr()
         return kernels.Weight(kind, layer.out_features, layer.in_features, layer.qs.data_ptr(), layer.d.data_ptr(),
                               m, bias_ptr)

@@ -18,18 +18,22 @@ from .. import kernels
 
 QK = 32  # weights per block
 GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34)}  # kind, bytes per block
-QUANTIZATIONS = ("int4", "int8")
+KINDS = ("int4", "int8")
+# weight-only (float32 activations: dequantize-then-matmul up to rounding) and with int8 activations (per block
+# of 32, llama.cpp's arithmetic for GGUF models: a model of its own, several times less arithmetic per weight)
+QUANTIZATIONS = ("int4", "int8", "int4-a8", "int8-a8")
 
 
 class QuantLinear(nn.Module):
-    """y = x @ dequant(W).T (+ bias) with W [out, in] in blocks of 32 along `in`."""
+    """y = x @ dequant(W).T (+ bias) with W [out, in] in blocks of 32 along `in`; with `act8`, x is first rounded
+    to int8 per block of 32 (see kernels/qmatmul.c)."""
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, act8: bool = False) -> None:
         super().__init__()
-        if kind not in QUANTIZATIONS:
+        if kind not in KINDS:
             raise ValueError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZATIONS)}")
-        self.kind = kind
+        self.kind, self.act8 = kind, act8
         self.out_features = qs.shape[0]
         self.in_features = qs.shape[1] * (2 if kind == "int4" else 1)
         self.register_buffer("qs", qs.contiguous())
@@ -40,24 +44,22 @@ class QuantLinear(nn.Module):
         self._dense: torch.Tensor | None = None  # the fallback's dequantized weight
 
     @property
+    def quantization(self) -> str:
+        return self.kind + ("-a8" if self.act8 else "")
+
+    @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (float32): what this layer computes with, for tests and conversions."""
         return self.dequantize()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
-        d = self.d.view(torch.float16).float().reshape(n, k // QK, 1)
-        if self.kind == "int4":
-            qs = self.qs.reshape(n, k // QK, QK // 2)
-            q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # per block: the low nibbles, then the high
-            w = q * d + self.m.view(torch.float16).float().reshape(n, k // QK, 1)
-        else:
-            w = self.qs.float().reshape(n, k // QK, QK) * d
-        return w.reshape(n, k).to(dtype)
+        return dequantize(self.kind, self.qs, self.d, self.m, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = kernels.native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
         if lib is None:
+            if self.act8:
+                x = round_activations(x)
             if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
                 self._dense = self.dequantize(x.dtype).to(x.device)
             return F.linear(x, self._dense, None if self.bias is None else self.bias.to(x.dtype))
@@ -65,7 +67,13 @@ class QuantLinear(nn.Module):
         m, k, n = rows.shape[0], self.in_features, self.out_features
         out = torch.empty(m, n, dtype=torch.float32)
         if m:
-            if self.kind == "int4":
+            if self.act8:
+                failed = lib.specdecode_a8_matmul(1 if self.kind == "int4" else 2, rows.data_ptr(), m, k,
+                                                  self.qs.data_ptr(), self.d.data_ptr(),
+                                                  None if self.m is None else self.m.data_ptr(), out.data_ptr(), n)
+                if failed:
+                    raise MemoryError("the int8-activation matmul could not allocate its scratch memory")
+            elif self.kind == "int4":
                 scratch = torch.empty(m, k // QK, dtype=torch.float32)
                 lib.specdecode_q4_matmul(rows.data_ptr(), scratch.data_ptr(), m, k, self.qs.data_ptr(),
                                          self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(), n)
@@ -77,12 +85,17 @@ class QuantLinear(nn.Module):
         return out.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.quantization}, in_features={self.in_features}, out_features={self.out_features}"
 
     # ------------------------------------------------------------------------------------ building
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str, bias: torch.Tensor | None = None) -> QuantLinear:
-        """Round a float weight [out, in] to `kind` (int4: per block min and scale; int8: per block absmax)."""
+        """Round a float weight [out, in] to `kind` (int4: per block min and scale; int8: per block absmax;
+        a '-a8' suffix: int8 activations too)."""
+        if kind in QUANTIZATIONS and kind.endswith("-a8"):
+            layer = cls.quantize(weight, kind.removesuffix("-a8"), bias)
+            layer.act8 = True
+            return layer
         n, k = weight.shape
         if k % QK:
             raise ValueError(f"cannot quantize a [{n}, {k}] weight to {kind}: its input size {k} is not a multiple "
@@ -126,12 +139,12 @@ class QuantLinear(nn.Module):
     def rows(self, index: torch.Tensor) -> QuantLinear:
         """A layer of the chosen output rows (to fuse or permute projections without dequantizing)."""
         return QuantLinear(self.kind, self.qs[index], self.d[index], None if self.m is None else self.m[index],
-                           None if self.bias is None else self.bias[index])
+                           None if self.bias is None else self.bias[index], self.act8)
 
     @staticmethod
     def cat(layers: list[QuantLinear]) -> QuantLinear:
         """One layer computing all of `layers` (stacked outputs): q|k|v and gate|up fused."""
-        kinds = {layer.kind for layer in layers}
+        kinds = {layer.quantization for layer in layers}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse projections quantized differently ({', '.join(sorted(kinds))})")
         biases = [layer.bias for layer in layers]
@@ -139,7 +152,30 @@ class QuantLinear(nn.Module):
             [b if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers, strict=True)])
         m = None if layers[0].m is None else torch.cat([layer.m for layer in layers])
         return QuantLinear(layers[0].kind, torch.cat([layer.qs for layer in layers]),
-                           torch.cat([layer.d for layer in layers]), m, bias)
+                           torch.cat([layer.d for layer in layers]), m, bias, layers[0].act8)
+
+
+def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Float32 weights [n, k] from blocks (d and m as float16 bits)."""
+    n = qs.shape[0]
+    d = d.view(torch.float16).float().reshape(n, k // QK, 1)
+    if kind == "int4":
+        qs = qs.reshape(n, k // QK, QK // 2)
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # per block: the low nibbles, then the high
+        w = q * d + m.view(torch.float16).float().reshape(n, k // QK, 1)
+    else:
+        w = qs.float().reshape(n, k // QK, QK) * d
+    return w.reshape(n, k)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the int8-activation kernels round it: per block of 32 along the last dim, to max|x| / 127
+    steps (the PyTorch fallback's way to the same model)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, QK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    q = (blocks * inv).round()  # as the kernel: times the inverse, rounded half to even
+    return (q * d).reshape(x.shape).to(x.dtype)
 
 
 def half_bits(t: torch.Tensor) -> torch.Tensor:
@@ -155,11 +191,15 @@ class QuantEmbedding(nn.Module):
         self.table = table
 
     @property
+    def quantization(self) -> str:
+        return self.kind + ("-a8" if self.act8 else "")
+
+    @property
     def weight(self) -> torch.Tensor:
         return self.table.dequantize()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self.table
         flat = tokens.reshape(-1).to(t.qs.device)
-        picked = QuantLinear(t.kind, t.qs[flat], t.d[flat], None if t.m is None else t.m[flat])
-        return picked.dequantize().reshape(*tokens.shape, t.in_features)
+        rows = dequantize(t.kind, t.qs[flat], t.d[flat], None if t.m is None else t.m[flat], t.in_features)
+        return rows.reshape(*tokens.shape, t.in_features)
