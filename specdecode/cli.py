@@ -11,11 +11,29 @@ from rich.console import Console
 from rich.table import Table
 
 from .api import LLM, METHODS, GenerationOutput
+from .models.loading import DTYPES
+from .models.quant import QUANTIZATIONS
 from .server.cli import add_parser as add_serve_parser
 from .server.cli import cmd_serve
 from .training.cli import add_train_parser, cmd_train
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
+QUANTIZATION_CHOICES = ["auto", "none", *QUANTIZATIONS]
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="activations and unquantized weights (default: %(default)s)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="weights: auto = a GGUF file's Q4_0/Q4_1/Q8_0 as stored (int4/int8), others in --dtype; "
+                   "none = all in --dtype; int4/int8 = weight-only, float32 activations; int4-a8/int8-a8 = int8 "
+                   "activations too, as llama.cpp (default: %(default)s)")
+
+
+def quantization(args: argparse.Namespace) -> str | None:
+    return None if args.quantization == "none" else args.quantization
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,14 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding, interleaved, and compare")
     g.add_argument("--repeats", type=int, default=3, help="--compare: runs of each method (median reported)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    add_precision_args(g)
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
 
     t = sub.add_parser("tune", help="measure and cache what the adaptive policy and layer-skip use")
     t.add_argument("what", choices=["cost", "layer-skip"],
                    help="cost: time target forwards by size (the cost model); layer-skip: search layers to skip")
     t.add_argument("--model", default="smollm2-135m-instruct")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    add_precision_args(t)
     t.add_argument("--texts", type=int, default=6, help="layer-skip: calibration texts (training data)")
     t.add_argument("--max-tokens", type=int, default=128, help="layer-skip: tokens per calibration text")
 
@@ -74,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--k", default="auto", help="tokens guessed per step or 'auto'; a comma list sweeps K (auto,2,4)")
     b.add_argument("--temperature", default="0", help="a comma list sweeps temperatures")
-    b.add_argument("--peers", choices=["none", "transformers"], default="none")
+    b.add_argument("--peers", default="none", help="comma list: transformers (its generate on the same weights), "
+                   "llama.cpp (llama-cpp-python on the same GGUF file: `pip install llama-cpp-python`)")
+    add_precision_args(b)
     b.add_argument("--questions", help="Spec-Bench question.jsonl (default: ../shared/data/eval/spec_bench)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--repeats", type=int, default=1,
@@ -98,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with err.status(f"loading {args.model}..."):
-        llm = LLM.load(args.model, dtype=args.dtype)
+        llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.k == "auto" and args.method != "none":
         measure_costs_once(llm)
     options = dict(
@@ -136,7 +156,7 @@ def measure_costs_once(llm: LLM) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     with err.status(f"loading {args.model}..."):
-        llm = LLM.load(args.model, dtype=args.dtype)
+        llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.what == "cost":
         from .policy import CostModel
 
@@ -179,7 +199,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     categories = "all" if args.categories == "all" else args.categories.split(",")
     questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
     cfg = BenchConfig(
-        model=args.model, methods=parse_methods(args.methods, ks, peers=args.peers == "transformers"),
+        model=args.model, methods=parse_methods(args.methods, ks, peers=[] if args.peers == "none" else
+                                                args.peers.split(",")),
+        dtype=args.dtype, quantization=quantization(args),
         questions=questions, temperatures=temperatures, max_new_tokens=args.max_new_tokens, seed=args.seed,
         command="specdecode " + " ".join(sys.argv[1:]), repeats=args.repeats,
     )

@@ -21,9 +21,10 @@ def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decoding step streams: every distinct parameter once (tied embeddings count once)."""
+    """Bytes a decoding step streams: every distinct parameter and buffer once (tied embeddings count once;
+    quantized weights are buffers)."""
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in [*model.parameters(), *model.buffers()]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
@@ -37,4 +38,10 @@ def machine_description() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
+    from ..kernels import cpu_flags
+
+    flags = set(cpu_flags().split())
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_tile")
+            if f in flags]
+    return (f"{cpu} ({' '.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")

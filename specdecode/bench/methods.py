@@ -1,4 +1,5 @@
-"""What a benchmark run compares: our methods and transformers' `generate` as peers, behind one call."""
+"""What a benchmark run compares: our methods, and as peers transformers' `generate` and llama.cpp (on the same
+GGUF file), behind one call."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class Method:
     """One column of the benchmark: a label and how to run a prompt with it."""
 
     label: str
-    kind: str  # "ours" | "transformers"
+    kind: str  # "ours" | "transformers" | "llama.cpp"
     method: str  # none | prompt-lookup | draft
     k: int | str = 0  # tokens guessed per step, or "auto"
     draft: str | None = None
@@ -30,15 +31,24 @@ class Method:
     def run(self, runner: Runners, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         if self.kind == "ours":
             return runner.ours(self, prompt_ids, max_new_tokens, temperature, seed)
+        if self.kind == "llama.cpp":
+            return runner.llama_cpp(self, prompt_ids, max_new_tokens, temperature, seed)
         return runner.transformers(self, prompt_ids, max_new_tokens, temperature, seed)
 
 
 SPECULATIVE = ("prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa")
 
 
-def parse_methods(spec: str, ks: list[int | str], peers: bool) -> list[Method]:
+PEERS = ("transformers", "llama.cpp")
+
+
+def parse_methods(spec: str, ks: list[int | str], peers: bool | set[str] | list[str]) -> list[Method]:
     """'none,prompt-lookup,draft:PATH,hybrid[:PATH],lookahead@auto' -> methods; each without @K runs every K
-    of the sweep `ks`; `none` always first, peers last."""
+    of the sweep `ks`; `none` always first, peers last (peers=True: transformers)."""
+    peers = {"transformers"} if peers is True else set(peers or ())
+    unknown = peers - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown peer {sorted(unknown)[0]!r} in --peers; choose from {', '.join(PEERS)}")
     methods: list[Method] = [Method("none", "ours", "none")]
     drafts: list[str] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
@@ -63,7 +73,10 @@ def parse_methods(spec: str, ks: list[int | str], peers: bool) -> list[Method]:
         for k in item_ks:
             label = name if len(ks) == 1 and not fixed_k else f"{name}@k={k}"
             methods.append(Method(label, "ours", name, k=k, draft=arg or None))
-    if peers:
+    if "llama.cpp" in peers:
+        methods.append(Method("llama.cpp-plain", "llama.cpp", "none"))
+        methods.append(Method("llama.cpp-prompt-lookup", "llama.cpp", "prompt-lookup", k=10))
+    if "transformers" in peers:
         methods.append(Method("hf-plain", "transformers", "none"))
         fixed = [k for k in ks if isinstance(k, int)]  # transformers has no adaptive K for prompt lookup
         methods.append(Method("hf-prompt-lookup", "transformers", "prompt-lookup", k=max(fixed, default=4)))
@@ -75,12 +88,18 @@ def parse_methods(spec: str, ks: list[int | str], peers: bool) -> list[Method]:
 class Runners:
     """Holds the loaded models: ours, and transformers' own copy of the same checkpoint for the peers."""
 
-    def __init__(self, llm: LLM, checkpoint_dir: str, need_peers: bool) -> None:
+    def __init__(self, llm: LLM, checkpoint_dir: str, need_peers: bool, llama_cpp_model: str | None = None,
+                 context: int = 2048) -> None:
         self.llm = llm
         self._hf = None
         self._hf_drafts: dict[str, Any] = {}
         if need_peers:
             self._hf = self._load_hf(checkpoint_dir)
+        self._llama_cpp = None
+        if llama_cpp_model is not None:
+            from .llamacpp import LlamaCppPeer
+
+            self._llama_cpp = LlamaCppPeer(llama_cpp_model, llm.stop_token_ids, context)
 
     @staticmethod
     def _load_hf(path: str):
@@ -106,6 +125,19 @@ class Runners:
         for _ in gen:
             pass
         return self.record(gen, gen.stats.seconds)
+
+    def peer_versions(self) -> dict[str, str]:
+        import transformers
+
+        out = {"transformers": transformers.__version__} if self._hf is not None else {}
+        if self._llama_cpp is not None:
+            out["llama-cpp-python"] = self._llama_cpp.version
+        return out
+
+    def llama_cpp(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
+        rec = self._llama_cpp.run(m.method, prompt_ids, max_new_tokens, temperature, seed)
+        rec["output_hash"] = output_hash(rec.pop("token_ids"))
+        return rec
 
     def transformers(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float,
                      seed: int) -> dict:

@@ -74,6 +74,9 @@ def write_report(results: dict, out: Path) -> Path:
         "",
         f"- date: {results['date']}",
         f"- machine: {results['machine']}",
+        *([f"- weights: {results['weights']}"] if results.get("weights") else []),
+        *([f"- peers: {', '.join(f'{k} {v}' for k, v in results['peer_versions'].items())}"]
+          if results.get("peer_versions") else []),
         f"- command: `{results['command']}`",
         f"- max new tokens: {results['max_new_tokens']}; after a warm-up, " + interleaving_note(results)
         + repeats_note(results.get("repeats", 1)),
@@ -115,8 +118,8 @@ def interleaving_note(results: dict) -> str:
     if results.get("interleave") == "step":
         return ("our methods run each prompt side by side, one step each in turn (a fresh random order every "
                 "round of steps), so load that comes and goes hits them alike; each is timed by the sum of its own "
-                "steps, prefill included" + ("; transformers peers cannot be stepped: they run whole, first"
-                                             if any(m["kind"] != "ours" for m in results["methods"]) else ""))
+                "steps, prefill included" + ("; peers (transformers, llama.cpp) cannot be stepped: they run whole, "
+                                             "first" if any(m["kind"] != "ours" for m in results["methods"]) else ""))
     return "methods interleaved per prompt (random order per prompt)"
 
 
@@ -130,12 +133,19 @@ def repeats_note(repeats: int) -> str:
 
 
 def peer_lines(overall: dict[str, Cell]) -> list[str]:
-    pairs = [("none", "hf-plain"), ("prompt-lookup", "hf-prompt-lookup"), ("draft", "hf-assisted")]
+    pairs = [("none", "hf-plain"), ("prompt-lookup", "hf-prompt-lookup"), ("draft", "hf-assisted"),
+             ("none", "llama.cpp-plain"), ("prompt-lookup", "llama.cpp-prompt-lookup")]
     out = []
     for ours, theirs in pairs:
         if ours in overall and theirs in overall and overall[theirs].tokens_per_second:
             ratio = overall[ours].tokens_per_second / overall[theirs].tokens_per_second
-            out.append(f"- ours `{ours}` vs transformers `{theirs}`: {ratio:.2f}x the tokens/s")
+            peer = "llama.cpp" if theirs.startswith("llama.cpp") else "transformers"
+            out.append(f"- ours `{ours}` vs {peer} `{theirs}`: {ratio:.2f}x the tokens/s")
+    if "llama.cpp-plain" in overall and overall["llama.cpp-plain"].tokens_per_second:
+        base = overall["llama.cpp-plain"].tokens_per_second
+        best = max((m for m in overall if not m.startswith(("llama.cpp", "hf-"))),
+                   key=lambda m: overall[m].tokens_per_second)
+        out.append(f"- our best, `{best}`: {overall[best].tokens_per_second / base:.2f}x llama.cpp's plain decoding")
     return [""] + out if out else []
 
 

@@ -30,12 +30,16 @@ class BenchConfig:
     seed: int = 0
     command: str = ""
     repeats: int = 1  # runs of each (prompt, method); the fastest one is kept (see run_benchmark)
+    dtype: str = "float32"
+    quantization: str | None = "auto"
 
 
 def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
-    llm = llm or LLM.load(cfg.model)
+    llm = llm or LLM.load(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization)
     needs_peers = any(m.kind == "transformers" for m in cfg.methods)
-    runners = Runners(llm, str(resolve(cfg.model)), need_peers=needs_peers)
+    llama_cpp = cfg.model if any(m.kind == "llama.cpp" for m in cfg.methods) else None
+    runners = Runners(llm, str(resolve(cfg.model)) if needs_peers else "", need_peers=needs_peers,
+                      llama_cpp_model=llama_cpp, context=llm.model.config.max_position_embeddings)
     prompts = {q.question_id: llm.encode(q.prompt, chat=True) for q in cfg.questions}
     context = llm.model.config.max_position_embeddings
     for q in cfg.questions:
@@ -89,6 +93,8 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         "command": cfg.command,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_description(),
+        "weights": llm.model.weights_kind(),
+        "peer_versions": runners.peer_versions(),
         "max_new_tokens": cfg.max_new_tokens,
         "repeats": cfg.repeats,
         "interleave": "step",  # see run_round
@@ -106,7 +112,7 @@ def run_round(runners: Runners, methods: list[Method], prompt: list[int], max_ne
     """Every method once on a prompt. Ours advance one step at a time, in a fresh random order each
     round of steps, so load that comes and goes (a shared machine's bursts last seconds, a step ~50 ms)
     hits them all alike and their ratios stay sharp; each is timed by the sum of its own steps (prefill
-    included). transformers' generate cannot be stepped: peers run whole, in random order, first."""
+    included). Peers (transformers' generate, llama.cpp) cannot be stepped: they run whole, in random order, first."""
     records = {}
     peers = [m for m in methods if m.kind != "ours"]
     for m in rng.sample(peers, len(peers)):
