@@ -79,8 +79,9 @@ class LLM:
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
              quantization: str | None = "auto") -> LLM:
-        """quantization: "auto" (a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored, others in `dtype`), None
-        (every weight in `dtype`), "int4" or "int8" (weight-only, blocks of 32; activations stay float32)."""
+        """quantization: "auto" (a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored, multiplied as llama.cpp does,
+        with int8 activations; others in `dtype`), None (every weight in `dtype`), "int4" or "int8" (weight-only,
+        blocks of 32, float32 activations), "int4-a8" or "int8-a8" (with int8 activations)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         from transformers import AutoTokenizer

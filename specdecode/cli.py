@@ -27,9 +27,9 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="activations and unquantized weights (default: %(default)s)")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="weights: auto = a GGUF file's Q4_0/Q4_1/Q8_0 as stored (int4/int8), others in --dtype; "
-                   "none = all in --dtype; int4/int8 = weight-only, float32 activations; int4-a8/int8-a8 = int8 "
-                   "activations too, as llama.cpp (default: %(default)s)")
+                   help="weights: auto = a GGUF file's Q4_0/Q4_1/Q8_0 as stored, int8 activations as llama.cpp, "
+                   "others in --dtype; none = all in --dtype; int4/int8 = weight-only, float32 activations; "
+                   "int4-a8/int8-a8 = int8 activations too (default: %(default)s)")
 
 
 def quantization(args: argparse.Namespace) -> str | None:

@@ -20,10 +20,12 @@ pytestmark = pytest.mark.real_model
 NAME = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module", params=["int4", "float32"])
+@pytest.fixture(scope="module", params=["auto", "int4", "float32"])
 def llm(request) -> specdecode.LLM:
+    """auto: the file's Q4_1 weights with int8 activations (llama.cpp's arithmetic); int4: the same weights with
+    float32 activations; float32: dequantized."""
     require_smollm2()
-    return specdecode.load(NAME, quantization="auto" if request.param == "int4" else None)
+    return specdecode.load(NAME, quantization=None if request.param == "float32" else request.param)
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +46,22 @@ def shallow_draft(llm, tmp_path_factory) -> str:
 
 
 def test_logits_match_transformers(llm):
-    """Against transformers on the same weights dequantized: float32 to 1e-4; the int4 weights, multiplied in
-    the native kernels without ever being dequantized in memory, to float32 rounding over 30 layers."""
+    """Against transformers on the same weights dequantized: float32 to rounding; the int4 weights, multiplied in
+    the native kernels without ever being dequantized in memory, to float32 rounding over 30 layers; with int8
+    activations (a model of its own, as llama.cpp's), close: the same top token at 90%+ of positions."""
     from transformers import AutoModelForCausalLM
-
-    from specdecode.models.quant import QuantLinear
 
     reference = AutoModelForCausalLM.from_pretrained(str(resolve(NAME)), dtype=torch.float32).eval()
     ids = llm.encode(spec_bench_prompts(1)[0], chat=True)
     ours = llm.model.forward(torch.tensor([ids]), llm.model.new_cache(len(ids))).logits
     with torch.inference_mode():
         theirs = reference(torch.tensor([ids])).logits
-    quantized = isinstance(llm.model.layers[0].attn.wqkv, QuantLinear)
-    tolerance = 2e-3 if quantized else 3e-4
+    kind = llm.model.weights_kind()
+    if "a8" in kind:
+        agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+        assert agree >= 0.9 and (ours - theirs).abs().max() < 0.15 * theirs.abs().max(), (agree, kind)
+        return
+    tolerance = 2e-3 if kind.startswith("int4") else 3e-4
     torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 

@@ -67,6 +67,17 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* sum over blocks of m[b] * s[b] (m in float16 bits): int4's min term, 8 blocks at a time */
+static inline float mins_dot(const uint16_t *m, const float *s, int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))), _mm256_loadu_ps(s + b), acc);
+    float total = hsum(acc);
+    for (; b < nb; b++) total += half_to_float(m[b]) * s[b];
+    return total;
+}
+
 static inline __m256 widen(__m128i bytes8, int is_signed) {  /* the low 8 bytes -> 8 floats */
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
@@ -93,12 +104,7 @@ static inline __attribute__((always_inline)) void q4_rows(
             acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float total = hsum(acc[r]);
-        const float *xs = xsum + (int64_t)r * nb;
-        for (int b = 0; b < nb; b++) total += half_to_float(m[b]) * xs[b];
-        y[(int64_t)r * N] = total;
-    }
+    for (int r = 0; r < R; r++) y[(int64_t)r * N] = hsum(acc[r]) + mins_dot(m, xsum + (int64_t)r * nb, nb);
 }
 
 static inline __attribute__((always_inline)) void q8_rows(
@@ -307,12 +313,7 @@ static inline __attribute__((always_inline)) void q4a8_rows(
             acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * dx[(int64_t)r * nb + b]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float total = hsum(acc[r]);
-        const float *s = sx + (int64_t)r * nb;
-        for (int b = 0; b < nb; b++) total += half_to_float(m[b]) * s[b];
-        y[(int64_t)r * N] = total;
-    }
+    for (int r = 0; r < R; r++) y[(int64_t)r * N] = hsum(acc[r]) + mins_dot(m, sx + (int64_t)r * nb, nb);
 }
 
 static inline __attribute__((always_inline)) void q8a8_rows(

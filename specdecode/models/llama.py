@@ -153,7 +153,7 @@ class Transformer(nn.Module):
     def weights_kind(self) -> str:
         """How the weights are stored and multiplied (forward costs differ by it): e.g. 'int4 native avx2'."""
         layer = self.layers[0].attn.wqkv if len(self.layers) else self.lm_head
-        kind = getattr(layer, "kind", str(self.dtype).removeprefix("torch."))
+        kind = getattr(layer, "quantization", str(self.dtype).removeprefix("torch."))
         path = "native " + kernels.simd() if self.device.type == "cpu" and self.dtype == torch.float32 else "torch"
         return f"{kind} {path}"
 

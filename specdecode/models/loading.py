@@ -2,8 +2,9 @@
 
 A GGUF file's tokenizer and config are converted once (through transformers) into an HF-style directory
 under the cache dir. Its Q4_0 / Q4_1 / Q8_0 weights load from the file as stored, into the int4 / int8
-layers of models/quant.py (`quantization="auto"`, the default): the model as published, never through
-float32. With `quantization=None` the weights are dequantized once into that directory (safetensors), which
+layers of models/quant.py, and by default (`quantization="auto"`) multiply as llama.cpp multiplies them,
+activations rounded to int8 per block of 32: the model as published and as its own runtime runs it, never
+through float32. With `quantization=None` the weights are dequantized once into that directory (safetensors), which
 later loads read in about a second and transformers can load too (the reference the tests compare against).
 """
 
@@ -290,11 +291,11 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
                quantization: str | None = "auto", device: str = "cpu") -> tuple[Transformer, Path]:
     """The model and the directory holding its tokenizer.
 
-    quantization: "auto" loads a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored (int4 / int8) and everything
-    else in `dtype`, and an HF checkpoint in `dtype`; None keeps every weight in `dtype` (a GGUF file
-    dequantized); "int4" / "int8" make every linear layer's weight that (a GGUF tensor stored so loads as
-    stored, others are quantized from their float values) with float32 activations; "int4-a8" / "int8-a8"
-    the same with int8 activations (llama.cpp's arithmetic: faster, a little further from the float model)."""
+    quantization: "auto" loads a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored (int4 / int8, with int8
+    activations as llama.cpp runs them) and everything else in `dtype`, and an HF checkpoint in `dtype`; None keeps every weight in `dtype` (a GGUF file
+    dequantized); "int4" / "int8" quantize every float linear layer to that (a GGUF file's quantized tensors
+    load as stored whatever the kind) with float32 activations; "int4-a8" / "int8-a8" the same with int8
+    activations (llama.cpp's arithmetic: faster, a little further from the float model)."""
     if quantization not in ("auto", None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be 'auto', None, {' or '.join(map(repr, QUANTIZATIONS))}; "
                          f"got {quantization!r}")
@@ -302,7 +303,8 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
     if gguf_file is not None and quantization is not None:
         path = convert_gguf(gguf_file, weights=False)
         kind = None if quantization == "auto" else quantization.removesuffix("-a8")
-        return load_gguf(gguf_file, path, dtype, device, kind=kind, act8=quantization.endswith("-a8")), path
+        act8 = quantization == "auto" or quantization.endswith("-a8")
+        return load_gguf(gguf_file, path, dtype, device, kind=kind, act8=act8), path
     path = resolve(name_or_path)
     model = load_transformer(path, dtype=dtype, device=device)
     if quantization in QUANTIZATIONS:
@@ -326,14 +328,14 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
 def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu", kind: str | None = None,
               act8: bool = False) -> Transformer:
     """A GGUF file's Llama model, its quantized tensors loaded as they are stored; with `kind` ("int4", "int8")
-    every 2-d tensor is that (stored so, or quantized from its float values); act8: int8 activations."""
+    its float matrices are quantized to that too; act8: int8 activations."""
     import gguf
 
     cfg = ModelConfig.from_hf(json.loads((config_dir / "config.json").read_text()))
     parts: dict[str, QuantLinear | torch.Tensor] = {}
     for name, t, rows in gguf_tensors(gguf_file):
         stored = t.tensor_type.name
-        if stored in GGUF_BLOCKS and kind in (None, GGUF_BLOCKS[stored][0]):
+        if stored in GGUF_BLOCKS:  # as stored, whatever `kind` says: re-rounding rounded weights only loses
             layer = QuantLinear.from_gguf(t.data, stored)
             layer.act8 = act8
             parts[name] = layer if rows is None else layer.rows(rows)
