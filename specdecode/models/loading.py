@@ -294,8 +294,9 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
     quantization: "auto" loads a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as stored (int4 / int8, with int8
     activations as llama.cpp runs them) and everything else in `dtype`, and an HF checkpoint in `dtype`;
     None keeps every weight in `dtype` (a GGUF file dequantized); "int4" / "int8" quantize every float linear
-    layer to that (a GGUF file's quantized tensors load as stored whatever the kind) with float32 activations; "int4-a8" / "int8-a8" the same with int8
-    activations (llama.cpp's arithmetic: faster, a little further from the float model)."""
+    layer to that (a GGUF file's quantized tensors load as stored whatever the kind) with float32 activations;
+    "int4-a8" / "int8-a8" the same with int8 activations (llama.cpp's arithmetic: faster, a little further from
+    the float model)."""
     if quantization not in ("auto", None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be 'auto', None, {' or '.join(map(repr, QUANTIZATIONS))}; "
                          f"got {quantization!r}")
