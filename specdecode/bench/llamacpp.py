@@ -24,7 +24,10 @@ class LlamaCppPeer:
         if path is None:
             raise ValueError(f"--peers llama.cpp runs GGUF files; {model!r} is not one (give a registry name or a "
                              ".gguf path)")
-        options = dict(n_ctx=context, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+        # one batch holds the whole prompt: llama-cpp-python's draft path keeps logits for n_batch rows only and
+        # fails on longer prompts
+        context = min(context, 4096)
+        options = dict(n_ctx=context, n_batch=context, n_threads=torch.get_num_threads(), verbose=False)
         self.models = {
             "none": llama_cpp.Llama(str(path), **options),
             "prompt-lookup": llama_cpp.Llama(
@@ -35,6 +38,7 @@ class LlamaCppPeer:
 
     def run(self, method: str, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         llm = self.models[method]
+        llm.reset()  # else the next run reuses the cached prompt and skips its prefill
         llm.set_seed(seed)
         sampling = dict(temp=0.0, top_k=1) if temperature == 0 else dict(temp=temperature, top_k=0)
         started = time.perf_counter()

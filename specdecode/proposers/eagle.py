@@ -13,6 +13,13 @@ tokens plus the head forwards run. It stops expanding when even the best case of
 raise that rate, and sends the count of nodes that maximises it (none: a plain step). Without a cost
 model: `k` depths, `nodes` nodes.
 
+Never slower than plain decoding: each verified step's realized rate, (1 + accepted) / (head seconds + the
+target's forward of the tree), is compared with a plain step's; while its smoothed ratio stays under 1 + MARGIN
+the head rests (does not run) for a number of steps that doubles each time (up to MAX_REST), then probes
+again. A head forward is a sizeable part of a fast target's step (int4 on a CPU: 1-4 ms of 6), and paying it
+for steps that gain too little made eagle slower than plain decoding. It catches up on the positions it
+skipped in one forward when it runs again.
+
 The head keeps a KV cache of its own: entries for committed positions hold target features and stay;
 draft entries sit after them and are dropped at the next proposal.
 """
@@ -27,7 +34,7 @@ import torch
 
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..policy import ForwardCost, best_count, smoothed
+from ..policy import MARGIN, ForwardCost, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
 from .base import Proposer
@@ -40,6 +47,9 @@ def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
         path *= float(q[token])
         total += path
     return total
+
+
+MAX_REST = 64  # most steps the head rests while its steps do not pay
 
 
 class EagleProposer(Proposer):
@@ -58,13 +68,18 @@ class EagleProposer(Proposer):
         self.topk, self.nodes, self.cost = topk, nodes, cost
         self.hidden_layers = tuple(head.config.target_layers)
         self.features: torch.Tensor | None = None  # [max_len, H]: fused target features per committed position
-        self.known = 0  # positions with features
+        self.raw: torch.Tensor | None = None  # [max_len, layers * H]: the target's hidden states, fused when needed
+        self.known = 0  # positions with hidden states
+        self.fused = 0  # positions [0, fused) have features
         self.cached = 0  # committed entries in the head's cache
         self.head_seconds: float | None = None  # one head forward, smoothed
         # calibration per mode (greedy tree, sampled chain): decayed [accepted, predicted] over verified trees
         self.calibration = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.last: tuple[DraftTree, bool, float] | None = None  # the last tree sent, its mode, predicted accepted
         self._costs: dict[int, float] = {}  # forward seconds by size, for the step being sized
+        self.rest = self.backoff = 0  # steps left to rest; the next rest (0: one step)
+        self.value: float | None = None  # smoothed realized rate of the head's steps over a plain step's
+        self.step_head = (0.0, 0)  # the last proposal's head seconds and context
 
     @property
     def sizes_itself(self) -> bool:
@@ -73,14 +88,24 @@ class EagleProposer(Proposer):
     def begin(self, prompt: list[int], max_len: int) -> None:
         h = self.head.config.block.hidden_size
         self.features = torch.zeros(max_len, h, dtype=self.head.lm_head.weight.dtype, device=self.head.device)
+        self.raw = torch.zeros(max_len, h * len(self.hidden_layers), dtype=self.features.dtype, device=self.head.device)
         self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
-        self.known = self.cached = 0
+        self.known = self.cached = self.fused = self.rest = self.backoff = 0
+        self.value = None
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
-        fused = self.head.fuse_features([h.to(self.head.device) for h in hidden])
-        self.features[start : start + fused.shape[0]] = fused
-        self.known = start + fused.shape[0]
+        """Keep the target's hidden states; they are fused into features when the head next runs (a resting
+        head costs nothing per step)."""
+        n = hidden[0].shape[0]
+        self.raw[start : start + n] = torch.cat([h.to(self.raw) for h in hidden], dim=-1)
+        self.known = start + n
+        self.fused = min(self.fused, start)
         self.cached = min(self.cached, start)  # entries past a rewritten feature are stale
+
+    def _fuse_up_to(self, end: int) -> None:
+        if self.fused < end:
+            self.features[self.fused : end] = self.head.fuse(self.raw[self.fused : end])
+            self.fused = end
 
     def _run(self, features: torch.Tensor, tokens: list[int], positions: list[int], mask: torch.Tensor | None):
         ids = torch.tensor([tokens], device=self.head.device)
@@ -92,6 +117,11 @@ class EagleProposer(Proposer):
         root = len(tokens) - 1  # entry t reads (feature t, token t + 1): the last one is entry root - 1
         if k < 1 or root < 1 or self.known < root:
             return DraftTree.root_only(tokens[-1])
+        if self.rest > 0:
+            self.rest -= 1
+            return DraftTree.root_only(tokens[-1])
+        proposing = time.perf_counter()
+        self._fuse_up_to(root)
         self.cache.rollback(min(self.cached, root - 1))  # at least the root's entry runs
         start = self.cache.length
         started = time.perf_counter()
@@ -105,6 +135,7 @@ class EagleProposer(Proposer):
         else:
             tree, predicted = self._chain(tokens[-1], root, logits, hidden, k, params, generator, spent)
         self.last = (tree, params.greedy, predicted)
+        self.step_head = (time.perf_counter() - proposing, root)
         return tree
 
     def observe(self, tree, verdict, extra_logits) -> None:
@@ -112,7 +143,20 @@ class EagleProposer(Proposer):
             counts = self.calibration[self.last[1]]
             counts[0] = 0.95 * counts[0] + verdict.num_accepted
             counts[1] = 0.95 * counts[1] + self.last[2]
+            if self.cost is not None:
+                self._judge(len(tree), verdict.num_accepted)
         self.last = None
+
+    def _judge(self, nodes: int, accepted: int) -> None:
+        """Rest while the head's steps do not beat plain ones (see the module docstring)."""
+        seconds, context = self.step_head
+        plain = self.cost.forward_seconds(1, context)
+        realized = (1 + accepted) / (seconds + self.cost.forward_seconds(nodes, context))
+        self.value = smoothed(self.value, realized * plain)
+        if self.value < 1 + MARGIN:
+            self.rest, self.backoff = self.backoff, min(2 * self.backoff or 1, MAX_REST)
+        else:
+            self.backoff = 0
 
     # ------------------------------------------------------------------------------------ sizing
     def _alpha(self, greedy: bool) -> float:
