@@ -25,13 +25,15 @@ from .proposers import (
     NoProposer,
     PromptLookupProposer,
     Proposer,
+    QuantizedSelfProposer,
 )
 from .proposers.layer_skip import SkipSearchResult, load_skip_search
 from .proposers.medusa import RankAccuracy
+from .proposers.quantized import low_bit_copy
 from .sampling import SamplingParams
 from .training.medusa import MedusaHeads
 
-METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa")
+METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized")
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
 # it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
 # 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
@@ -75,6 +77,7 @@ class LLM:
         self._cost: CostModel | None = None
         self._acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method and options
         self._rank_accuracy: dict[int, RankAccuracy] = {}  # long-run, per loaded Medusa heads (by id)
+        self._low_bit: dict[str, Transformer] = {}  # the target's low-bit copies (method "quantized"), by kind
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
@@ -122,13 +125,15 @@ class LLM:
         skip_layers: Sequence[int] | None = None,
         topk: int = 4,
         nodes: int = 24,
+        low_bit: str = "int4-a8",
     ) -> Proposer:
         """A fresh proposer for `method`, to run with `k`; options: prompt lookup (max_ngram, min_ngram, branches:
         default AUTO_BRANCHES with k='auto', else 1),
         lookahead (window, ngram, guesses), layer-skip (skip_layers, default: searched once and cached),
         eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes: the most
         guesses a step, the tree is sized by the cost model within them and the depth k),
-        medusa (draft = trained heads' folder; the tree is sized by the cost model)."""
+        medusa (draft = trained heads' folder; the tree is sized by the cost model), quantized (low_bit: the
+        precision of the target's copy that drafts, skip_layers: layers it also leaves out)."""
         if method == "none":
             return NoProposer()
         if method == "prompt-lookup":
@@ -152,6 +157,10 @@ class LLM:
             heads = self.medusa_heads(draft)
             accuracy = self._rank_accuracy.setdefault(id(heads), RankAccuracy.of(heads))
             return MedusaProposer(heads, self.model.config.vocab_size, cost=self.cost_model(), accuracy=accuracy)
+        if method == "quantized":
+            if low_bit not in self._low_bit:
+                self._low_bit[low_bit] = low_bit_copy(self.model, low_bit)
+            return QuantizedSelfProposer(self.model, self._low_bit[low_bit], low_bit, skip_layers or ())
         if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
             model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
             return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches or 1), model_draft)

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
     g.add_argument("--nodes", type=int, default=24,
                    help="eagle: most guessed tokens a step (the cost model picks how many of them are worth verifying)")
+    g.add_argument("--low-bit", default="int4-a8", choices=list(QUANTIZATIONS),
+                   help="quantized: the precision of the target's copy that drafts (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -125,7 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         method=args.method, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
         chat=args.chat, max_ngram=args.max_ngram, min_ngram=args.min_ngram, branches=args.branches,
-        window=args.window, ngram=args.ngram, guesses=args.guesses,
+        window=args.window, ngram=args.ngram, guesses=args.guesses, low_bit=args.low_bit,
         skip_layers=[int(i) for i in args.skip_layers.split(",")] if args.skip_layers else None,
     )
     if args.method == "eagle":

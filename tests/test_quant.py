@@ -14,9 +14,10 @@ import torch
 
 from specdecode import kernels
 from specdecode.engine import generate_ids
+from specdecode.models.llama import Linear
 from specdecode.models.loading import quantize_
 from specdecode.models.quant import QuantLinear, round_activations
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer, QuantizedSelfProposer
 from specdecode.sampling import SamplingParams
 
 from .helpers import noisy_copy, tiny_model
@@ -220,3 +221,31 @@ def test_sampled_speculation_over_an_int4_target_follows_its_distribution() -> N
     p_value, tv = chi_square(counts, exact_joint(target, PROMPT, params, 3), samples)
     assert accepted > 0
     assert p_value > ALPHA, (p_value, tv)
+
+
+# ------------------------------------------------------------------------------- quantized self-speculation
+@pytest.mark.parametrize("low_bit", ["int4-a8", "int8"])
+def test_quantized_self_speculation_equals_plain_and_leaves_the_target_alone(low_bit) -> None:
+    target = tiny_model(0, dtype=torch.float32)
+    before = {name: t.clone() for name, t in target.state_dict().items()}
+    proposer = QuantizedSelfProposer(target, kind=low_bit)
+    assert isinstance(proposer.model.layers[0].attn.wqkv, QuantLinear)
+    assert isinstance(target.layers[0].attn.wqkv, Linear)  # the copy replaced its own layers only
+    params = SamplingParams(temperature=0.0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = generate_ids(target, prompt, max_new_tokens=40, params=params, k=0)[0]
+    for k in (1, 4):
+        spec, stats = generate_ids(target, prompt, max_new_tokens=40, params=params, k=k, proposer=proposer)
+        assert spec == plain
+        assert stats.accepted > stats.drafted // 4  # far above chance (1 in 56): the copy tracks the target
+    skipping = QuantizedSelfProposer(target, kind=low_bit, skipped=[1])
+    assert generate_ids(target, prompt, max_new_tokens=40, params=params, k=3, proposer=skipping)[0] == plain
+    assert all(torch.equal(t, before[name]) for name, t in target.state_dict().items())
+
+
+def test_quantized_self_speculation_refuses_a_target_of_the_same_precision() -> None:
+    target = quantize_(tiny_model(0, dtype=torch.float32), "int4-a8")
+    with pytest.raises(ValueError, match="already runs int4-a8.*higher precision"):
+        QuantizedSelfProposer(target, kind="int4-a8")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        QuantizedSelfProposer(tiny_model(0, dtype=torch.float32), kind="int3")

@@ -84,7 +84,7 @@ def ask(client: TestClient, prompt: str, method: str, k, stream: bool) -> tuple[
     return r.json()["choices"][0]["text"], r.json()["usage"]
 
 
-METHODS = ["none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa"]
+METHODS = ["none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized"]
 
 
 @pytest.mark.parametrize("method", METHODS)

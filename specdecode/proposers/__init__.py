@@ -6,6 +6,7 @@ from .layer_skip import LayerSkipProposer
 from .lookahead import LookaheadProposer
 from .medusa import MedusaProposer
 from .prompt_lookup import PromptLookupProposer
+from .quantized import QuantizedSelfProposer
 
 __all__ = ["Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer", "HybridProposer",
-           "LookaheadProposer", "LayerSkipProposer", "EagleProposer", "MedusaProposer"]
+           "LookaheadProposer", "LayerSkipProposer", "EagleProposer", "MedusaProposer", "QuantizedSelfProposer"]
