@@ -14,6 +14,7 @@ import specdecode
 from specdecode.api import check_same_tokenizer, stop_token_ids
 from specdecode.cli import main as cli_main
 from specdecode.models import loading
+from specdecode.policy import CostModel
 
 from .helpers import make_tokenizer, write_checkpoint
 
@@ -73,10 +74,18 @@ def test_every_method_and_k_through_the_api(llm, plain, checkpoint, method, opti
     assert out.token_ids == plain.token_ids and out.method == method
 
 
-def test_prompt_lookup_branches_under_auto_and_fixed_k(llm, plain):
-    """k='auto' prices each depth of a tree, so it is offered several continuations; a fixed k verifies every
-    branch whole, so it gets one unless asked for more."""
+def test_prompt_lookup_branches_under_auto_and_fixed_k(llm, plain, monkeypatch):
+    """k='auto' prices each depth of a tree, so it is offered several continuations where a few tokens verify for
+    the price of one, and a chain where each costs compute; a fixed k verifies every branch whole, so it gets
+    one unless asked for more."""
+    sizes = [1, 2, 4, 8]
+    flat = CostModel(sizes, [64, 512], [[1.0, 1.05, 1.1, 1.3]] * 2)
+    steep = CostModel(sizes, [64, 512], [[1.0, 1.4, 2.2, 3.8]] * 2)
+    monkeypatch.setattr(llm, "_cost", flat)
     assert llm.proposer("prompt-lookup", k="auto").branches == specdecode.api.AUTO_BRANCHES > 1
+    monkeypatch.setattr(llm, "_cost", steep)
+    assert llm.proposer("prompt-lookup", k="auto").branches == 1
+    monkeypatch.undo()
     assert llm.proposer("prompt-lookup", k=4).branches == 1
     assert llm.proposer("prompt-lookup", k=4, branches=2).branches == 2
     out = llm.generate(PROMPT, max_new_tokens=60, method="prompt-lookup", k="auto")

@@ -126,7 +126,10 @@ def test_native_block_equals_pytorch_block(kind, window, monkeypatch) -> None:
     assert takes_native_path(model)
     native, reference = forward_both_ways(model, monkeypatch)
     for got, expected in zip(native, reference, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        if kind and kind.endswith("-a8"):  # float rounding can move an activation across an int8 step: 1% of it
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_fallback_without_native_kernels_logs_and_computes_the_same(no_native, caplog) -> None:

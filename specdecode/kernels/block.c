@@ -67,6 +67,43 @@ static inline float dot(const float *a, const float *b, int len) {
     return total;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x for x <= 0, 8 at a time (Cephes' expf: range reduction by ln 2, a degree-5 polynomial), to ~2 ulp */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+/* q . k_t for the 8 keys k_0..k_7 (rows of hd floats, hd a multiple of 8): lane t holds key t's product, from
+   the same additions whatever the other lanes hold */
+static inline __m256 dot8(const float *q, const float *k, int hd) {
+    __m256 a[8];
+    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+    for (int e = 0; e < hd; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (int64_t)t * hd + e), a[t]);
+    }
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+#define FAST_ATTENTION 1
+#else
+#define FAST_ATTENTION 0
+#endif
+
 static void rmsnorm(const float *x, const float *w, float eps, int n, int H, float *out) {
     for (int i = 0; i < n; i++) {
         const float *xi = x + (int64_t)i * H;
@@ -121,36 +158,61 @@ int specdecode_block(float *x, int n, int H, const float *attn_norm, const float
     const int group = n_heads / n_kv;
 #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * (size_t)L);
+        float *p = malloc(sizeof(float) * ((size_t)L + 8));
+        float *pad = malloc(sizeof(float) * 8 * (size_t)hd);
 #pragma omp for schedule(static)
         for (int task = 0; task < n_heads * n; task++) {
             const int h = task / n, i = task % n, g = h / group;
             const float *q = big + (int64_t)i * qkv_dim + h * hd;
             const float *keys = k_cache + (int64_t)g * max_len * hd, *vals = v_cache + (int64_t)g * max_len * hd;
+#if FAST_ATTENTION
+            if (hd % 8 == 0) {  /* every key's score by dot8, whatever L is: a key's number never depends on n */
+                for (int j = 0; j < L; j += 8) {
+                    const float *kb = keys + (int64_t)j * hd;
+                    if (j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
+                        memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
+                        memcpy(pad, kb, sizeof(float) * (size_t)(max_len - j) * hd);
+                        kb = pad;
+                    }
+                    _mm256_storeu_ps(p + j, _mm256_mul_ps(dot8(q, kb, hd), _mm256_set1_ps(scale)));
+                }
+            } else
+#endif
+                for (int j = 0; j < L; j++) p[j] = dot(q, keys + (int64_t)j * hd, hd) * scale;
             float best = -INFINITY;
             for (int j = 0; j < L; j++) {
                 int visible;
                 if (full_mask) visible = full_mask[(int64_t)i * L + j];
                 else if (j < start) visible = 1;
                 else visible = mask ? mask[(int64_t)i * n + (j - start)] : (j - start <= i);
-                if (!visible) { p[j] = -INFINITY; continue; }
-                p[j] = dot(q, keys + (int64_t)j * hd, hd) * scale;
-                if (p[j] > best) best = p[j];
+                if (!visible) p[j] = -INFINITY;
+                else if (p[j] > best) best = p[j];
             }
+            for (int j = L; j < ((L + 7) & ~7); j++) p[j] = -INFINITY;
+#if FAST_ATTENTION
+            for (int j = 0; j < L; j += 8) {
+                const __m256 v = _mm256_loadu_ps(p + j);
+                const __m256 hidden = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+                const __m256 e = exp8(_mm256_sub_ps(v, _mm256_set1_ps(best)));
+                _mm256_storeu_ps(p + j, _mm256_andnot_ps(hidden, e));
+            }
+#else
+            for (int j = 0; j < L; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
+#endif
             float total = 0.0f;
-            for (int j = 0; j < L; j++) {
-                p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
-                total += p[j];
-            }
+            for (int j = 0; j < L; j++) total += p[j];
             float *o = att + (int64_t)i * q_dim + h * hd;
             for (int e = 0; e < hd; e++) o[e] = 0.0f;
             for (int j = 0; j < L; j++) {
                 if (p[j] == 0.0f) continue;
-                const float pj = p[j] / total, *vj = vals + (int64_t)j * hd;
+                const float pj = p[j], *vj = vals + (int64_t)j * hd;
                 for (int e = 0; e < hd; e++) o[e] += pj * vj[e];
             }
+            const float inv = 1.0f / total;
+            for (int e = 0; e < hd; e++) o[e] *= inv;
         }
         free(p);
+        free(pad);
     }
     linear(wo, att, n, out, scratch);
     for (int64_t j = 0; j < (int64_t)n * H; j++) x[j] += out[j];

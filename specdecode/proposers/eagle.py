@@ -13,8 +13,8 @@ tokens plus the head forwards run. It stops expanding when even the best case of
 raise that rate, and sends the count of nodes that maximises it (none: a plain step). Without a cost
 model: `k` depths, `nodes` nodes.
 
-Never slower than plain decoding: each verified step's realized rate, (1 + accepted) / (head seconds + the
-target's forward of the tree), is compared with a plain step's; while its smoothed ratio stays under 1 + MARGIN
+Never slower than plain decoding: the head's steps' realized rate, tokens committed over head seconds plus
+the target's forward of each tree (decayed sums), is compared with a plain step's; while it is under 1 + MARGIN
 the head rests (does not run) for a number of steps that doubles each time (up to MAX_REST), then probes
 again. A head forward is a sizeable part of a fast target's step (int4 on a CPU: 1-4 ms of 6), and paying it
 for steps that gain too little made eagle slower than plain decoding. It catches up on the positions it
@@ -50,6 +50,7 @@ def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
 
 
 MAX_REST = 64  # most steps the head rests while its steps do not pay
+MIN_EVIDENCE = 4  # steps judged before the head may rest: one step gains 0 or several tokens
 
 
 class EagleProposer(Proposer):
@@ -78,7 +79,8 @@ class EagleProposer(Proposer):
         self.last: tuple[DraftTree, bool, float] | None = None  # the last tree sent, its mode, predicted accepted
         self._costs: dict[int, float] = {}  # forward seconds by size, for the step being sized
         self.rest = self.backoff = 0  # steps left to rest; the next rest (0: one step)
-        self.value: float | None = None  # smoothed realized rate of the head's steps over a plain step's
+        self.value: float | None = None  # realized rate of the head's steps over a plain step's (decayed sums)
+        self.tally = (0.0, 0.0, 0)  # decayed tokens committed and seconds spent in the head's steps, steps seen
         self.step_head = (0.0, 0)  # the last proposal's head seconds and context
 
     @property
@@ -90,8 +92,12 @@ class EagleProposer(Proposer):
         self.features = torch.zeros(max_len, h, dtype=self.head.lm_head.weight.dtype, device=self.head.device)
         self.raw = torch.zeros(max_len, h * len(self.hidden_layers), dtype=self.features.dtype, device=self.head.device)
         self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
-        self.known = self.cached = self.fused = self.rest = self.backoff = 0
-        self.value = None
+        self.known = self.cached = self.fused = 0
+        # what earlier requests found carries over (the head is shared): resting at the end of the last request,
+        # this one starts resting too, and does not pay the head's pass over the whole prompt for nothing
+        carried = getattr(self.head, "rest_state", None) if self.cost is not None else None
+        self.value, self.backoff, self.tally = carried or (None, 0, (0.0, 0.0, 0))
+        self.rest = self.backoff if self.value is not None and self.value < 1 + MARGIN else 0
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
@@ -148,15 +154,20 @@ class EagleProposer(Proposer):
         self.last = None
 
     def _judge(self, nodes: int, accepted: int) -> None:
-        """Rest while the head's steps do not beat plain ones (see the module docstring)."""
+        """Rest while the head's steps do not beat plain ones (see the module docstring). The rate is a ratio of
+        decayed sums (tokens over seconds), not a mean of per-step rates: a step gains 0 or several tokens, and
+        a short run of misses must not send a head that pays on average to rest."""
         seconds, context = self.step_head
-        plain = self.cost.forward_seconds(1, context)
-        realized = (1 + accepted) / (seconds + self.cost.forward_seconds(nodes, context))
-        self.value = smoothed(self.value, realized * plain)
-        if self.value < 1 + MARGIN:
+        tokens, spent, steps = self.tally
+        tokens = 0.9 * tokens + 1 + accepted
+        spent = 0.9 * spent + seconds + self.cost.forward_seconds(nodes, context)
+        self.tally = (tokens, spent, steps + 1)
+        self.value = tokens / spent * self.cost.forward_seconds(1, context)
+        if self.value < 1 + MARGIN and steps + 1 >= MIN_EVIDENCE:
             self.rest, self.backoff = self.backoff, min(2 * self.backoff or 1, MAX_REST)
         else:
             self.backoff = 0
+        self.head.rest_state = (self.value, self.backoff, self.tally)
 
     # ------------------------------------------------------------------------------------ sizing
     def _alpha(self, greedy: bool) -> float:
