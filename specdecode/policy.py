@@ -50,6 +50,7 @@ TABLE_VERSION = 4
 # estimated within a few percent of a plain one loses about as often as it wins (Medusa in summarization:
 # guesses at 8% acceptance, each step 4% dearer than the table said, 0.96x of plain decoding)
 MARGIN = 0.04
+FIRST_PROBE_WITHIN = 16  # plain steps at most before a request's first probe, whatever earlier requests found
 
 
 # ------------------------------------------------------------------------------------------ cost
@@ -453,6 +454,10 @@ class AdaptiveK(Policy):
         self.cost, self.shared, self.cheap, self.max_k = cost, shared, cheap, max_k
         self.tree_size = tree_size or (lambda d: d + 1)
         self.stats = shared.fork()
+        # the probe interval carries over, but a new request probes within its first steps: a run of requests
+        # where guessing did not pay had doubled it past any request's length, so text that copies its prompt
+        # (Spec-Bench extraction after writing: tau 3 alone, 1.00 after) was never guessed at again
+        self.probe_every = min(self.probe_every, FIRST_PROBE_WITHIN)
         self.scorer = ProposalScorer(self.stats)
         self.plain_streak = 0
         self.asked = 0  # the depth asked of a cheap proposer this step (0: it was not asked)

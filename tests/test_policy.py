@@ -11,6 +11,7 @@ import pytest
 from specdecode.batch import nondecreasing
 from specdecode.engine import generate_ids
 from specdecode.policy import (
+    FIRST_PROBE_WITHIN,
     MARGIN,
     TABLE_VERSION,
     AcceptanceStats,
@@ -240,13 +241,17 @@ def test_costly_drafts_probe_with_backoff() -> None:
     hopeless = AdaptiveK(linear_cost(0.05), confident(0.05), cheap=False)
     hopeless.draft_per_guess = 1.0
     assert not any(hopeless.depth_to_propose(10, 20) for _ in range(3000))
-    # what was learned about the draft carries over to the next request
+    # what was learned about the draft carries over to the next request, which still probes within its first
+    # FIRST_PROBE_WITHIN steps (a long interval learned on other text must not keep it from ever guessing)
     shared = AcceptanceStats()
     first = AdaptiveK(linear_cost(0.0), shared, cheap=False)
     first.draft_per_guess, first.probe_every = 0.3, 64
     first.finish([1, 2, 3])
     second = AdaptiveK(linear_cost(0.0), shared, cheap=False)
-    assert second.draft_per_guess == 0.3 and second.probe_every == 64
+    assert second.draft_per_guess == 0.3 and second.probe_every == FIRST_PROBE_WITHIN < 64
+    first.probe_every = 12
+    first.finish([1, 2, 3])
+    assert AdaptiveK(linear_cost(0.0), shared, cheap=False).probe_every == 12
 
 
 def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> None:

@@ -102,6 +102,11 @@ def native() -> ctypes.CDLL | None:
         return lib
 
 
+def source_key() -> str:
+    """A short hash of the kernels' source: forward costs measured with other kernels are measured again."""
+    return hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:8]
+
+
 def simd() -> str:
     lib = native()
     return "none" if lib is None else {2: "avx2", 0: "scalar"}[lib.specdecode_simd()]
@@ -135,4 +140,4 @@ def reset() -> None:
         _state.clear()
 
 
-__all__ = ["Weight", "native", "simd", "cpu_flags", "reset"]
+__all__ = ["Weight", "native", "simd", "source_key", "cpu_flags", "reset"]

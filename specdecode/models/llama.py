@@ -154,7 +154,8 @@ class Transformer(nn.Module):
         """How the weights are stored and multiplied (forward costs differ by it): e.g. 'int4 native avx2'."""
         layer = self.layers[0].attn.wqkv if len(self.layers) else self.lm_head
         kind = getattr(layer, "quantization", str(self.dtype).removeprefix("torch."))
-        path = "native " + kernels.simd() if self.device.type == "cpu" and self.dtype == torch.float32 else "torch"
+        native = self.device.type == "cpu" and self.dtype == torch.float32 and kernels.native() is not None
+        path = f"native {kernels.simd()} {kernels.source_key()}" if native else "torch"
         return f"{kind} {path}"
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
