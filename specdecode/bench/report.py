@@ -36,11 +36,13 @@ def aggregate(results: dict) -> dict[float, dict[str, dict[str, Cell]]]:
     for r in results["records"]:
         for cat in (r["category"], OVERALL):
             groups[(r["temperature"], cat, r["method"])].append(r)
-        if r["method"] == "none":
-            base[(r["temperature"], r["question_id"])] = r
+        if r["method"] in ("none", "llama.cpp-plain"):  # llama.cpp's rows are compared with its own plain run
+            base[(r["temperature"], r["question_id"], r["method"] == "llama.cpp-plain")] = r
     out: dict[float, dict[str, dict[str, Cell]]] = defaultdict(lambda: defaultdict(dict))
     for (temp, cat, label), recs in groups.items():
-        bases = [base[(temp, r["question_id"])] for r in recs]
+        bases = [base[(temp, r["question_id"], False)] for r in recs]
+        same = [base.get((temp, r["question_id"], r.get("kind") == "llama.cpp"), b) for r, b in zip(recs, bases,
+                                                                                                  strict=True)]
         tokens, seconds = sum(r["new_tokens"] for r in recs), sum(r["seconds"] for r in recs)
         base_tps = sum(b["new_tokens"] for b in bases) / sum(b["seconds"] for b in bases)
         forwards = sum(r["target_forwards"] or 0 for r in recs)
@@ -51,7 +53,7 @@ def aggregate(results: dict) -> dict[float, dict[str, dict[str, Cell]]]:
             speedups=[tps(r) / tps(b) for r, b in zip(recs, bases, strict=True) if r["seconds"] and b["seconds"]],
             tau=tokens / forwards if forwards else None,
             acceptance=sum(r["accepted"] or 0 for r in recs) / drafted if drafted else None,
-            same_as_none=(sum(r["output_hash"] == b["output_hash"] for r, b in zip(recs, bases, strict=True))
+            same_as_none=(sum(r["output_hash"] == b["output_hash"] for r, b in zip(recs, same, strict=True))
                           / len(recs)) if temp == 0 else None,
         )
     return out
@@ -86,7 +88,8 @@ def write_report(results: dict, out: Path) -> Path:
         "",
         "speedup = tokens/s over plain decoding (`none`) on the same prompts in the same run (total ratio); "
         "per-prompt speedups as median [min–max]; tau = tokens per target forward; "
-        "`= none` = share of prompts whose greedy output equals plain decoding's, token for token.",
+        "`= none` = share of prompts whose greedy output equals plain decoding's, token for token (llama.cpp's "
+        "rows: its own plain decoding's).",
     ]
     for temp, cats in table.items():
         overall = cats[OVERALL]
