@@ -11,29 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from .api import LLM, METHODS, GenerationOutput
-from .models.loading import DTYPES
+from .cli_precision import add_precision_args, quantization
 from .models.quant import QUANTIZATIONS
 from .server.cli import add_parser as add_serve_parser
 from .server.cli import cmd_serve
 from .training.cli import add_train_parser, cmd_train
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
-
-
-QUANTIZATION_CHOICES = ["auto", "none", *QUANTIZATIONS]
-
-
-def add_precision_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                   help="activations and unquantized weights (default: %(default)s)")
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="weights: auto = a GGUF file's Q4_0/Q4_1/Q8_0 as stored, int8 activations as llama.cpp, "
-                   "others in --dtype; none = all in --dtype; int4/int8 = weight-only, float32 activations; "
-                   "int4-a8/int8-a8 = int8 activations too (default: %(default)s)")
-
-
-def quantization(args: argparse.Namespace) -> str | None:
-    return None if args.quantization == "none" else args.quantization
 
 
 def build_parser() -> argparse.ArgumentParser:

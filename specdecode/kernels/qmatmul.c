@@ -82,6 +82,14 @@ static inline __m256 widen(__m128i bytes8, int is_signed) {  /* the low 8 bytes 
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
 
+/* sum over one block of 32 of q * x, the block's weights widened into q0..q3 (8 each) */
+static inline __m256 block_dot(__m256 q0, __m256 q1, __m256 q2, __m256 q3, const float *x) {
+    __m256 s = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), s);
+    return _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), s);
+}
+
 /* rows r0..r0+R of one output n; R is a constant at every call site, so the loops unroll */
 static inline __attribute__((always_inline)) void q4_rows(
     const float *x, const float *xsum, int K, const uint8_t *q, const uint16_t *d, const uint16_t *m,
@@ -95,14 +103,8 @@ static inline __attribute__((always_inline)) void q4_rows(
         const __m256 q0 = widen(lo, 0), q1 = widen(_mm_srli_si128(lo, 8), 0);
         const __m256 q2 = widen(hi, 0), q3 = widen(_mm_srli_si128(hi, 8), 0);
         const __m256 scale = _mm256_set1_ps(half_to_float(d[b]));
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + (int64_t)r * K + QK * b;
-            __m256 s = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
-            s = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), s);
-            s = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), s);
-            s = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), s);
-            acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
-        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(block_dot(q0, q1, q2, q3, x + (int64_t)r * K + QK * b), scale, acc[r]);
     }
     for (int r = 0; r < R; r++) y[(int64_t)r * N] = hsum(acc[r]) + mins_dot(m, xsum + (int64_t)r * nb, nb);
 }
@@ -117,14 +119,8 @@ static inline __attribute__((always_inline)) void q8_rows(
         const __m256 q0 = widen(a, 1), q1 = widen(_mm_srli_si128(a, 8), 1);
         const __m256 q2 = widen(c, 1), q3 = widen(_mm_srli_si128(c, 8), 1);
         const __m256 scale = _mm256_set1_ps(half_to_float(d[b]));
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + (int64_t)r * K + QK * b;
-            __m256 s = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
-            s = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), s);
-            s = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), s);
-            s = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), s);
-            acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
-        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(block_dot(q0, q1, q2, q3, x + (int64_t)r * K + QK * b), scale, acc[r]);
     }
     for (int r = 0; r < R; r++) y[(int64_t)r * N] = hsum(acc[r]);
 }
@@ -185,6 +181,20 @@ static inline void f32_rows(const float *x, int K, const float *w, float *y, int
 }
 #endif
 
+/* Every output of y[M, N]: tiles of TILE_N outputs shared out among the threads, rows in groups of up to 4.
+   ROWS(R) computes rows r0..r0+R-1 of output n, with R a constant, so each kernel's row loop unrolls. */
+#define FOR_EACH_TILE(M, N, ROWS)                                                                          \
+    _Pragma("omp parallel for schedule(static)")                                                         \
+    for (int t = 0; t < ((N) + TILE_N - 1) / TILE_N; t++)                                                \
+        for (int r0 = 0; r0 < (M); r0 += 4)                                                              \
+            for (int n = t * TILE_N; n < ((t + 1) * TILE_N < (N) ? (t + 1) * TILE_N : (N)); n++)         \
+                switch ((M) - r0 < 4 ? (M) - r0 : 4) {                                                   \
+                    case 4: ROWS(4); break;                                                              \
+                    case 3: ROWS(3); break;                                                              \
+                    case 2: ROWS(2); break;                                                              \
+                    default: ROWS(1); break;                                                             \
+                }
+
 /* y[M, N] = x[M, K] @ dequant(W)^T; W: qs [N, K / 2], d and m [N, K / 32]. xsum: scratch of M * K / 32 floats. */
 void specdecode_q4_matmul(const float *x, float *xsum, int M, int K, const uint8_t *qs, const uint16_t *d,
                           const uint16_t *m, float *y, int N) {
@@ -195,75 +205,25 @@ void specdecode_q4_matmul(const float *x, float *xsum, int M, int K, const uint8
             for (int j = 0; j < QK; j++) s += x[(int64_t)r * K + QK * b + j];
             xsum[(int64_t)r * nb + b] = s;
         }
-    const int tiles = (N + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int n1 = (t + 1) * TILE_N < N ? (t + 1) * TILE_N : N;
-        for (int r0 = 0; r0 < M; r0 += 4) {
-            const int R = M - r0 < 4 ? M - r0 : 4;
-            for (int n = t * TILE_N; n < n1; n++) {
-                const float *xr = x + (int64_t)r0 * K;
-                const float *xs = xsum + (int64_t)r0 * nb;
-                const uint8_t *q = qs + (int64_t)n * (K / 2);
-                const uint16_t *dn = d + (int64_t)n * nb, *mn = m + (int64_t)n * nb;
-                float *yr = y + (int64_t)r0 * N + n;
-                switch (R) {
-                    case 4: q4_rows(xr, xs, K, q, dn, mn, yr, N, 4); break;
-                    case 3: q4_rows(xr, xs, K, q, dn, mn, yr, N, 3); break;
-                    case 2: q4_rows(xr, xs, K, q, dn, mn, yr, N, 2); break;
-                    default: q4_rows(xr, xs, K, q, dn, mn, yr, N, 1); break;
-                }
-            }
-        }
-    }
+#define Q4_ROWS(R) q4_rows(x + (int64_t)r0 * K, xsum + (int64_t)r0 * nb, K, qs + (int64_t)n * (K / 2), \
+                          d + (int64_t)n * nb, m + (int64_t)n * nb, y + (int64_t)r0 * N + n, N, R)
+    FOR_EACH_TILE(M, N, Q4_ROWS)
+#undef Q4_ROWS
 }
 
 /* y[M, N] = x[M, K] @ dequant(W)^T; W: qs [N, K] int8, d [N, K / 32]. */
 void specdecode_q8_matmul(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, float *y, int N) {
     const int nb = K / QK;
-    const int tiles = (N + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int n1 = (t + 1) * TILE_N < N ? (t + 1) * TILE_N : N;
-        for (int r0 = 0; r0 < M; r0 += 4) {
-            const int R = M - r0 < 4 ? M - r0 : 4;
-            for (int n = t * TILE_N; n < n1; n++) {
-                const float *xr = x + (int64_t)r0 * K;
-                const int8_t *q = qs + (int64_t)n * K;
-                const uint16_t *dn = d + (int64_t)n * nb;
-                float *yr = y + (int64_t)r0 * N + n;
-                switch (R) {
-                    case 4: q8_rows(xr, K, q, dn, yr, N, 4); break;
-                    case 3: q8_rows(xr, K, q, dn, yr, N, 3); break;
-                    case 2: q8_rows(xr, K, q, dn, yr, N, 2); break;
-                    default: q8_rows(xr, K, q, dn, yr, N, 1); break;
-                }
-            }
-        }
-    }
+#define Q8_ROWS(R) q8_rows(x + (int64_t)r0 * K, K, qs + (int64_t)n * K, d + (int64_t)n * nb, y + (int64_t)r0 * N + n, N, R)
+    FOR_EACH_TILE(M, N, Q8_ROWS)
+#undef Q8_ROWS
 }
 
 /* y[M, N] = x[M, K] @ W[N, K]^T in float32 (the native step's float path). */
 void specdecode_f32_matmul(const float *x, int M, int K, const float *w, float *y, int N) {
-    const int tiles = (N + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int n1 = (t + 1) * TILE_N < N ? (t + 1) * TILE_N : N;
-        for (int r0 = 0; r0 < M; r0 += 4) {
-            const int R = M - r0 < 4 ? M - r0 : 4;
-            for (int n = t * TILE_N; n < n1; n++) {
-                const float *xr = x + (int64_t)r0 * K;
-                const float *wn = w + (int64_t)n * K;
-                float *yr = y + (int64_t)r0 * N + n;
-                switch (R) {
-                    case 4: f32_rows(xr, K, wn, yr, N, 4); break;
-                    case 3: f32_rows(xr, K, wn, yr, N, 3); break;
-                    case 2: f32_rows(xr, K, wn, yr, N, 2); break;
-                    default: f32_rows(xr, K, wn, yr, N, 1); break;
-                }
-            }
-        }
-    }
+#define F32_ROWS(R) f32_rows(x + (int64_t)r0 * K, K, w + (int64_t)n * K, y + (int64_t)r0 * N + n, N, R)
+    FOR_EACH_TILE(M, N, F32_ROWS)
+#undef F32_ROWS
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -379,37 +339,17 @@ int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs,
         return 1;
     }
     quantize_rows(x, M, K, xq, dx, sx);
-    const int tiles = (N + TILE_N - 1) / TILE_N;
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int n1 = (t + 1) * TILE_N < N ? (t + 1) * TILE_N : N;
-        for (int r0 = 0; r0 < M; r0 += 4) {
-            const int R = M - r0 < 4 ? M - r0 : 4;
-            const int8_t *xr = xq + (int64_t)r0 * K;
-            const float *dr = dx + (int64_t)r0 * nb, *sr = sx + (int64_t)r0 * nb;
-            for (int n = t * TILE_N; n < n1; n++) {
-                float *yr = y + (int64_t)r0 * N + n;
-                const uint16_t *dn = d + (int64_t)n * nb;
-                if (kind == 1) {
-                    const uint8_t *q = (const uint8_t *)qs + (int64_t)n * (K / 2);
-                    const uint16_t *mn = m + (int64_t)n * nb;
-                    switch (R) {
-                        case 4: q4a8_rows(xr, dr, sr, K, q, dn, mn, yr, N, 4); break;
-                        case 3: q4a8_rows(xr, dr, sr, K, q, dn, mn, yr, N, 3); break;
-                        case 2: q4a8_rows(xr, dr, sr, K, q, dn, mn, yr, N, 2); break;
-                        default: q4a8_rows(xr, dr, sr, K, q, dn, mn, yr, N, 1); break;
-                    }
-                } else {
-                    const int8_t *q = (const int8_t *)qs + (int64_t)n * K;
-                    switch (R) {
-                        case 4: q8a8_rows(xr, dr, K, q, dn, yr, N, 4); break;
-                        case 3: q8a8_rows(xr, dr, K, q, dn, yr, N, 3); break;
-                        case 2: q8a8_rows(xr, dr, K, q, dn, yr, N, 2); break;
-                        default: q8a8_rows(xr, dr, K, q, dn, yr, N, 1); break;
-                    }
-                }
-            }
-        }
+    if (kind == 1) {
+#define Q4A8_ROWS(R) q4a8_rows(xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K,              \
+                               (const uint8_t *)qs + (int64_t)n * (K / 2), d + (int64_t)n * nb, m + (int64_t)n * nb, \
+                               y + (int64_t)r0 * N + n, N, R)
+        FOR_EACH_TILE(M, N, Q4A8_ROWS)
+#undef Q4A8_ROWS
+    } else {
+#define Q8A8_ROWS(R) q8a8_rows(xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, K, (const int8_t *)qs + (int64_t)n * K, \
+                               d + (int64_t)n * nb, y + (int64_t)r0 * N + n, N, R)
+        FOR_EACH_TILE(M, N, Q8A8_ROWS)
+#undef Q8A8_ROWS
     }
     free(xq); free(dx); free(sx);
     return 0;

@@ -201,7 +201,6 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + n, device=tokens.device)
         cos, sin = self.rope(positions)
-        mask = self._attention_mask(start, positions, tree_mask)
         num_layers = len(self.layers)
         if any(not -num_layers <= i < num_layers for i in hidden_layers):
             raise IndexError(f"hidden_layers {list(hidden_layers)} out of range for {num_layers} layers")
@@ -214,7 +213,8 @@ class Transformer(nn.Module):
             flat = x.reshape(n, -1).float().contiguous()
             window = self.config.sliding_window
             windowed = window is not None and int(positions.max()) >= window
-            full = mask.to(torch.uint8).contiguous() if windowed else None  # [n, start + n]
+            # the kernel reads the tree mask [n, n] itself; only a sliding window needs the full [n, start + n] one
+            full = self._attention_mask(start, positions, tree_mask).to(torch.uint8).contiguous() if windowed else None
             tree = None if windowed or tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
             if start + n > cache.max_len:
                 raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
@@ -224,6 +224,7 @@ class Transformer(nn.Module):
                     states[i] = flat.clone().view(1, n, -1)
             x = flat.view(1, n, -1)
         else:
+            mask = self._attention_mask(start, positions, tree_mask)
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, cache, i, start, mask)
                 if i in wanted:

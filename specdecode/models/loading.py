@@ -158,12 +158,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def gguf_tensors(path: Path):
     """(HF name, gguf tensor, row order or None) for every tensor of a Llama/Qwen2 GGUF file. The row order
     undoes llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF's rotate-half layout)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    reader, arch = _gguf_reader(path)
     n_heads = _gguf_field(reader, f"{arch}.attention.head_count")
     n_kv = _gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)
     for t in reader.tensors:
@@ -182,6 +177,17 @@ def gguf_tensors(path: Path):
         yield name, t, rows
 
 
+def _gguf_reader(path: Path):
+    """(reader, architecture) of a GGUF file this runtime can run."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    return reader, arch
+
+
 def _gguf_field(reader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -189,16 +195,11 @@ def _gguf_field(reader, key: str, default=None):
 
 def gguf_config(path: Path) -> dict:
     """The HF config of a Llama/Qwen2 GGUF file, from its metadata."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader, arch = _gguf_reader(path)
 
     def field(key: str, default=None):
         return _gguf_field(reader, key, default)
 
-    arch = field("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
     n_heads = field(f"{arch}.attention.head_count")
     n_kv = field(f"{arch}.attention.head_count_kv", n_heads)
     hidden = field(f"{arch}.embedding_length")

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from ..cli_precision import add_precision_args, quantization
+
 
 def add_parser(sub) -> None:
     from ..api import METHODS
@@ -25,8 +27,6 @@ def add_parser(sub) -> None:
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch slot before 503")
     s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY, else none)")
-    from ..cli import add_precision_args
-
     add_precision_args(s)
     s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -50,8 +50,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
     log = logging.getLogger("specdecode.server")
     log.info("loading %s", args.model)
-    from ..cli import quantization
-
     llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     llm.proposer(args.method, args.draft)  # load and check the draft (model, head, layer search) now, not later
     log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
