@@ -12,8 +12,9 @@ install:  ## the package, its test tools, CPU PyTorch and the default model's we
 demo: install  ## speculative decoding on SmolLM2-135M-Instruct: text, tokens/s, speedup, acceptance
 	$(PYTHON) -m specdecode.cli generate - $(DEMO_ARGS) < examples/demo_prompt.txt
 
-lint:
+lint:  ## style (ruff) and types (mypy: a removed method fails here, not in a user's request)
 	$(PYTHON) -m ruff check specdecode tests benchmarks
+	$(PYTHON) -m mypy
 
 test: install lint  ## the whole test suite (CI runs exactly this)
 	$(PYTHON) -m pytest -q

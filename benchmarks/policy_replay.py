@@ -21,8 +21,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import specdecode
+from specdecode.acceptance import AcceptanceStats
 from specdecode.bench.data import load_questions
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel, FixedK, Policy, StepRecord, default_cache_dir
+from specdecode.cost import CostModel
+from specdecode.paths import default_cache_dir
+from specdecode.policy import AdaptiveK, FixedK, Policy, StepRecord
 from specdecode.proposers import PromptLookupProposer
 from specdecode.tree import DraftTree
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, overload
 
-from .detokenize import IncrementalText
-from .engine import Generation, GenerationStats
+from .acceptance import AcceptanceStats
+from .batch_cost import BatchCost
+from .cost import CostModel
+from .detokenize import RequestText
+from .engine import Engine, Generation, policy_for
 from .models import Transformer
 from .models.eagle import EagleHead
 from .models.loading import DTYPES, load_model
-from .policy import AcceptanceStats, AdaptiveK, CostModel, FixedK, Policy
+from .models.medusa import MedusaHeads
 from .proposers import (
     DraftModelProposer,
     EagleProposer,
@@ -30,8 +33,8 @@ from .proposers import (
 from .proposers.layer_skip import SkipSearchResult, load_skip_search
 from .proposers.medusa import RankAccuracy
 from .proposers.quantized import low_bit_copy
+from .request import GenerationStats, Request
 from .sampling import SamplingParams
-from .training.medusa import MedusaHeads
 
 METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized")
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
@@ -59,7 +62,7 @@ class GenerationOutput:
 class TextStream:
     """Iterate for text pieces as they become final; `.output` holds the full result afterwards."""
 
-    def __init__(self, pieces: Iterator[str]) -> None:
+    def __init__(self, pieces: Generator[str, None, GenerationOutput]) -> None:
         self._pieces = pieces
         self.output: GenerationOutput | None = None
 
@@ -104,7 +107,7 @@ class LLM:
                 raise ValueError(f"{self.name}'s tokenizer has no chat template: pass a plain string without chat")
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
             return list(ids)
-        ids = [int(t) for t in prompt]
+        ids = [int(t) for t in cast(Sequence[int], prompt)]
         if any(not 0 <= t < self.model.config.vocab_size for t in ids):
             raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
         return ids
@@ -151,9 +154,12 @@ class LLM:
                 return LayerSkipProposer(self.model, skip_layers)
             search = self.skip_search()
             return LayerSkipProposer(self.model, search.draft_layers, pays=search.pays)
-        if method == "eagle":
-            return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes, cost=self.cost_model())
-        if method == "medusa":
+        if method in ("eagle", "medusa"):
+            if isinstance(draft, LLM):
+                raise ValueError(f"method {method!r} drafts with trained heads: pass draft=<their folder>, not a model")
+            if method == "eagle":
+                return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes,
+                                     cost=self.cost_model())
             heads = self.medusa_heads(draft)
             accuracy = self._rank_accuracy.setdefault(id(heads), RankAccuracy.of(heads))
             return MedusaProposer(heads, self.model.config.vocab_size, cost=self.cost_model(), accuracy=accuracy)
@@ -240,28 +246,18 @@ class LLM:
             self._cost = CostModel.for_model(self.model)
         return self._cost
 
-    def policy(self, k: int | str, proposer: Proposer, key: str = "") -> Policy:
-        """k = 'auto': the cost model decides each step; an int: always guess k tokens."""
-        if k == "auto":
-            if isinstance(proposer, NoProposer) or not proposer.expected_to_pay:
-                return FixedK(0)
-            if proposer.sizes_itself:  # sizes each step from the cost model (which its steps keep correcting)
-                return FixedK(proposer.max_depth, cost=self.cost_model())
-            key = key or proposer.name
-            if isinstance(proposer, HybridProposer):  # its model draft gets a cost-aware policy of its own
-                draft_stats = self._acceptance.setdefault(key + "|draft", AcceptanceStats())
-                proposer.draft_policy = AdaptiveK(self.cost_model(), draft_stats, cheap=False) \
-                    if proposer.draft.expected_to_pay else FixedK(0)
-            stats = self._acceptance.setdefault(key, AcceptanceStats())
-            return AdaptiveK(self.cost_model(), stats, cheap=proposer.cheap,
-                             tree_size=getattr(proposer, "tree_size", None))
-        if isinstance(k, str):
-            if not k.isdigit():
-                raise ValueError(f"k must be 'auto' or an integer >= 0 (tokens guessed per step), got {k!r}")
-            k = int(k)
-        return FixedK(k)
+    def acceptance(self, key: str) -> Callable[[str], AcceptanceStats]:
+        """The long-run acceptance statistics of a method and its options (and of named parts of its proposer),
+        which each request starts from and hands back to."""
+        return lambda part: self._acceptance.setdefault(f"{key}|{part}" if part else key, AcceptanceStats())
 
     # -------------------------------------------------------------------------------- generation
+    @overload
+    def generate(self, prompt: Prompt, *, stream: Literal[False] = False, **options: Any) -> GenerationOutput: ...
+
+    @overload
+    def generate(self, prompt: Prompt, *, stream: Literal[True], **options: Any) -> TextStream: ...
+
     def generate(
         self,
         prompt: Prompt,
@@ -287,6 +283,7 @@ class LLM:
             return result
         for _ in result:
             pass
+        assert result.output is not None
         return result.output
 
     def start(
@@ -309,41 +306,26 @@ class LLM:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         proposer = self.proposer(method, draft, k=k, **proposer_options)
         ids = self.encode(prompt, chat=chat)
+        priced = k == "auto" and proposer.capabilities.guesses
+        engine = Engine(self.model, BatchCost.single(self.cost_model() if priced else CostModel.flat()))
         key = f"{method}|{draft}|{sorted(proposer_options.items())}"
-        policy = FixedK(k) if isinstance(k, int) else self.policy(k, proposer, key)
-        return Generation(
-            self.model, proposer, ids, max_new_tokens=max_new_tokens, params=params, k=policy,
-            stop_token_ids=self.stop_token_ids, seed=seed,
-        )
+        policy = policy_for(k, proposer, engine.view, self.acceptance(key))
+        request = Request(self.model.config.max_position_embeddings, proposer, ids, max_new_tokens=max_new_tokens,
+                          params=params, k=policy, stop_token_ids=self.stop_token_ids, seed=seed)
+        return Generation(engine, request)
 
-    def _pieces(self, gen: Generation, stops: list[str], method: str):
-        text = IncrementalText(self.tokenizer, stops)
-        finish, stop_token = None, []
+    def _pieces(self, gen: Generation, stops: list[str], method: str) -> Generator[str, None, GenerationOutput]:
+        text = RequestText(self.tokenizer, stops, self.stop_token_ids)
         try:
             for step in gen:
-                for token in step:
-                    if token in self.stop_token_ids:
-                        finish, stop_token = "stop", [token]  # kept in token_ids, never in the text
-                        break
-                    if text.add(token):
-                        finish = "stop"
-                        break
-                if finish:
-                    break
-                if piece := text.ready():
+                if piece := text.step(step, gen.finish_reason):
                     yield piece
+                if text.finish:
+                    break
         finally:
             gen.close()
-        if piece := text.finish():
-            yield piece
-        return GenerationOutput(
-            text=text.text,
-            token_ids=text.tokens + stop_token,
-            finish_reason=finish or gen.finish_reason or "length",
-            method=method,
-            prompt_tokens=gen.stats.prompt_tokens,
-            stats=gen.stats,
-        )
+        return GenerationOutput(text=text.text, token_ids=text.token_ids, finish_reason=text.finish or "length",
+                                method=method, prompt_tokens=gen.stats.prompt_tokens, stats=gen.stats)
 
 
 def stop_token_ids(tokenizer) -> frozenset[int]:

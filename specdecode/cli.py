@@ -126,6 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for piece in stream:
         print(piece, end="", flush=True)
     print()
+    assert stream.output is not None  # set once the stream is read to its end
     show_stats([stream.output])
     return 0
 
@@ -133,7 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def measure_costs_once(llm: LLM) -> None:
     """`--k auto` prices guesses with the target's forward costs, timed on the first run on a machine:
     say so rather than look hung."""
-    from .policy import CostModel
+    from .cost import CostModel
 
     if CostModel.cached(llm.model) is None:
         with err.status("timing target forwards (once per model and machine, about a minute)..."):
@@ -144,7 +145,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     with err.status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.what == "cost":
-        from .policy import CostModel
+        from .cost import CostModel
 
         with err.status("timing target forwards..."):
             cost = CostModel.measure(llm.model)
@@ -179,8 +180,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
-    if any(k != "auto" and k < 1 for k in ks) or any(t < 0 for t in temperatures) or args.prompts_per_category < 1 \
-            or args.repeats < 1:
+    if any(isinstance(k, int) and k < 1 for k in ks) or any(t < 0 for t in temperatures) \
+            or args.prompts_per_category < 1 or args.repeats < 1:
         raise ValueError("--k values (or auto), --prompts-per-category and --repeats must be >= 1, temperatures >= 0")
     categories = "all" if args.categories == "all" else args.categories.split(",")
     questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)

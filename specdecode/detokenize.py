@@ -71,3 +71,35 @@ class IncrementalText:
                     best = n
                     break
         return best
+
+
+class RequestText:
+    """A request's text as its steps commit tokens: a stop token ends it (kept in the ids, never in the text), a
+    stop string cuts it. The library's text streams and the server's events both come from `step`."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], stop_token_ids: frozenset[int]) -> None:
+        self.incremental = IncrementalText(tokenizer, stops)
+        self.stop_token_ids = stop_token_ids
+        self.stop_token: list[int] = []  # the stop token that ended the text, if one did
+        self.finish: str | None = None  # "stop" | "length" once the text has ended
+
+    @property
+    def text(self) -> str:
+        return self.incremental.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens behind the text, and the stop token that ended it."""
+        return self.incremental.tokens + self.stop_token
+
+    def step(self, tokens: list[int], finish_reason: str | None) -> str:
+        """New final text after a step committed `tokens` (`finish_reason`: the request's, once it ended)."""
+        for token in tokens:
+            if token in self.stop_token_ids:
+                self.finish, self.stop_token = "stop", [token]
+                break
+            if self.incremental.add(token):
+                self.finish = "stop"
+                break
+        self.finish = self.finish or finish_reason
+        return self.incremental.ready() + (self.incremental.finish() if self.finish else "")

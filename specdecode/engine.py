@@ -1,92 +1,144 @@
-"""The decode loop: propose -> verify -> commit, with exact stop conditions and per-request stats."""
+"""The decode loop: propose -> verify -> commit, for a batch of requests (a lone request is a batch of one).
+
+An `Engine` holds the running requests, packed in rows 0..B-1 of one `BatchKVCache`, and steps them all at once:
+
+    every request proposes (its own proposer and policy)  ->  one choice of how much of each to verify
+    one ragged forward (each row: own length, positions, tree mask)  ->  per row: verify, keep, commit
+
+Requests join (prefilled in their own cache row) and leave between steps. `LLM.generate` runs one request
+through an engine of its own (`Generation`); the server runs every request through one shared engine. How
+much to guess comes from `BatchCost` (forward seconds per batch size): a guess nearly free for one request
+costs real time in a full batch, so speculation backs off as the batch grows and returns when it shrinks.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection, Generator, Iterator
 
 import torch
 
-from .models import Transformer
-from .policy import FixedK, Policy, StepRecord
+from .acceptance import AcceptanceStats
+from .batch_cost import BatchCost, RowCost
+from .cost import CostModel, ForwardCost
+from .models import BatchKVCache, Transformer
+from .policy import AdaptiveK, FixedK, Policy, joint_cut
 from .proposers import NoProposer, Proposer
+from .request import MAX_DRAFT_NODES, GenerationStats, Request
 from .sampling import SamplingParams
 from .tree import DraftTree
 from .verify import verify
 
-MAX_DRAFT_NODES = 256  # room kept in the KV cache for one step's guesses
+StepResult = tuple[Request, "list[int] | Exception"]
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    drafted: int = 0  # guessed tokens sent to the target
-    accepted: int = 0  # guessed tokens the target kept
-    target_forwards: int = 0  # decoding forwards (the prefill is not counted)
-    prefill_seconds: float = 0.0
-    target_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    seconds: float = 0.0  # wall time of the whole request, prefill included
+class Engine:
+    def __init__(self, model: Transformer, cost: BatchCost) -> None:
+        cfg = model.config
+        self.model, self.cost = model, cost
+        self.view = RowCost(cost)  # forward cost at the batch's current size: every request's policy prices by it
+        self.cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, dtype=model.dtype,
+                                  device=model.device, limit=cfg.max_position_embeddings + MAX_DRAFT_NODES)
+        self.rows: list[Request] = []
+        self.last_depths: list[int] = []  # per row, the depth verified in the last step (tests, metrics)
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def add(self, request: Request) -> None:
+        """Prefill the request's prompt in a cache row of its own and let it join the batch."""
+        prompt, model, row = request.tokens, self.model, len(self.rows)
+        request.begin(len(prompt) + request.max_new_tokens + MAX_DRAFT_NODES)
+        self.cache.reserve(row + 1, len(prompt) + MAX_DRAFT_NODES)
+        self.cache.lengths[row] = 0
+        if len(prompt) > 1:  # the cache holds every committed token but the last (the next root)
+            out = model.forward(torch.tensor([prompt[:-1]], device=model.device), self.cache.row(row), logits_at=None,
+                                hidden_layers=request.hidden_layers)
+            if request.hidden_layers:
+                request.proposer.observe_hidden(0, [h[0] for h in out.hidden])
+        self.rows.append(request)
+        request.stats.prefill_seconds = time.perf_counter() - request.started
 
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per target forward (accepted guesses + 1); 1.0 for plain decoding."""
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+    def remove(self, request: Request) -> None:
+        """Drop a request (its cache row is freed now); the last row moves into its place."""
+        i, last = self.rows.index(request), len(self.rows) - 1
+        self.cache.move(last, i)
+        self.cache.lengths[last] = 0
+        self.rows[i] = self.rows[last]
+        self.rows.pop()
+        request.finish()
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
+    def choose(self, proposals: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
+        """How much of each proposal to verify: cheap proposals under an adaptive policy share one depth cap chosen
+        for the batch as a whole (policy.joint_cut); the others are verified as their policy says."""
+        rows = len(proposals)
+        return joint_cut([row.policy for row in self.rows], proposals, contexts,
+                         lambda width, context: self.cost.seconds(rows, width, context))
 
-    def as_dict(self) -> dict[str, float]:
-        out = asdict(self)
-        out.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second)
-        return out
+    def step(self) -> list[StepResult]:
+        """One step of every request: its newly committed tokens, or the exception that failed it (it has left)."""
+        results: list[StepResult] = []
+        self.view.rows = len(self.rows)
+        planned: dict[int, DraftTree] = {}
+        for i, row in enumerate(self.rows):
+            try:
+                planned[id(row)] = row.plan(self.cache.lengths[i])
+            except Exception as e:  # noqa: BLE001 - one bad request must not take the batch down
+                results.append((row, e))
+        for row, _ in results:
+            self.remove(row)
+        if not self.rows:
+            return results
+        b = len(self.rows)
+        contexts = self.cache.lengths[:b]
+        self.view.rows = b  # the batch that runs now
+        trees = self.choose([planned[id(row)] for row in self.rows], contexts)
+        self.last_depths = [t.depth for t in trees]
+        inputs = [t.forward_inputs(c) for t, c in zip(trees, contexts, strict=True)]
+        sizes = [len(tokens) for tokens, _, _ in inputs]
+        n = max(sizes)
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        positions = torch.zeros(b, n, dtype=torch.long)
+        for i, (toks, pos, _) in enumerate(inputs):
+            m = sizes[i]
+            tokens[i, :m] = torch.tensor(toks)
+            positions[i, :m] = pos
+            positions[i, m:] = contexts[i] + torch.arange(m, n)
+        masks = [mask for _, _, mask in inputs]
+        layers = list(dict.fromkeys(layer for row in self.rows for layer in row.hidden_layers))
+        started = time.perf_counter()
+        try:
+            out = self.model.forward_batch(tokens, self.cache, positions=positions, sizes=sizes,
+                                           tree_masks=None if all(m is None for m in masks) else masks,
+                                           hidden_layers=layers)
+        except Exception as e:  # noqa: BLE001 - the step is lost for its rows; the engine goes on
+            for row in list(self.rows):
+                self.remove(row)
+                results.append((row, e))
+            return results
+        seconds = time.perf_counter() - started
+        self.cost.observe(b, n, max(contexts), seconds)
+        for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
+            try:
+                logits = out.logits[i]
+                verdict = verify(tree, logits[: len(tree)], row.params, row.generator)
+                self.cache.keep(i, contexts[i], verdict.path)
+                if row.hidden_layers:
+                    path = torch.tensor(verdict.path, device=logits.device)
+                    row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
+                                                              for layer in row.hidden_layers])
+                results.append((row, row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, b)))
+            except Exception as e:  # noqa: BLE001
+                results.append((row, e))
+        for row, result in results:  # failed rows leave now (their cache rows may be half-updated)
+            if isinstance(result, Exception) and row in self.rows:
+                self.remove(row)
+        return results
 
 
 class Generation:
-    """One request in flight. Iterate it for lists of newly committed tokens; read stats at any time."""
+    """One request run alone: an engine of its own with a batch of one. Iterate it for lists of newly committed
+    tokens (each iteration one step); read `stats` at any time."""
 
-    def __init__(
-        self,
-        target: Transformer,
-        proposer: Proposer,
-        prompt: list[int],
-        *,
-        max_new_tokens: int,
-        params: SamplingParams,
-        k: int | Policy,
-        stop_token_ids: Collection[int] = (),
-        seed: int | None = None,
-    ) -> None:
-        """k: a fixed number of tokens to guess per step, or a Policy that decides each step (AdaptiveK)."""
-        context = target.config.max_position_embeddings
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.policy = k if isinstance(k, Policy) else FixedK(k)
-        if len(prompt) + max_new_tokens > context:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-                f"of {context} tokens: shorten the prompt or lower max_new_tokens"
-            )
-        self.target, self.proposer, self.params = target, proposer, params
-        self.max_new_tokens = max_new_tokens
-        self.stop_token_ids = frozenset(stop_token_ids)
-        self.tokens = list(prompt)
-        self.stats = GenerationStats(prompt_tokens=len(prompt))
-        self.finish_reason: str | None = None  # "stop" | "length"
-        self.generator = torch.Generator(device="cpu")
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self.engine, self.request = engine, request
         self._steps = self._run()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -96,103 +148,72 @@ class Generation:
         self._steps.close()
 
     @property
+    def stats(self):
+        return self.request.stats
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.request.finish_reason
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.tokens
+
+    @property
     def new_tokens(self) -> list[int]:
-        return self.tokens[self.stats.prompt_tokens :]
+        return self.request.new_tokens
 
-    def _run(self) -> Iterator[list[int]]:
-        started = time.perf_counter()
-        stats, target, prompt = self.stats, self.target, self.tokens
-        cache = target.new_cache(len(prompt) + self.max_new_tokens + MAX_DRAFT_NODES)
-        self.proposer.begin(list(prompt), cache.max_len)
-        layers = self.proposer.hidden_layers
-        if len(prompt) > 1:  # the cache holds every committed token but the last (the next root)
-            out = target.forward(torch.tensor([prompt[:-1]], device=target.device), cache, logits_at=None,
-                                 hidden_layers=layers)
-            if layers:
-                self.proposer.observe_hidden(0, [h[0] for h in out.hidden])
-        stats.prefill_seconds = time.perf_counter() - started
+    @property
+    def policy(self) -> Policy:
+        return self.request.policy
+
+    def _run(self) -> Generator[list[int], None, None]:
+        engine, request = self.engine, self.request
         try:
-            while self.finish_reason is None:
-                new = self._step(cache)
-                stats.new_tokens += len(new)
-                stats.seconds = time.perf_counter() - started
-                yield new
+            engine.add(request)
+            while request.finish_reason is None:
+                ((_, result),) = engine.step()
+                if isinstance(result, Exception):
+                    raise result
+                yield result
         finally:
-            stats.seconds = time.perf_counter() - started
-            self.policy.finish(self.tokens)
-
-    def _step(self, cache) -> list[int]:
-        remaining = self.max_new_tokens - self.stats.new_tokens
-        context = cache.length
-        # the target adds one token of its own to any accepted guesses, so guess at most remaining - 1
-        k = self.policy.depth_to_propose(context, remaining - 1)
-        t0 = time.perf_counter()
-        root = DraftTree.root_only(self.tokens[-1])
-        proposal = self.proposer.propose(self.tokens, k, self.params, self.generator) if k > 0 else root
-        tree = self.policy.choose(proposal, context)
-        nodes = tree.num_drafted + (len(tree.extra.tokens) if tree.extra is not None else 0)
-        if nodes > MAX_DRAFT_NODES:
-            raise ValueError(f"{self.proposer.name} sent {nodes} tokens besides the root; at most {MAX_DRAFT_NODES}")
-        t1 = time.perf_counter()
-        tokens, positions, mask = tree.forward_inputs(context)
-        device = self.target.device
-        layers = self.proposer.hidden_layers
-        out = self.target.forward(torch.tensor([tokens], device=device), cache, positions=positions.to(device),
-                                  tree_mask=mask, hidden_layers=layers)
-        logits = out.logits[0]
-        verdict = verify(tree, logits[: len(tree)], self.params, self.generator)
-        cache.keep(context, verdict.path)
-        if layers:
-            path = torch.tensor(verdict.path, device=device)
-            self.proposer.observe_hidden(context, [h[0, path] for h in out.hidden])
-        self.proposer.observe(tree, verdict, logits[len(tree) :])
-        t2 = time.perf_counter()
-        return self._commit(proposal, tree, verdict, context, t1 - t0, t2 - t1)
-
-    def _commit(self, proposal: DraftTree, tree: DraftTree, verdict, context: int, draft_seconds: float,
-                target_seconds: float | None) -> list[int]:
-        """Count a verified step and commit its tokens, cut exactly at a stop token or max_new_tokens.
-        target_seconds None: the forward was shared with other rows (not this request's own cost)."""
-        stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
-        stats.draft_seconds += draft_seconds
-        stats.target_seconds += target_seconds or 0.0
-        stats.target_forwards += 1
-        stats.drafted += tree.num_drafted
-
-        new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
-        for i, token in enumerate(new):  # stop exactly at the first stop token, never past it
-            if token in self.stop_token_ids:
-                self.finish_reason = "stop"
-                new = new[: i + 1]
-                break
-        if len(new) >= remaining:
-            self.finish_reason = self.finish_reason or "length"
-            new = new[:remaining]
-        stats.accepted += min(verdict.num_accepted, len(new))  # guesses cut by a stop were not used
-        start = len(self.tokens)
-        self.tokens.extend(new)
-        per_guess = self.proposer.seconds_per_guess if proposal.num_drafted else None
-        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, draft_seconds, target_seconds,
-                                       per_guess))
-        return new
+            if request in engine.rows:
+                engine.remove(request)
+            else:
+                request.finish()
 
 
-def generate_ids(
-    target: Transformer,
-    prompt: list[int],
-    *,
-    proposer: Proposer | None = None,
-    max_new_tokens: int = 64,
-    params: SamplingParams | None = None,
-    k: int | Policy = 4,
-    stop_token_ids: Collection[int] = (),
-    seed: int | None = None,
-) -> tuple[list[int], GenerationStats]:
-    """Run a whole request on token ids; returns (new tokens, stats)."""
-    gen = Generation(
-        target, proposer or NoProposer(), prompt, max_new_tokens=max_new_tokens, k=k,
-        params=params or SamplingParams(), stop_token_ids=stop_token_ids, seed=seed,
-    )
+def policy_for(k: int | str, proposer: Proposer, cost: RowCost,
+               acceptance: Callable[[str], AcceptanceStats]) -> Policy:
+    """The policy of a request: k = "auto", the cost model decides each step; an int, always guess k tokens.
+    acceptance(part): the long-run acceptance statistics the request starts from ("" for the proposer itself)."""
+    proposer.bind(cost, acceptance)
+    if k != "auto":
+        if isinstance(k, str) and not k.isdigit():
+            raise ValueError(f"k must be 'auto' or an integer >= 0 (tokens guessed per step), got {k!r}")
+        return FixedK(int(k))
+    caps = proposer.capabilities
+    if not caps.guesses or not caps.pays:
+        return FixedK(0)
+    if caps.sizes_itself:  # sizes each step from the cost model (which every step keeps correcting)
+        return FixedK(caps.max_depth)
+    return AdaptiveK(cost, acceptance(""), cheap=caps.cheap)
+
+
+def start(target: Transformer, prompt: list[int], *, proposer: Proposer | None = None, max_new_tokens: int = 64,
+          params: SamplingParams | None = None, k: int | Policy = 4, stop_token_ids: Collection[int] = (),
+          seed: int | None = None, cost: ForwardCost | None = None) -> Generation:
+    """A request on token ids in an engine of its own, priced by `cost`, else its adaptive policy's (if any)."""
+    cost = cost or (k.cost if isinstance(k, AdaptiveK) else CostModel.flat())
+    request = Request(target.config.max_position_embeddings, proposer or NoProposer(), prompt,
+                      max_new_tokens=max_new_tokens, params=params or SamplingParams(), k=k,
+                      stop_token_ids=stop_token_ids, seed=seed)
+    return Generation(Engine(target, BatchCost.single(cost)), request)
+
+
+def generate_ids(target: Transformer, prompt: list[int], **kwargs) -> tuple[list[int], GenerationStats]:
+    """Run a whole request on token ids (options as `start`); returns (new tokens, stats)."""
+    gen = start(target, prompt, **kwargs)
     for _ in gen:
         pass
     return gen.new_tokens, gen.stats

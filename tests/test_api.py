@@ -12,9 +12,11 @@ import pytest
 
 import specdecode
 from specdecode.api import check_same_tokenizer, stop_token_ids
+from specdecode.batch_cost import BatchCost, RowCost
 from specdecode.cli import main as cli_main
+from specdecode.cost import CostModel
+from specdecode.engine import policy_for
 from specdecode.models import loading
-from specdecode.policy import CostModel
 
 from .helpers import make_tokenizer, write_checkpoint
 
@@ -127,7 +129,7 @@ def test_layer_skip_that_cannot_pay_never_drafts_under_auto(checkpoint, tmp_path
     fixed = llm.generate(PROMPT, max_new_tokens=40, method="layer-skip", k=2)
     assert fixed.token_ids == plain.token_ids and fixed.stats.drafted > 0
     hybrid = llm.proposer("hybrid")
-    llm.policy("auto", hybrid)
+    policy_for("auto", hybrid, RowCost(BatchCost.single(CostModel.flat())), llm.acceptance("hybrid"))
     assert hybrid.draft.skipped == [1] and hybrid.draft_policy.depth_to_propose(10, 8) == 0  # lookup alone
 
 

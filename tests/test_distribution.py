@@ -19,9 +19,11 @@ import torch
 from scipy.stats import chisquare
 
 import specdecode.verify
+from specdecode.acceptance import AcceptanceStats
+from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.policy import AdaptiveK
 from specdecode.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 from specdecode.sampling import SamplingParams
 
@@ -131,7 +133,7 @@ def sample_counts(target: Transformer, draft: Transformer, case: Case, samples: 
     totals = Counter()
     shared = AcceptanceStats()
     for seed in range(samples):
-        k = AdaptiveK(STEEP, shared, cheap=proposer.cheap) if case.adaptive else 4
+        k = AdaptiveK(STEEP, shared, cheap=proposer.capabilities.cheap) if case.adaptive else 4
         out, stats = generate_ids(target, PROMPT, proposer=proposer, k=k, max_new_tokens=case.tokens,
                                   params=case.params, seed=seed)
         assert len(out) == case.tokens

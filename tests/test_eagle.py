@@ -13,10 +13,10 @@ import torch
 
 import specdecode.proposers.eagle as eagle_module
 from specdecode.cli import main as cli_main
+from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
-from specdecode.policy import CostModel
 from specdecode.proposers import EagleProposer
 from specdecode.sampling import SamplingParams
 from specdecode.training.data import Sample, prompt_texts
@@ -98,7 +98,7 @@ def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk
     proposer = EagleProposer(head, target, topk=topk, nodes=nodes, cost=cost)
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        depth = proposer.max_depth if k == "auto" else k
+        depth = proposer.capabilities.max_depth if k == "auto" else k
         out, stats = generate_ids(target, prompt, proposer=proposer, k=depth, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         drafted += stats.drafted
@@ -119,7 +119,8 @@ def test_head_rests_while_its_steps_do_not_pay(target, head, reference, monkeypa
         proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
         calls = []
         monkeypatch.setattr(proposer, "_run", lambda *a, _run=proposer._run, calls=calls: calls.append(1) or _run(*a))
-        out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.max_depth, max_new_tokens=NEW)
+        out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth,
+                                  max_new_tokens=NEW)
         assert out == expected
         runs.append(len(calls))
     assert runs[0] < NEW // 2, runs  # resting, not running every step
@@ -142,7 +143,7 @@ def test_cost_sizes_the_tree(target, head, reference, greedy: bool, monkeypatch)
         proposer = EagleProposer(head, target, topk=3, nodes=16, cost=cost)
         drafted = forwards = 0
         for prompt, expected in zip(PROMPTS, reference, strict=True):
-            out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.max_depth,
+            out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth,
                                       max_new_tokens=NEW, params=params, seed=0)
             if greedy:
                 assert out == expected, f"{name}: prompt {prompt}"

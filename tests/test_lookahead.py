@@ -7,9 +7,11 @@ from collections import Counter
 import pytest
 import torch
 
+from specdecode.acceptance import AcceptanceStats
+from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.policy import AdaptiveK
 from specdecode.proposers import LookaheadProposer
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree

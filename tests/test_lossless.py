@@ -13,9 +13,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specdecode.engine import Generation, generate_ids
-from specdecode.models import KVCache, Transformer
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.acceptance import AcceptanceStats
+from specdecode.cost import CostModel
+from specdecode.engine import Generation, generate_ids, start
+from specdecode.models import BatchKVCache, Transformer
+from specdecode.policy import AdaptiveK
 from specdecode.proposers import DraftModelProposer, HybridProposer, NoProposer, PromptLookupProposer, Proposer
 from specdecode.sampling import SamplingParams
 
@@ -73,17 +75,17 @@ def test_plain_engine_equals_naive_greedy(target: Transformer, reference: list[l
 
 
 class KeepSpy:
-    """Counts cache compactions that kept a non-first tree branch (the gather path of KVCache.keep)."""
+    """Counts cache compactions that kept a non-first tree branch (the gather path of BatchKVCache.keep)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.gathers = 0
-        original = KVCache.keep
+        original = BatchKVCache.keep
 
-        def keep(cache: KVCache, start: int, indices) -> None:
+        def keep(cache: BatchKVCache, row: int, start: int, indices) -> None:
             self.gathers += list(indices) != list(range(len(indices)))
-            original(cache, start, indices)
+            original(cache, row, start, indices)
 
-        monkeypatch.setattr(KVCache, "keep", keep)
+        monkeypatch.setattr(BatchKVCache, "keep", keep)
 
 
 METHODS: dict[str, Callable[[Transformer, Transformer], Proposer]] = {
@@ -117,7 +119,7 @@ def test_greedy_speculative_equals_plain(target, draft, reference, cost, monkeyp
     drafted = accepted = 0
     shared = AcceptanceStats()  # what the adaptive policy learns carries over from prompt to prompt
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        policy = AdaptiveK(cost, shared, cheap=proposer.cheap) if k == "auto" else k
+        policy = AdaptiveK(cost, shared, cheap=proposer.capabilities.cheap) if k == "auto" else k
         out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         assert stats.new_tokens == NEW and stats.accepted + stats.target_forwards >= NEW
@@ -154,7 +156,7 @@ def test_draft_times_its_guesses_apart_from_catching_up(draft, monkeypatch) -> N
 
 
 def run(target: Transformer, prompt: list[int], proposer: Proposer, **kwargs) -> Generation:
-    gen = Generation(target, proposer, prompt, params=SamplingParams(), **kwargs)
+    gen = start(target, prompt, proposer=proposer, params=SamplingParams(), **kwargs)
     chunks = list(gen)
     assert [t for c in chunks for t in c] == gen.new_tokens  # the stream adds up to the result
     return gen

@@ -11,13 +11,16 @@ from safetensors.torch import load_file
 
 import specdecode
 import specdecode.verify
+from specdecode.acceptance import AcceptanceStats
 from specdecode.cli import main as cli_main
+from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.models.medusa import MedusaHeads
+from specdecode.policy import AdaptiveK
 from specdecode.proposers.medusa import PROBE_EVERY, RANKS, REQUEST_TRIALS, MedusaProposer, RankAccuracy, medusa_tree
 from specdecode.sampling import SamplingParams
-from specdecode.training.medusa import MedusaHeads, frequent_tokens
+from specdecode.training.medusa import frequent_tokens
 
 from .helpers import make_tokenizer, tiny_model, write_checkpoint
 from .test_distill import train_args, write_train_data
@@ -78,7 +81,8 @@ def test_greedy_medusa_equals_plain(target, reference, variant: str, k) -> None:
     for prompt, expected in zip(GREEDY_PROMPTS, reference, strict=True):
         policy = k
         if k == "auto":  # as the api: a proposer sizing itself gets its depth cap, others AdaptiveK
-            policy = proposer.max_depth if proposer.sizes_itself else AdaptiveK(MILD, shared, cheap=proposer.cheap)
+            caps = proposer.capabilities
+            policy = caps.max_depth if caps.sizes_itself else AdaptiveK(MILD, shared, cheap=caps.cheap)
         out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         drafted += stats.drafted

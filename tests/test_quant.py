@@ -14,7 +14,7 @@ import torch
 
 from specdecode import kernels
 from specdecode.engine import generate_ids
-from specdecode.models.llama import Linear
+from specdecode.models.linear import Linear
 from specdecode.models.loading import quantize_
 from specdecode.models.quant import QuantLinear, round_activations
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer, QuantizedSelfProposer

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import specdecode
-from specdecode.batch import BatchCost
-from specdecode.policy import CostModel
+from specdecode.batch_cost import BatchCost
+from specdecode.cost import CostModel
 
 from .helpers import make_tokenizer, write_checkpoint
 

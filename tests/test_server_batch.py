@@ -86,10 +86,13 @@ def test_batch_cache_move_packs_rows():
 
 
 # ---------------------------------------------------------------------------------- the batched decoder
-from specdecode.batch import BatchCost, BatchDecoder, Row  # noqa: E402
-from specdecode.engine import generate_ids  # noqa: E402
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel, FixedK  # noqa: E402
+from specdecode.acceptance import AcceptanceStats  # noqa: E402
+from specdecode.batch_cost import BatchCost  # noqa: E402
+from specdecode.cost import CostModel  # noqa: E402
+from specdecode.engine import Engine, generate_ids  # noqa: E402
+from specdecode.policy import AdaptiveK, FixedK  # noqa: E402
 from specdecode.proposers import DraftModelProposer, NoProposer, PromptLookupProposer  # noqa: E402
+from specdecode.request import Request  # noqa: E402
 from specdecode.sampling import SamplingParams  # noqa: E402
 
 from .helpers import noisy_copy  # noqa: E402
@@ -106,8 +109,8 @@ def make_row(model, prompt, method, k, max_new=40, temperature=0.0, seed=None, c
     proposer = {"none": NoProposer, "lookup": PromptLookupProposer}.get(method)
     proposer = proposer() if proposer else DraftModelProposer(draft, model.config.vocab_size)
     policy = k if not isinstance(k, int) else FixedK(k)
-    return Row(model, proposer, prompt, max_new_tokens=max_new, params=SamplingParams(temperature=temperature),
-               k=policy, seed=seed)
+    return Request(model.config.max_position_embeddings, proposer, prompt, max_new_tokens=max_new,
+                   params=SamplingParams(temperature=temperature), k=policy, seed=seed)
 
 
 def alone(model, prompt, max_new=40, temperature=0.0, seed=None, proposer=None, k=0):
@@ -115,7 +118,7 @@ def alone(model, prompt, max_new=40, temperature=0.0, seed=None, proposer=None, 
                         k=k, seed=seed, proposer=proposer)[0]
 
 
-def run_all(decoder, pending: list[tuple[int, Row]]) -> dict[int, list[int]]:
+def run_all(decoder, pending: list[tuple[int, Request]]) -> dict[int, list[int]]:
     """Step until every row is done; pending rows join at the given step number."""
     out: dict[int, list[int]] = {}
     step = 0
@@ -140,7 +143,7 @@ def test_batched_decoding_equals_each_request_alone():
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (3, 17, 1, 9, 30, 6)]
     cost = flat_cost()
-    decoder = BatchDecoder(model, cost)
+    decoder = Engine(model, cost)
     adaptive = lambda: AdaptiveK(decoder.view, AcceptanceStats(), cheap=True)  # noqa: E731
     specs = [("none", 0, 0.0), ("lookup", 4, 0.0), ("lookup", adaptive(), 0.0), ("draft", 3, 0.0),
              ("lookup", 3, 0.9), ("lookup", adaptive(), 0.0)]
@@ -171,7 +174,7 @@ class Exploding(PromptLookupProposer):
 
 def test_a_failing_row_leaves_alone():
     model = tiny_model(5, vocab_size=24)
-    decoder = BatchDecoder(model, flat_cost())
+    decoder = Engine(model, flat_cost())
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
     rows = [make_row(model, p, "lookup", 2) for p in prompts]
     rows[1].proposer = Exploding(after=3)
@@ -194,7 +197,7 @@ def test_speculation_backs_off_as_the_batch_grows():
     """Same acceptance, same proposals: one row verifies deep guesses when tokens are nearly free; sixteen rows,
     where a guessed token costs what it adds to the batched forward, verify none; back to one, deep again."""
     model = tiny_model(5, vocab_size=24)
-    decoder = BatchDecoder(model, flat_cost(per_token=0.3))
+    decoder = Engine(model, flat_cost(per_token=0.3))
     stats = AcceptanceStats()
     for i in range(60):  # guesses are right 50-75% of the time
         stats.record(3, *((0, 1), (1, 2), (2, 3), (3, 3))[i % 4])
@@ -213,9 +216,9 @@ def test_speculation_backs_off_as_the_batch_grows():
 
 def test_batch_cost_is_measured_once_and_cached(tmp_path):
     model = tiny_model(5, vocab_size=24, max_position_embeddings=64)
-    cost = BatchCost.for_model(model, 3, cache_dir=tmp_path)
+    cost = BatchCost.for_model(model, 3, CostModel.flat(), cache_dir=tmp_path)
     assert cost.batch_sizes == [1, 2, 3] and all(s > 0 for t in cost.tables for row in t.seconds for s in row)
-    again = BatchCost.for_model(model, 3, cache_dir=tmp_path)
+    again = BatchCost.for_model(model, 3, CostModel.flat(), cache_dir=tmp_path)
     assert again.tables[2].seconds == cost.tables[2].seconds
     assert cost.seconds(3, 4, 20) > 0 and cost.seconds(5, 4, 20) > 0
 
@@ -241,11 +244,12 @@ def test_eagle_rows_get_the_hidden_states_they_would_get_alone():
         out, stats = generate_ids(model, p, proposer=proposer, k=3, max_new_tokens=30)
         alone_logs.append(log)
         alone_out.append((out, stats.drafted, stats.accepted))
-    decoder = BatchDecoder(model, flat_cost())
+    decoder = Engine(model, flat_cost())
     rows, logs = [], []
     for p in prompts:
         proposer, log = recording(EagleProposer(head, model, topk=2, nodes=6))
-        rows.append(Row(model, proposer, p, max_new_tokens=30, params=SamplingParams(), k=FixedK(3)))
+        rows.append(Request(model.config.max_position_embeddings, proposer, p, max_new_tokens=30,
+                            params=SamplingParams(), k=FixedK(3)))
         logs.append(log)
     out = run_all(decoder, [(0, rows[0]), (1, rows[1]), (3, rows[2])])
     for i, row in enumerate(rows):

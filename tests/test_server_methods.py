@@ -13,11 +13,11 @@ import torch
 from fastapi.testclient import TestClient
 
 import specdecode
-from specdecode.batch import BatchCost
+from specdecode.batch_cost import BatchCost
+from specdecode.cost import CostModel
 from specdecode.models.eagle import EagleConfig, EagleHead
-from specdecode.policy import CostModel
+from specdecode.models.medusa import MedusaHeads
 from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
-from specdecode.proposers.medusa import MedusaHeads
 from specdecode.server.app import ServerConfig, create_app
 
 from .helpers import make_tokenizer, write_checkpoint
@@ -126,3 +126,32 @@ def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -
         monkeypatch.setattr(server.decoder, "step", original)
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200  # and the server goes on serving
+
+
+def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monkeypatch) -> None:
+    """One request through `LLM.generate` and through the server runs the same engine code (a batch of one):
+    the same tokens, and the same speculation (guessed, accepted, target forwards), whatever the method."""
+    llm, heads, draft_dir, cache = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+
+    def slow() -> CostModel:  # forwards far dearer than proposing: decisions do not depend on timing noise
+        return CostModel(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
+
+    saved, llm._cost = llm._cost, slow()
+    try:
+        llm._acceptance.clear()
+        app = create_app(llm, ServerConfig("tiny", method="none", draft=str(draft_dir), max_batch=4),
+                         BatchCost([1, 2, 4], [slow() for _ in range(3)]))
+        with TestClient(app) as client:
+            for method, k in (("prompt-lookup", "auto"), ("lookahead", "auto"), ("prompt-lookup", 3), ("draft", 2)):
+                draft = draft_dir if method == "draft" else None
+                ours = llm.generate(PROMPTS[0], method=method, k=k, draft=draft, max_new_tokens=MAX_TOKENS)
+                text, usage = ask(client, PROMPTS[0], method, k, stream=False)
+                assert text == ours.text, method
+                s = ours.stats
+                assert (usage["drafted"], usage["accepted"], usage["target_forwards"], usage["completion_tokens"]) \
+                    == (s.drafted, s.accepted, s.target_forwards, s.new_tokens), (method, k)
+                assert s.drafted > 0, method
+    finally:
+        llm._cost = saved

@@ -152,6 +152,7 @@ class Runners:
         if m.method == "prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = m.k
         elif m.method == "draft":
+            assert m.draft is not None, "a draft method names its draft"
             path = str(resolve(m.draft))
             if path not in self._hf_drafts:
                 self._hf_drafts[path] = self._load_hf(path)

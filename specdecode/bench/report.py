@@ -181,7 +181,7 @@ def plot(table, labels: list[str], out: Path) -> list[Path]:
             fig.savefig(path, dpi=110)
             plt.close(fig)
             written.append(path)
-        swept = defaultdict(dict)
+        swept: defaultdict[str, dict] = defaultdict(dict)
         for m in labels:
             match = re.fullmatch(r"(.+)@k=(\d+)", m)
             if match and m in cats[OVERALL]:

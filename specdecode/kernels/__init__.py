@@ -86,7 +86,7 @@ def native() -> ctypes.CDLL | None:
             reason = "SPECDECODE_NATIVE=0"
         else:
             try:
-                from ..policy import default_cache_dir
+                from ..paths import default_cache_dir
 
                 lib = ctypes.CDLL(str(_build(default_cache_dir())))
                 _declare(lib)

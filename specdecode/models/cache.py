@@ -146,6 +146,11 @@ class BatchKVCache:
         self.kv[:, :, row, :, :n] = cache.kv[:, :, 0, :, :n]
         self.lengths[row] = n
 
+    def row(self, row: int) -> RowCache:
+        """Row `row` as a single-sequence cache (a view: what it writes lands in this batch's tensor)."""
+        self.reserve(row + 1, 1)
+        return RowCache(self, row)
+
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s entries become row `dst`'s (packs the batch when a row leaves)."""
         if src == dst:
@@ -153,3 +158,21 @@ class BatchKVCache:
         n = self.lengths[src]
         self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
+
+
+class RowCache(KVCache):
+    """One row of a `BatchKVCache` seen as a `KVCache`: the single-sequence forward (and its native kernels) runs
+    on it in place; its length is the batch's length for the row. Valid until the batch's tensor is regrown."""
+
+    def __init__(self, batch: BatchKVCache, row: int) -> None:  # noqa: D107 - no KVCache.__init__: a view
+        self.batch, self.row = batch, row
+        self.kv = batch.kv[:, :, row : row + 1]
+        self.max_len = self.kv.shape[4]
+
+    @property
+    def length(self) -> int:
+        return self.batch.lengths[self.row]
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.batch.lengths[self.row] = value

@@ -20,7 +20,8 @@ from torch import nn
 
 from .cache import KVCache
 from .config import ModelConfig
-from .llama import Block, Linear, Transformer, rope_inv_freq
+from .linear import Linear
+from .llama import Block, Transformer, rope_inv_freq
 
 CONFIG = "eagle_config.json"
 WEIGHTS = "eagle.safetensors"

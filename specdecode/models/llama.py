@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from . import native
 from .cache import BatchKVCache, KVCache
 from .config import ModelConfig
+from .linear import Linear
 
 
 @dataclass
@@ -53,30 +55,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
 
 
-class Linear(nn.Linear):
-    """nn.Linear with a faster CPU path for the few-token matmuls of decoding and verification.
-
-    MKL runs `x @ W.T` for a handful of rows at a third of the memory bandwidth or less, so a step that
-    verifies 8 tokens used to cost 2x a 1-token step. oneDNN with its weight layout prepacked once streams
-    W near full bandwidth whatever the row count, so verifying a few tokens costs almost the same as one
-    (numbers in benchmarks/results/forward_cost.md). Other devices and dtypes keep F.linear.
-    """
-
-    _packed: tuple[tuple[int, int], torch.Tensor] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if not (ONEDNN and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)) or w.requires_grad:
-            return F.linear(x, w, self.bias)
-        key = (w.data_ptr(), w._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed[1], self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], w.shape[0])
-
-
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def padded_masks(masks: Sequence[torch.Tensor | None], sizes: Sequence[int], n: int) -> torch.Tensor:
+    """[B, n, n] from per-row tree masks (None: a causal chain); padding rows and columns stay False."""
+    out = torch.zeros(len(sizes), n, n, dtype=torch.bool)
+    for i, (mask, m) in enumerate(zip(masks, sizes, strict=True)):
+        out[i, :m, :m] = torch.ones(m, m, dtype=torch.bool).tril() if mask is None else mask[:m, :m]
+    return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -237,8 +221,6 @@ class Transformer(nn.Module):
 
     def _native_blocks(self, tokens: torch.Tensor, cache):
         """(library, NativeBlocks) when this forward can run its blocks natively (models/native.py), else None."""
-        from . import native  # imported here: native.py builds on this module
-
         if not native.applies(self, tokens, cache):
             return None
         lib = kernels.native()
@@ -277,20 +259,31 @@ class Transformer(nn.Module):
         *,
         positions: torch.Tensor,
         sizes: list[int],
-        tree_masks: torch.Tensor | None = None,
+        tree_masks: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         hidden_layers: Sequence[int] = (),
     ) -> BatchForwardOutput:
         """Run a ragged batch: row b's first sizes[b] tokens of `tokens` [B, n] follow its own
         cache.lengths[b] cached ones (the rest of the row is padding, seen by no real token).
 
         positions: [B, n] absolute positions (padding: any valid position).
-        tree_masks: [B, n, n] bool, True where node i of a row may attend to node j of the same row;
-            None means causal chains. Afterwards cache.lengths[b] = old length + sizes[b], as `forward` does.
+        tree_masks: [B, n, n] bool, or per row [sizes[b], sizes[b]] or None (a causal chain): True where node i of
+            a row may attend to node j of the same row; None: every row a chain.
+            Afterwards cache.lengths[b] = old length + sizes[b], as `forward` does.
         hidden_layers: as in `forward`; returned per row, real tokens only.
-        The single-sequence `forward` stays the fast path for one request; this one serves a batch.
+        One row runs the single-sequence `forward` on the row in place (the native kernels on the CPU), so a lone
+        request computes exactly what it computes in a batch of one.
         """
         b, n = tokens.shape
         device = self.device
+        if b == 1:
+            m = sizes[0]
+            mask = None if tree_masks is None else tree_masks[0]
+            cache.reserve(1, cache.lengths[0] + m)
+            out = self.forward(tokens[:, :m].to(device), cache.row(0), positions=positions[0, :m].to(device),
+                               tree_mask=None if mask is None else mask[:m, :m], hidden_layers=hidden_layers)
+            return BatchForwardOutput([out.logits[0]], [[h[0] for h in out.hidden]])
+        if tree_masks is not None and not isinstance(tree_masks, torch.Tensor):
+            tree_masks = padded_masks(tree_masks, sizes, n)
         starts = torch.tensor(cache.lengths[:b], dtype=torch.long, device=device)
         sizes_t = torch.tensor(sizes, dtype=torch.long, device=device)
         positions = positions.to(device)

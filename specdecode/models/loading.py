@@ -23,8 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..paths import default_cache_dir
 from .config import ModelConfig
-from .llama import Linear, Transformer
+from .linear import Linear
+from .llama import Transformer
 from .quant import GGUF_BLOCKS, QUANTIZATIONS, QuantEmbedding, QuantLinear
 
 
@@ -40,10 +42,6 @@ REGISTRY = {
 }
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode"))
 
 
 def resolve(name_or_path: str | os.PathLike, weights: bool = True) -> Path:
@@ -96,7 +94,7 @@ def convert_gguf(path: Path, weights: bool = True) -> Path:
     <cache>/<name>-<digest>/, written once; returns that directory."""
     stat = path.stat()
     digest = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / f"{path.stem}-{digest}"
+    out = default_cache_dir() / f"{path.stem}-{digest}"
     has_meta = (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
     has_weights = (out / "model.safetensors").is_file()
     if has_meta and (has_weights or not weights):

@@ -13,7 +13,7 @@ import torch
 
 from .. import kernels
 from .cache import KVCache
-from .llama import Linear
+from .linear import Linear
 from .quant import QuantLinear
 
 
@@ -68,6 +68,7 @@ class NativeBlocks:
 
 def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
     """Whether this forward can take the native path (before looking at the layers)."""
-    return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and type(cache) is KVCache
+    # the kernel reads each layer's keys (and values) of the sequence as one [kv_heads, max_len, head_dim] block
+    return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and isinstance(cache, KVCache)
             and cache.kv.dtype == torch.float32 and model.dtype == torch.float32 and not torch.is_grad_enabled()
-            and cache.kv.is_contiguous())
+            and cache.kv[0, 0, 0].is_contiguous())

@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from ..acceptance import AcceptanceStats
+from ..cost import ForwardCost
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 from ..verify import Verdict
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a proposer tells the engine and the policy about itself (the only thing they read of it)."""
+
+    # proposing costs next to nothing (no model forward): the policy asks for a deep tree and cuts it afterwards
+    cheap: bool = False
+    # sizes each step's guesses itself from the cost model it is bound to; k="auto" then just caps the depth
+    sizes_itself: bool = False
+    max_depth: int = 0  # the depth cap a self-sizing proposer gets under k="auto"
+    # False when a measurement found that drafting cannot beat plain steps on this model and machine (layer
+    # skipping whose search found no set that pays): k="auto" then runs plain steps without probing
+    pays: bool = True
+    guesses: bool = True  # False for plain decoding: no policy needed at all
+    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states it drafts from (EAGLE, Medusa)
+
+
 class Proposer(ABC):
     name: str = "proposer"
-    cheap: bool = False  # proposing costs next to nothing (no model forward): ask deep, let the policy cut
-    sizes_itself: bool = False  # sizes each step's guesses from the cost model; k="auto" then just caps the depth
-    max_depth: int = 0  # the depth cap it is given under k="auto"
-    # False when a measurement already found that drafting cannot beat plain steps on this model and machine
-    # (layer skipping whose search found no set that pays): k="auto" then runs plain steps without probing
-    expected_to_pay: bool = True
+    capabilities: Capabilities = Capabilities()
     # a model draft's own measure of one more guess in its last proposal (None: not measured); unlike the
     # proposal's whole time it leaves out catching up on text committed while it was not asked (the prompt)
     seconds_per_guess: float | None = None
-    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states this proposer drafts from (EAGLE, Medusa)
+
+    def bind(self, cost: ForwardCost, acceptance: Callable[[str], AcceptanceStats]) -> None:  # noqa: B027
+        """Before a request: the target's forward cost as this request's engine sees it, and the long-run
+        acceptance statistics of a named part of the proposer (e.g. a hybrid's model draft)."""
 
     def begin(self, prompt: list[int], max_len: int) -> None:  # noqa: B027 - optional hook
         """A new request starts; `max_len` bounds prompt + generated + drafted tokens."""
@@ -34,7 +52,7 @@ class Proposer(ABC):
         """Guess up to `k` tokens deep after `tokens` (everything committed so far, root = tokens[-1])."""
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:  # noqa: B027 - optional hook
-        """The target's hidden states ([n, H] per layer in `hidden_layers`) of the committed positions
+        """The target's hidden states ([n, H] per layer in `capabilities.hidden_layers`) of the committed positions
         start..start+n-1: after the prefill, then after every verification (the root and accepted guesses)."""
 
     def observe(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor) -> None:  # noqa: B027
@@ -46,7 +64,7 @@ class NoProposer(Proposer):
     """Plain decoding through the same engine: the baseline."""
 
     name = "none"
-    cheap = True
+    capabilities = Capabilities(cheap=True, guesses=False)
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         return DraftTree.root_only(tokens[-1])

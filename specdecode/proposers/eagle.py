@@ -32,12 +32,13 @@ import time
 import numpy as np
 import torch
 
+from ..cost import ForwardCost
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..policy import MARGIN, ForwardCost, best_count, smoothed
+from ..policy import MARGIN, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
-from .base import Proposer
+from .base import Capabilities, Proposer
 
 
 def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
@@ -55,8 +56,7 @@ MIN_EVIDENCE = 4  # steps judged before the head may rest: one step gains 0 or s
 
 class EagleProposer(Proposer):
     name = "eagle"
-    cheap = False
-    max_depth = 8  # deepest tree when the proposer sizes itself (k="auto")
+    MAX_DEPTH = 8  # deepest tree when the proposer sizes itself (k="auto")
 
     def __init__(self, head: EagleHead, target: Transformer, *, topk: int = 4, nodes: int = 24,
                  cost: ForwardCost | None = None) -> None:
@@ -84,8 +84,12 @@ class EagleProposer(Proposer):
         self.step_head = (0.0, 0)  # the last proposal's head seconds and context
 
     @property
-    def sizes_itself(self) -> bool:
-        return self.cost is not None
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return Capabilities(sizes_itself=self.cost is not None, max_depth=self.MAX_DEPTH,
+                            hidden_layers=self.hidden_layers)
+
+    def bind(self, cost, acceptance) -> None:
+        self.cost = cost
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         h = self.head.config.block.hidden_size

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import time
 
-from ..policy import Policy, StepRecord
+from ..policy import AdaptiveK, FixedK, Policy, StepRecord
 from ..tree import DraftTree
-from .base import Proposer
+from .base import Capabilities, Proposer
 from .prompt_lookup import PromptLookupProposer
 
 DRAFTED = 10  # added to the bucket when the model draft contributed: such trees are accepted differently
@@ -29,11 +29,17 @@ DRAFTED = 10  # added to the bucket when the model draft contributed: such trees
 
 class HybridProposer(Proposer):
     name = "hybrid"
-    cheap = True
+    capabilities = Capabilities(cheap=True)
 
     def __init__(self, lookup: PromptLookupProposer, draft: Proposer, draft_policy: Policy | None = None) -> None:
         self.lookup, self.draft, self.draft_policy = lookup, draft, draft_policy
         self._last: tuple[DraftTree, list[int], float] | None = None  # the draft's chain, tokens before, seconds
+
+    def bind(self, cost, acceptance) -> None:
+        """The model draft's depth gets a cost-aware policy of its own (no guesses where it cannot pay)."""
+        self.draft.bind(cost, acceptance)
+        self.draft_policy = AdaptiveK(cost, acceptance("draft"), cheap=False) if self.draft.capabilities.pays \
+            else FixedK(0)
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         self.lookup.begin(prompt, max_len)

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..cost import CostModel
 from ..models import Transformer
-from ..policy import CostModel, default_cache_dir
+from ..paths import default_cache_dir
+from .base import Capabilities
 from .draft_model import DraftModelProposer
 
 MAX_K = 8  # draft depths the search considers
@@ -66,12 +68,10 @@ class LayerSkipProposer(DraftModelProposer):
     """Drafts a chain with the target's layer-skipped view (see skip_layers) and its own small cache."""
 
     name = "layer-skip"
-    cheap = False
-
     def __init__(self, target: Transformer, skipped: Sequence[int], *, pays: bool = True) -> None:
         """pays=False: the search found no set that beats plain decoding (k="auto" then never drafts)."""
         self.skipped = check_skipped(skipped, target.config.num_layers)
-        self.expected_to_pay = pays
+        self.capabilities = Capabilities(pays=pays)
         super().__init__(skip_layers(target, self.skipped), target.config.vocab_size)
 
 
@@ -165,7 +165,7 @@ def search_skip_layers(
     candidates = list(range(1, total - 1))
     limit = len(candidates) if max_skip is None else max(0, min(max_skip, len(candidates)))
     trajectory = [SkipStep([], 1.0, 1.0, 0)]  # skipping nothing = plain decoding
-    best, current = trajectory[0], []
+    best, current = trajectory[0], list[int]()
     while len(current) < limit:
         scored = [(agreement(sorted([*current, j])), j) for j in candidates if j not in current]
         alpha, layer = max(scored, key=lambda s: s[0])  # ties: the lowest layer

@@ -21,12 +21,12 @@ import torch
 
 from ..tree import DraftTree, ExtraNodes
 from ..verify import Verdict
-from .base import Proposer
+from .base import Capabilities, Proposer
 
 
 class LookaheadProposer(Proposer):
     name = "lookahead"
-    cheap = True
+    capabilities = Capabilities(cheap=True)
 
     def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 4, text_ngrams: bool = True) -> None:
         if window < 1:

@@ -38,10 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..policy import ForwardCost, best_count, rate_to_beat, smoothed
-from ..training.medusa import MedusaHeads
+from ..cost import ForwardCost
+from ..models.medusa import MedusaHeads
+from ..policy import best_count, rate_to_beat, smoothed
 from ..tree import DraftTree
-from .base import Proposer
+from .base import Capabilities, Proposer
 
 RANKS = 10  # guesses per head a tree may use
 PROBE_EVERY = 16  # skipped steps between runs of the first head that only learn (~2% of a step)
@@ -127,8 +128,6 @@ class RankAccuracy:
 
 class MedusaProposer(Proposer):
     name = "medusa"
-    cheap = True  # without a cost model: ask deep, an adaptive policy cuts the tree by depth
-    hidden_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads, vocab_size: int, *, cost: ForwardCost | None = None,
                  max_nodes: int = 64, accuracy: RankAccuracy | None = None) -> None:
@@ -156,8 +155,13 @@ class MedusaProposer(Proposer):
         self.begin([0], 0)
 
     @property
-    def sizes_itself(self) -> bool:
-        return self.cost is not None
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        # cheap: without a cost model, ask deep and an adaptive policy cuts the tree by depth
+        return Capabilities(cheap=True, sizes_itself=self.cost is not None, max_depth=self.max_depth,
+                            hidden_layers=(-1,))
+
+    def bind(self, cost, acceptance) -> None:
+        self.cost = cost
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         self.hidden: torch.Tensor | None = None

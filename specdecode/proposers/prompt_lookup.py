@@ -11,12 +11,12 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..tree import DraftTree
-from .base import Proposer
+from .base import Capabilities, Proposer
 
 
 class PromptLookupProposer(Proposer):
     name = "prompt-lookup"
-    cheap = True
+    capabilities = Capabilities(cheap=True)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:

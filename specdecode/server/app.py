@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import signal
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -18,15 +20,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
+from .. import request as engine_request
+from ..acceptance import AcceptanceStats
 from ..api import LLM
-from ..batch import BatchCost, BatchDecoder, Row
-from ..policy import AcceptanceStats, AdaptiveK, FixedK, Policy
-from ..proposers import HybridProposer, NoProposer, Proposer
+from ..batch_cost import BatchCost
+from ..engine import Engine, policy_for
 from ..sampling import SamplingParams
 from . import schemas
 from .errors import APIError, bad_request, internal_error
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Failed, Job, LockedTokenizer, Piece, Scheduler
+
+Body = TypeVar("Body", schemas.ChatRequest, schemas.CompletionRequest)
 
 
 @dataclass
@@ -46,8 +51,8 @@ class Server:
     def __init__(self, llm: LLM, config: ServerConfig, cost: BatchCost) -> None:
         self.llm, self.config = llm, config
         self.metrics = Metrics()
-        self.decoder = BatchDecoder(llm.model, cost)
-        self.scheduler = Scheduler(self.decoder, max_batch=config.max_batch, max_queue=config.max_queue,
+        self.engine = Engine(llm.model, cost)
+        self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics)
         self.tokenizer_lock = threading.Lock()
         self.tokenizer = LockedTokenizer(llm.tokenizer, self.tokenizer_lock)
@@ -70,23 +75,8 @@ class Server:
                               param="speculation")
         return method, cfg.k if spec.k is None else spec.k
 
-    def policy(self, k: int | str, proposer: Proposer, method: str) -> Policy:
-        if k != "auto":
-            return FixedK(int(k))
-        if isinstance(proposer, NoProposer) or not proposer.expected_to_pay:
-            return FixedK(0)
-        view = self.decoder.view  # forward cost at the batch's current size
-        if proposer.sizes_itself:
-            proposer.cost = view
-            return FixedK(proposer.max_depth)
-        if isinstance(proposer, HybridProposer):
-            proposer.draft_policy = AdaptiveK(view, self.acceptance.setdefault(method + "|draft", AcceptanceStats()),
-                                              cheap=False) if proposer.draft.expected_to_pay else FixedK(0)
-        return AdaptiveK(view, self.acceptance.setdefault(method, AcceptanceStats()), cheap=proposer.cheap,
-                         tree_size=getattr(proposer, "tree_size", None))
-
-    def build_row(self, req: schemas.Common, prompt: list[int]) -> Row:
-        """Validate against the model and build the request's Row (runs in a worker thread: a draft may load)."""
+    def build_row(self, req: schemas.GenerationRequest, prompt: list[int]) -> engine_request.Request:
+        """Validate against the model and build the Request (runs in a worker thread: a draft may load)."""
         limit = req.limit
         room = self.context - len(prompt)
         where = "messages" if isinstance(req, schemas.ChatRequest) else "prompt"
@@ -106,13 +96,15 @@ class Server:
             params = SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                     top_k=req.top_k or 0)
             proposer = self.llm.proposer(method, self.config.draft, k=k)
-            return Row(self.llm.model, proposer, prompt, max_new_tokens=limit, params=params,
-                       k=self.policy(k, proposer, method),
-                       stop_token_ids=() if req.ignore_eos else self.llm.stop_token_ids, seed=req.seed)
+            acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
+                                                                 AcceptanceStats())
+            return engine_request.Request(self.context, proposer, prompt, max_new_tokens=limit, params=params,
+                           k=policy_for(k, proposer, self.engine.view, acceptance),
+                           stop_token_ids=() if req.ignore_eos else self.llm.stop_token_ids, seed=req.seed)
         except ValueError as e:
             raise bad_request(str(e)) from None
 
-    def encode(self, req: schemas.Common) -> list[int]:
+    def encode(self, req: schemas.GenerationRequest) -> list[int]:
         try:
             with self.tokenizer_lock:
                 if isinstance(req, schemas.ChatRequest):
@@ -160,7 +152,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
             raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>'", type="authentication_error",
                            code="invalid_api_key")
 
-    async def read(request: Request, cls: type[schemas.Common]) -> schemas.Common:
+    async def read(request: Request, cls: type[Body]) -> Body:
         authorize(request)
         try:
             body = json.loads(await request.body())
@@ -194,7 +186,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
     async def completions(request: Request) -> Response:
         return await complete(request, await read(request, schemas.CompletionRequest), "completion")
 
-    async def complete(request: Request, req: schemas.Common, kind: str) -> Response:
+    async def complete(request: Request, req: schemas.GenerationRequest, kind: str) -> Response:
         prompt = server.encode(req)
         row = await run_in_threadpool(server.build_row, req, prompt)
         job = Job(row, server.tokenizer, req.stops, asyncio.get_running_loop())
@@ -276,10 +268,10 @@ def serve(llm: LLM, config: ServerConfig, *, host: str = "127.0.0.1", port: int 
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
-    cost = cost or BatchCost.for_model(llm.model, config.max_batch)
+    cost = cost or BatchCost.for_model(llm.model, config.max_batch, llm.cost_model())
     app = create_app(llm, config, cost, scheduler_thread=False)
     web = Uvicorn(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                 timeout_graceful_shutdown=shutdown_timeout))
+                                 timeout_graceful_shutdown=math.ceil(shutdown_timeout)))
 
     def on_signal(sig, frame) -> None:  # as uvicorn's own handler: stop gracefully, a second signal at once
         if web.should_exit and sig == signal.SIGINT:

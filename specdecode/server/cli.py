@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..api import LLM
-    from ..batch import BatchCost
+    from ..batch_cost import BatchCost
     from .app import ServerConfig, serve
 
     if args.max_batch < 1 or args.max_queue < 0:
@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     llm.proposer(args.method, args.draft)  # load and check the draft (model, head, layer search) now, not later
     log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
-    cost = BatchCost.for_model(llm.model, args.max_batch)
+    cost = BatchCost.for_model(llm.model, args.max_batch, llm.cost_model())
     config = ServerConfig(model_name=args.served_model_name or args.model, method=args.method,
                           k=args.k if args.k == "auto" else int(args.k), draft=args.draft, max_batch=args.max_batch,
                           max_queue=args.max_queue, api_key=args.api_key)

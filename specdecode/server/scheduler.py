@@ -1,8 +1,8 @@
 """The scheduler: one thread runs the batch, requests join and leave it between steps.
 
-Routes hand over a `Job` (a validated `Row` plus its text state); the thread admits waiting jobs while the
+Routes hand over a `Job` (a validated `Request` plus its text state); the thread admits waiting jobs while the
 batch has room (a bounded queue: beyond it `submit` refuses at once), drops cancelled ones (a client that
-went away frees its row and cache before the next step), runs `BatchDecoder.step`, turns each row's new
+went away frees its row and cache before the next step), runs `Engine.step`, turns each row's new
 tokens into text pieces (stop tokens and stop strings exact) and sends them to the job's asyncio queue.
 A failure inside one row fails that job only; the thread itself never dies of a request.
 """
@@ -18,8 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..batch import BatchDecoder, Row
-from ..detokenize import IncrementalText
+from ..detokenize import RequestText
+from ..engine import Engine
+from ..request import Request
 from .errors import APIError, internal_error, overloaded
 from .metrics import Metrics
 
@@ -54,9 +55,9 @@ class LockedTokenizer:
 
 
 class Job:
-    def __init__(self, row: Row, tokenizer: LockedTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(self, row: Request, tokenizer: LockedTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop):
         self.row, self.loop = row, loop
-        self.text = IncrementalText(tokenizer, stops)
+        self.text = RequestText(tokenizer, stops, row.stop_token_ids)
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.done = False
@@ -80,12 +81,12 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, decoder: BatchDecoder, *, max_batch: int, max_queue: int, metrics: Metrics,
+    def __init__(self, engine: Engine, *, max_batch: int, max_queue: int, metrics: Metrics,
                  prefill_tokens: int = 1024) -> None:
         """prefill_tokens: prompt tokens prefilled between two steps (at least one request): a burst of long
         prompts joins over a few steps, so the first of them start answering sooner and running requests
         do not stall behind all the others' prefills."""
-        self.decoder, self.max_batch, self.max_queue, self.metrics = decoder, max_batch, max_queue, metrics
+        self.engine, self.max_batch, self.max_queue, self.metrics = engine, max_batch, max_queue, metrics
         self.prefill_tokens = prefill_tokens
         self.waiting: deque[Job] = deque()
         self.active: dict[int, Job] = {}  # id(row) -> job
@@ -141,7 +142,8 @@ class Scheduler:
                 if self.stopping or not alive():
                     self.stopping = True
                     break
-                admit, budget = [], self.prefill_tokens
+                admit: list[Job] = []
+                budget = self.prefill_tokens
                 while self.waiting and len(self.active) + len(admit) < self.max_batch:
                     prompt = self.waiting[0].row.stats.prompt_tokens
                     if admit and prompt > budget:
@@ -173,7 +175,7 @@ class Scheduler:
                 self._close(job, "cancelled", None)
                 continue
             try:
-                self.decoder.add(job.row)
+                self.engine.add(job.row)
             except Exception as e:  # noqa: BLE001
                 self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
                 continue
@@ -191,7 +193,7 @@ class Scheduler:
         self.metrics.step_rows.observe(len(self.active))
         before = {key: (job.row.stats.drafted, job.row.stats.accepted) for key, job in self.active.items()}
         started = time.perf_counter()
-        results = self.decoder.step()
+        results = self.engine.step()
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         for row, result in results:
             job = self.active[id(row)]
@@ -208,16 +210,8 @@ class Scheduler:
         if tokens and job.first_token_at is None:
             job.first_token_at = now
             self.metrics.ttft.observe(now - job.arrived)
-        finish = None
-        for token in tokens:
-            if token in job.row.stop_token_ids:  # the end-of-turn token ends the text, never shows in it
-                finish = "stop"
-                break
-            if job.text.add(token):  # a stop string: the text is cut before it
-                finish = "stop"
-                break
-        finish = finish or job.row.finish_reason
-        piece = job.text.ready() + (job.text.finish() if finish else "")
+        piece = job.text.step(tokens, job.row.finish_reason)
+        finish = job.text.finish
         if piece:
             if job.last_piece_at is not None:
                 self.metrics.itl.observe(now - job.last_piece_at)
@@ -229,8 +223,8 @@ class Scheduler:
             self._close(job, finish, Done(finish, job.usage()))
 
     def _leave(self, job: Job) -> None:
-        if job.row in self.decoder.rows:
-            self.decoder.remove(job.row)
+        if job.row in self.engine.rows:
+            self.engine.remove(job.row)
         else:
             job.row.finish()
         self.active.pop(id(job.row), None)

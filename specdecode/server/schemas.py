@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -131,10 +131,14 @@ class CompletionRequest(Common):
             prompt = prompt[0]
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
-        return prompt
+        return prompt  # type: ignore[return-value]  # a list of lists was refused above
 
 
-def parse(cls: type[Common], body: object) -> Common:
+GenerationRequest = ChatRequest | CompletionRequest  # what a route hands to the server
+Parsed = TypeVar("Parsed", bound=Common)
+
+
+def parse(cls: type[Parsed], body: object) -> Parsed:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:

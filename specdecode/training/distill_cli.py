@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import add_common, err, prepare, train_config, write_report
+from .common import add_common, err, prepare, train_config, write_report
 from .guards import check_samples_file, claim
 from .heldout import append_decoding_report
 

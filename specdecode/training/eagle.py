@@ -63,10 +63,10 @@ def ttt_logits(head: EagleHead, embed: torch.nn.Embedding, batch: dict, steps: i
         keys.append(k)
         values.append(v)
         scale = 1.0 / math.sqrt(d)
-        scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal0[j], float("-inf"))]
+        parts = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal0[j], float("-inf"))]
         for i in range(1, j + 1):  # the draft's own entries: step i at position t - (j - i)
-            scores.append((q * _shift(keys[i], j - i, dim=2)).sum(-1, keepdim=True) * scale)
-        scores = torch.cat(scores, dim=-1)
+            parts.append((q * _shift(keys[i], j - i, dim=2)).sum(-1, keepdim=True) * scale)
+        scores = torch.cat(parts, dim=-1)
         weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
         out = weights[..., :n] @ values[0]
         for i in range(1, j + 1):

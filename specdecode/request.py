@@ -1,0 +1,158 @@
+"""One request in flight: its tokens, sampling, stops, stats, proposer and policy.
+
+The engine runs every forward; a request's step is split around it: `plan` asks the proposer for guesses,
+and after the engine's forward and verification, `commit` counts the step and commits its tokens, cut
+exactly at a stop token or max_new_tokens. The library and the server hold the same `Request`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .policy import FixedK, Policy, StepRecord
+from .proposers import Proposer
+from .sampling import SamplingParams
+from .tree import DraftTree
+from .verify import Verdict
+
+MAX_DRAFT_NODES = 256  # room kept in the KV cache for one step's guesses
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    drafted: int = 0  # guessed tokens sent to the target
+    accepted: int = 0  # guessed tokens the target kept
+    target_forwards: int = 0  # decoding forwards (the prefill is not counted)
+    prefill_seconds: float = 0.0
+    target_seconds: float = 0.0  # decoding forwards and verification (in a batch: the batch's, shared)
+    draft_seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the whole request, prefill included
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted guesses over guessed tokens sent to the target (a tree's siblings count as guesses)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward (accepted guesses + 1); 1.0 for plain decoding."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second)
+        return out
+
+
+class Request:
+    def __init__(
+        self,
+        context: int,
+        proposer: Proposer,
+        prompt: list[int],
+        *,
+        max_new_tokens: int,
+        params: SamplingParams,
+        k: int | Policy,
+        stop_token_ids: Collection[int] = (),
+        seed: int | None = None,
+    ) -> None:
+        """context: the target's context length; k: a fixed number of tokens to guess per step, or a Policy that
+        decides each step (AdaptiveK)."""
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > context:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                f"of {context} tokens: shorten the prompt or lower max_new_tokens"
+            )
+        self.policy = k if isinstance(k, Policy) else FixedK(k)
+        self.proposer, self.params = proposer, params
+        self.hidden_layers = proposer.capabilities.hidden_layers
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.tokens = list(prompt)
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.finish_reason: str | None = None  # "stop" | "length"
+        self.generator = torch.Generator(device="cpu")
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+        self.proposal: DraftTree | None = None
+        self.draft_seconds = 0.0
+        self.started = time.perf_counter()  # reset when the request joins an engine
+        self.finished = False
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.stats.prompt_tokens :]
+
+    def begin(self, max_len: int) -> None:
+        """The request joins an engine (its prefill follows): the clock starts, the proposer sees the prompt."""
+        self.started = time.perf_counter()
+        self.proposer.begin(list(self.tokens), max_len)
+
+    def plan(self, context: int) -> DraftTree:
+        """Ask the proposer for this step's guesses (`context`: tokens cached before the step)."""
+        remaining = self.max_new_tokens - self.stats.new_tokens
+        k = self.policy.depth_to_propose(context, remaining - 1)  # the target adds one token of its own
+        started = time.perf_counter()
+        root = DraftTree.root_only(self.tokens[-1])
+        proposal = self.proposer.propose(self.tokens, k, self.params, self.generator) if k > 0 else root
+        self.draft_seconds = time.perf_counter() - started
+        nodes = proposal.num_drafted + (len(proposal.extra.tokens) if proposal.extra is not None else 0)
+        if nodes > MAX_DRAFT_NODES:
+            raise ValueError(f"{self.proposer.name} sent {nodes} tokens besides the root; at most {MAX_DRAFT_NODES}")
+        self.proposal = proposal
+        return proposal
+
+    def commit(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor, context: int,
+               forward_seconds: float, rows: int) -> list[int]:
+        """Count a verified step and commit its tokens, cut exactly at a stop token or max_new_tokens.
+        forward_seconds: the step's forward, shared by `rows` requests (only a lone request's own is its cost)."""
+        self.proposer.observe(tree, verdict, extra_logits)
+        stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
+        stats.draft_seconds += self.draft_seconds
+        stats.target_seconds += forward_seconds
+        stats.target_forwards += 1
+        stats.drafted += tree.num_drafted
+
+        new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
+        for i, token in enumerate(new):  # stop exactly at the first stop token, never past it
+            if token in self.stop_token_ids:
+                self.finish_reason = "stop"
+                new = new[: i + 1]
+                break
+        if len(new) >= remaining:
+            self.finish_reason = self.finish_reason or "length"
+            new = new[:remaining]
+        stats.accepted += min(verdict.num_accepted, len(new))  # guesses cut by a stop were not used
+        start = len(self.tokens)
+        self.tokens.extend(new)
+        proposal = self.proposal or tree
+        per_guess = self.proposer.seconds_per_guess if proposal.num_drafted else None
+        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, self.draft_seconds,
+                                       forward_seconds if rows == 1 else None, per_guess))
+        stats.new_tokens += len(new)
+        stats.seconds = time.perf_counter() - self.started
+        return new
+
+    def finish(self) -> None:
+        """The request left its engine (done, stopped by a stop string, cancelled or failed)."""
+        if not self.finished:
+            self.finished = True
+            self.stats.seconds = time.perf_counter() - self.started
+            self.policy.finish(self.tokens)

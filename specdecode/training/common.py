@@ -1,0 +1,137 @@
+"""What every `specdecode train` kind shares: common options, the cached data and feature stages, the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from .data import DEFAULT_TRAIN_DIR, load_prompts, load_samples, save_samples, self_distill, split
+from .features import FeatureStore, extract_features
+from .loop import TrainConfig
+
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf")
+    p.add_argument("--data", default=str(DEFAULT_TRAIN_DIR), help="training prompts (shared/data/train layout)")
+    p.add_argument("--out", required=True, help="output folder (weights, config, report; work/ holds caches)")
+    p.add_argument("--samples", type=int, default=2000, help="prompts the target answers (self-distillation)")
+    p.add_argument("--samples-file", help="reuse the target's answers from this samples.jsonl")
+    p.add_argument("--heldout", type=int, default=64, help="samples kept out of training for evaluation")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generate call")
+    p.add_argument("--temperature", type=float, default=0.0, help="the target's sampling when answering (0: greedy)")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's dtype for data and features")
+    p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (GPU)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, max(1, args.steps // 10)),
+                       eval_every=args.eval_every, save_every=args.eval_every, seed=args.seed, bf16=args.bf16)
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=err)
+
+
+def prepare(args: argparse.Namespace, layers: list[int]):
+    """(llm, train features, held-out features) for `args`, every stage cached under OUT/work."""
+    from ..api import LLM
+
+    work = Path(args.out) / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    with err.status(f"loading {args.target}..."):
+        llm = LLM.load(args.target, dtype=args.dtype)
+    llm.model.to(args.device)
+    samples_path = Path(args.samples_file) if args.samples_file else work / "samples.jsonl"
+    if samples_path.exists():
+        samples = load_samples(samples_path)
+        err.print(f"using {len(samples)} target answers from {samples_path}")
+    else:
+        samples = distill(llm, args, samples_path)
+    train_samples, heldout_samples = split(samples, args.heldout, args.seed)
+    stores = []
+    for name, part in (("train", train_samples), ("heldout", heldout_samples)):
+        path = work / f"features-{'_'.join(map(str, layers)) or 'none'}-{name}"
+        if (path / "features.json").exists():
+            store = FeatureStore.load(path)
+        else:
+            if not part:
+                raise ValueError(f"no {name} samples: use more --samples or fewer --heldout")
+            with progress_bar() as bar:
+                task = bar.add_task(f"target features ({name})", total=len(part))
+                store = extract_features(llm.model, part, layers, progress=lambda n, task=task: bar.advance(task, n))
+            store.save(path)
+        stores.append(store.to(args.device))
+    return llm, stores[0], stores[1]
+
+
+def distill(llm, args: argparse.Namespace, path: Path):
+    """The target answers training prompts (transformers' batched generate on the same checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models import resolve
+
+    prompts = load_prompts(llm.tokenizer, args.data, args.samples, args.seed, args.max_prompt_tokens)
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve(args.target)), dtype=DTYPES[args.dtype]).to(args.device)
+    hf.eval()
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(llm.stop_token_ids)
+    started = time.perf_counter()
+    with progress_bar() as bar:
+        task = bar.add_task("the target answers training prompts", total=len(prompts))
+        samples = self_distill(hf, prompts, stop_token_ids=sorted(llm.stop_token_ids), pad_token_id=pad,
+                               max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
+                               temperature=args.temperature, seed=args.seed,
+                               progress=lambda n: bar.advance(task, n))
+    save_samples(path, samples)
+    answer = sum(len(s.tokens) - s.prompt_len for s in samples)
+    err.print(f"{len(samples)} answers, {answer} tokens in {time.perf_counter() - started:.0f} s -> {path}")
+    del hf
+    return samples
+
+
+def target_config(target: str):
+    from ..models import ModelConfig, resolve
+
+    path = resolve(target)
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def write_report(out: Path, args: argparse.Namespace, kind: str, n_train: int, n_heldout: int) -> Path:
+    """report.md: the command, the data, and the held-out scores at each evaluation."""
+    log = out / "train_log.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    title = {"eagle": "EAGLE head", "medusa": "Medusa heads", "draft": "distilled draft LM"}.get(kind, kind)
+    lines = [f"# {title} for {args.target}", "", f"- command: `specdecode {' '.join(sys.argv[1:])}`",
+             f"- samples: {n_train} train, {n_heldout} held out (the target's own answers to training prompts)",
+             ""]
+    if rows:
+        keys = [k for k in rows[-1] if k.startswith("heldout_")]
+        lines += ["| step | seconds | " + " | ".join(k.removeprefix("heldout_") for k in keys) + " |",
+                  "|---:|---:|" + "---:|" * len(keys)]
+        lines += [f"| {r['step']} | {r['seconds']} | " + " | ".join(f"{r.get(k, float('nan')):.3f}" for k in keys)
+                  + " |" for r in rows]
+        lines += ["", "acc_d: held-out greedy acceptance at draft depth d given depths < d accepted; "
+                  "chain_tau: the expected tokens per target forward of a chain draft."]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
