@@ -195,6 +195,7 @@ class Row(Generation):
             self._finished = True
             self.stats.seconds = time.perf_counter() - self.started
             self.policy.finish(self.tokens)
+            self.proposer.finish(self.tokens)
 
 
 # ---------------------------------------------------------------------------------------- decoder

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-layers", help="layer-skip: comma list of layers to skip (default: searched once, cached)")
     g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
     g.add_argument("--nodes", type=int, default=24,
-                   help="eagle: most guessed tokens a step (the cost model picks how many of them are worth verifying)")
+                   help="eagle, suffix: most guessed tokens a step (the cost model picks how many are worth verifying)")
     g.add_argument("--low-bit", default="int4-a8", choices=list(QUANTIZATIONS),
                    help="quantized: the precision of the target's copy that drafts (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -116,6 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.method == "eagle":
         options.update(topk=args.topk, nodes=args.nodes)
+    if args.method == "suffix":
+        options.update(nodes=args.nodes)
     if args.compare:
         return compare(llm, prompt, options, args.repeats, as_json=args.json)
     if args.json:

@@ -120,6 +120,7 @@ class Generation:
         finally:
             stats.seconds = time.perf_counter() - started
             self.policy.finish(self.tokens)
+            self.proposer.finish(self.tokens)
 
     def _step(self, cache) -> list[int]:
         remaining = self.max_new_tokens - self.stats.new_tokens
