@@ -246,3 +246,21 @@ def test_sampled_tree_offers_several_branches() -> None:
     tree = proposer.propose(PROMPT, 8, SamplingParams(temperature=1.0), None)
     first = sorted(tree.tokens[c] for c in tree.children(0))
     assert len(first) >= 3 and np.isin([1, 7], first).all()
+
+
+def test_server_metrics_report_the_shared_cache() -> None:
+    from specdecode.server.metrics import Metrics
+
+    cache = SuffixCache()
+    metrics = Metrics()
+    holder: list[SuffixCache] = []
+    metrics.watch_suffix(lambda: holder[0] if holder else None)
+    assert b"specdecode_suffix_cache_tokens 0.0" in metrics.render()  # no cache yet: zeros, not an error
+    holder.append(cache)
+    cache.index.add_sequence([1, 2, 3, 4])
+    proposer = SuffixProposer(cache)
+    proposer.begin([9, 1, 2], 10)
+    proposer.propose([9, 1, 2], 2, GREEDY, None)
+    text = metrics.render().decode()
+    assert "specdecode_suffix_cache_tokens 4.0" in text and "specdecode_suffix_cache_hit_rate 1.0" in text
+    assert "specdecode_suffix_cache_sequences 1.0" in text

@@ -74,6 +74,18 @@ class SuffixCache:
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
+    @property
+    def tokens(self) -> int:
+        return self.index.live_tokens
+
+    @property
+    def sequences(self) -> int:
+        return self.index.sequences
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes
+
 
 @dataclass
 class Candidates:
