@@ -32,6 +32,7 @@ from .proposers import (
 from .proposers.layer_skip import SkipSearchResult, load_skip_search
 from .proposers.medusa import RankAccuracy
 from .proposers.quantized import low_bit_copy
+from .proposers.suffix_eagle import SuffixEagleProposer
 from .sampling import SamplingParams
 from .training.medusa import MedusaHeads
 
@@ -168,6 +169,10 @@ class LLM:
             return QuantizedSelfProposer(self.model, self._low_bit[low_bit], low_bit, skip_layers or ())
         if method == "suffix":
             return SuffixProposer(self.suffix_cache(), nodes=nodes, cost=self.cost_model() if k == "auto" else None)
+        if method == "hybrid" and draft is None and self.has_eagle_head():  # suffix + the EAGLE head, one tree
+            cost = self.cost_model()
+            return SuffixEagleProposer(SuffixProposer(self.suffix_cache(), nodes=nodes, cost=cost),
+                                       EagleProposer(self.eagle_head(), self.model, topk=topk, nodes=nodes, cost=cost))
         if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
             model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
             return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches or 1), model_draft)
@@ -212,6 +217,11 @@ class LLM:
         result = search_skip_layers(self.model, texts, self.cost_model(), progress=progress)
         save_skip_layers(self.model, result)
         return result
+
+    def has_eagle_head(self) -> bool:
+        """Whether an EAGLE head ships for this model (the default hybrid then merges it with suffix decoding)."""
+        path = SHIPPED_EAGLE.get(self.name.lower())
+        return path is not None and path.exists()
 
     def eagle_head(self, path: str | os.PathLike | None = None) -> EagleHead:
         """A trained EAGLE head for this model (loaded once): `path`, or the one shipped for it."""

@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="Spec-Bench: speedup and tau per category, with transformers as peers")
     b.add_argument("--model", default="smollm2-135m-instruct")
     b.add_argument("--methods", default="none,prompt-lookup", help="comma list: none, prompt-lookup, draft:PATH")
-    b.add_argument("--categories", default="all", help="'all' or a comma list of Spec-Bench categories")
+    b.add_argument("--workload", default="spec-bench",
+                   help="spec-bench (default), or a repetitive workload built from the training data: repetitive "
+                        "(= revise, code-edit, tool-loop), revise, code-edit, tool-loop")
+    b.add_argument("--categories", default="all", help="'all' or a comma list of the workload's categories")
     b.add_argument("--prompts-per-category", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--k", default="auto", help="tokens guessed per step or 'auto'; a comma list sweeps K (auto,2,4)")
@@ -178,6 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
     from .bench.data import DEFAULT_QUESTIONS
+    from .bench.workloads import load_workload
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
@@ -185,7 +189,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             or args.repeats < 1:
         raise ValueError("--k values (or auto), --prompts-per-category and --repeats must be >= 1, temperatures >= 0")
     categories = "all" if args.categories == "all" else args.categories.split(",")
-    questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
+    if args.workload == "spec-bench":
+        questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
+    else:
+        questions = load_workload(args.workload, categories, args.prompts_per_category, seed=args.seed)
     cfg = BenchConfig(
         model=args.model, methods=parse_methods(args.methods, ks, peers=[] if args.peers == "none" else
                                                 args.peers.split(",")),

@@ -264,3 +264,60 @@ def test_server_metrics_report_the_shared_cache() -> None:
     text = metrics.render().decode()
     assert "specdecode_suffix_cache_tokens 4.0" in text and "specdecode_suffix_cache_hit_rate 1.0" in text
     assert "specdecode_suffix_cache_sequences 1.0" in text
+
+
+# ------------------------------------------------------------------------------ hybrid: suffix + EAGLE head
+def eagle_for(model):
+    import torch
+
+    from specdecode.models.eagle import EagleConfig, EagleHead
+    from specdecode.proposers import EagleProposer
+
+    vocab = torch.arange(model.config.vocab_size)
+    head = EagleHead(EagleConfig.for_target(model.config, model.config.vocab_size)).double()
+    head.init_from_target(model, vocab)
+    return EagleProposer(head, model, topk=3, nodes=12, cost=CHEAP)
+
+
+def hybrid(model, cache: SuffixCache):
+    from specdecode.proposers.suffix_eagle import SuffixEagleProposer
+
+    return SuffixEagleProposer(SuffixProposer(cache, cost=CHEAP), eagle_for(model))
+
+
+def test_greedy_hybrid_equals_plain_and_uses_both_sources(target, reference) -> None:
+    cache = SuffixCache()
+    drafted = accepted = 0
+    heads = 0
+    for _ in range(2):
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            proposer = hybrid(target, cache)
+            out, stats = generate_ids(target, prompt, proposer=proposer, k=FixedK(proposer.max_depth, cost=CHEAP),
+                                      max_new_tokens=NEW)
+            assert out == expected, f"prompt {prompt}"
+            drafted += stats.drafted
+            accepted += stats.accepted
+            heads += proposer.eagle.calibration[True][1] > 0  # the head's trees were verified and calibrated
+    assert 0 < accepted < drafted
+    assert heads > 0 and cache.accepted > 0
+
+
+def test_sampled_hybrid_matches_the_target_distribution() -> None:
+    target = tiny_model(3, head_gain=3.0, vocab_size=V, num_layers=1, hidden_size=32, intermediate_size=64,
+                        num_heads=2, num_kv_heads=1, head_dim=16)
+    params, tokens, samples = SamplingParams(temperature=1.0), 3, 2000
+    joint = exact_joint(target, PROMPT, params, tokens)
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    proposer = hybrid(target, SuffixCache())
+    proposer.suffix.cache = None  # the request's own text only: samples must not teach each other
+    for seed in range(samples):
+        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=FixedK(proposer.max_depth, cost=CHEAP),
+                                  max_new_tokens=tokens, params=params, seed=seed)
+        counts[tuple(out)] += 1
+        drafted += stats.drafted
+        accepted += stats.accepted
+    assert 0 < accepted < drafted
+    pvalue, tv = chi_square(counts, joint, samples)
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}, total variation {tv:.3f}"
+    assert tv < 0.1

@@ -138,6 +138,31 @@ class Candidates:
             path.append(self.tokens[node])
         return path
 
+    def graft(self, tree: DraftTree, chances: list[float], source: int) -> None:
+        """Another proposer's tree (its guessed nodes' chances in tree order) joins the trie."""
+        where = [0]
+        for i in range(1, len(tree)):
+            key = (where[tree.parents[i]], tree.tokens[i])
+            node = self.index.get(key)
+            if node is None:
+                node = self.index[key] = len(self.tokens)
+                self.tokens.append(tree.tokens[i])
+                self.parents.append(key[0])
+                self.depths.append(self.depths[key[0]] + 1)
+                self.chances.append(0.0)
+                self.sources.append(0)
+            self.chances[node] = max(self.chances[node], chances[i - 1])
+            self.sources[node] |= source
+            where.append(node)
+
+    def tree(self, root: int, nodes: list[int]) -> tuple[DraftTree, list[int]]:
+        """The DraftTree of these nodes (a prefix of `ranked`), and each node's sources (root: 0)."""
+        keep = sorted(nodes)  # creation order: parents before children
+        position = {node: i for i, node in enumerate(keep, start=1)}
+        tree = DraftTree([root] + [self.tokens[i] for i in keep],
+                         [-1] + [position.get(self.parents[i], 0) for i in keep])
+        return tree, [0] + [self.sources[i] for i in keep]
+
     def ranked(self) -> list[int]:
         """Nodes best first; every prefix is a tree (a child's chance never exceeds its parent's, and ties keep
         creation order: parents first, the request's own text first)."""
@@ -177,26 +202,25 @@ class SuffixProposer(Proposer):
         self.finished = False
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
-        if len(tokens) > self.indexed:  # tokens committed since the last step join the request's own index
-            self.local.extend(tokens[self.indexed :])
-            self.indexed = len(tokens)
-        self.scorer.update(tokens)
         found = self.candidates(tokens, k)
         ranked = found.ranked()[: self.nodes]
-        if self.cost is None:
-            n = min(k, len(ranked))
-        else:
-            n = best_count(np.array([found.chances[i] for i in ranked]), self.cost, len(tokens))[0]
-        keep = sorted(ranked[:n])  # creation order: parents before children
-        position = {node: i for i, node in enumerate(keep, start=1)}
-        tree = DraftTree([tokens[-1]] + [found.tokens[i] for i in keep],
-                         [-1] + [position.get(found.parents[i], 0) for i in keep])
-        self.last = (tree, [0] + [found.sources[i] for i in keep])
+        n = min(k, len(ranked)) if self.cost is None else self.best_count(found, ranked, len(tokens))
+        tree, sources = found.tree(tokens[-1], ranked[:n])
+        self.last = (tree, sources)
         return tree
+
+    def best_count(self, found: Candidates, ranked: list[int], context: int) -> int:
+        """How many of the ranked nodes maximise expected tokens per second (0: a plain step)."""
+        return best_count(np.array([found.chances[i] for i in ranked]), self.cost, context)[0]
 
     def candidates(self, tokens: list[int], depth: int) -> Candidates:
         """Both sources' continuations up to `depth` deep, merged; each source's most frequent path is scored
-        against the text committed later (what teaches the reach)."""
+        against the text committed later (what teaches the reach). Tokens committed since the last call join
+        the request's own index first."""
+        if len(tokens) > self.indexed:
+            self.local.extend(tokens[self.indexed :])
+            self.indexed = len(tokens)
+        self.scorer.update(tokens)
         found = Candidates()
         sources = [(LOCAL, self.local, 0)]
         if self.cache is not None:
