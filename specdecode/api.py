@@ -29,14 +29,18 @@ from .proposers import (
     PromptLookupProposer,
     Proposer,
     QuantizedSelfProposer,
+    SuffixCache,
+    SuffixProposer,
 )
 from .proposers.layer_skip import SkipSearchResult, load_skip_search
 from .proposers.medusa import RankAccuracy
 from .proposers.quantized import low_bit_copy
+from .proposers.suffix_eagle import SuffixEagleProposer
 from .request import GenerationStats, Request
 from .sampling import SamplingParams
 
-METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized")
+METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized",
+           "suffix")
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
 # it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
 # 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
@@ -81,6 +85,7 @@ class LLM:
         self._acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method and options
         self._rank_accuracy: dict[int, RankAccuracy] = {}  # long-run, per loaded Medusa heads (by id)
         self._low_bit: dict[str, Transformer] = {}  # the target's low-bit copies (method "quantized"), by kind
+        self._suffix: SuffixCache | None = None  # earlier outputs, shared by every request (method "suffix")
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
@@ -136,7 +141,8 @@ class LLM:
         eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes: the most
         guesses a step, the tree is sized by the cost model within them and the depth k),
         medusa (draft = trained heads' folder; the tree is sized by the cost model), quantized (low_bit: the
-        precision of the target's copy that drafts, skip_layers: layers it also leaves out)."""
+        precision of the target's copy that drafts, skip_layers: layers it also leaves out), suffix (nodes: the most
+        guesses a step, sized by the cost model under k='auto'; matches this request's text and `suffix_cache()`)."""
         if method == "none":
             return NoProposer()
         if method == "prompt-lookup":
@@ -167,10 +173,25 @@ class LLM:
             if low_bit not in self._low_bit:
                 self._low_bit[low_bit] = low_bit_copy(self.model, low_bit)
             return QuantizedSelfProposer(self.model, self._low_bit[low_bit], low_bit, skip_layers or ())
+        if method == "suffix":
+            return SuffixProposer(self.suffix_cache(), nodes=nodes, cost=self.cost_model() if k == "auto" else None)
+        if method == "hybrid" and draft is None and self.has_eagle_head():  # suffix + the EAGLE head, one tree
+            cost = self.cost_model()
+            return SuffixEagleProposer(SuffixProposer(self.suffix_cache(), nodes=nodes, cost=cost),
+                                       EagleProposer(self.eagle_head(), self.model, topk=topk, nodes=nodes, cost=cost))
         if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
             model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
             return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches or 1), model_draft)
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+    def suffix_cache(self, max_tokens: int | None = None) -> SuffixCache:
+        """The global cache of earlier outputs that method 'suffix' matches (made on first use; `max_tokens`, given
+        then, bounds it: default suffix.DEFAULT_CACHE_TOKENS, None at first use means that default)."""
+        if self._suffix is None:
+            self._suffix = SuffixCache() if max_tokens is None else SuffixCache(max_tokens)
+        elif max_tokens is not None and max_tokens != self._suffix.index.max_tokens:
+            raise ValueError(f"the suffix cache already exists with max_tokens={self._suffix.index.max_tokens}")
+        return self._suffix
 
     def auto_branches(self) -> int:
         """Branches of prompt lookup's tree under k='auto': AUTO_BRANCHES where verifying 4 tokens costs about
@@ -202,6 +223,11 @@ class LLM:
         result = search_skip_layers(self.model, texts, self.cost_model(), progress=progress)
         save_skip_layers(self.model, result)
         return result
+
+    def has_eagle_head(self) -> bool:
+        """Whether an EAGLE head ships for this model (the default hybrid then merges it with suffix decoding)."""
+        path = SHIPPED_EAGLE.get(self.name.lower())
+        return path is not None and path.exists()
 
     def eagle_head(self, path: str | os.PathLike | None = None) -> EagleHead:
         """A trained EAGLE head for this model (loaded once): `path`, or the one shipped for it."""

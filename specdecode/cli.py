@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--skip-layers", help="layer-skip: comma list of layers to skip (default: searched once, cached)")
     g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
     g.add_argument("--nodes", type=int, default=24,
-                   help="eagle: most guessed tokens a step (the cost model picks how many of them are worth verifying)")
+                   help="eagle, suffix: most guessed tokens a step (the cost model picks how many are worth verifying)")
     g.add_argument("--low-bit", default="int4-a8", choices=list(QUANTIZATIONS),
                    help="quantized: the precision of the target's copy that drafts (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="Spec-Bench: speedup and tau per category, with transformers as peers")
     b.add_argument("--model", default="smollm2-135m-instruct")
     b.add_argument("--methods", default="none,prompt-lookup", help="comma list: none, prompt-lookup, draft:PATH")
-    b.add_argument("--categories", default="all", help="'all' or a comma list of Spec-Bench categories")
+    b.add_argument("--workload", default="spec-bench",
+                   help="spec-bench (default), or a repetitive workload built from the training data: repetitive "
+                        "(= revise, code-edit, tool-loop), revise, code-edit, tool-loop")
+    b.add_argument("--categories", default="all", help="'all' or a comma list of the workload's categories")
     b.add_argument("--prompts-per-category", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--k", default="auto", help="tokens guessed per step or 'auto'; a comma list sweeps K (auto,2,4)")
@@ -116,6 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.method == "eagle":
         options.update(topk=args.topk, nodes=args.nodes)
+    if args.method == "suffix":
+        options.update(nodes=args.nodes)
     if args.compare:
         return compare(llm, prompt, options, args.repeats, as_json=args.json)
     if args.json:
@@ -177,6 +182,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
     from .bench.data import DEFAULT_QUESTIONS
+    from .bench.workloads import load_workload
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
@@ -184,7 +190,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             or args.prompts_per_category < 1 or args.repeats < 1:
         raise ValueError("--k values (or auto), --prompts-per-category and --repeats must be >= 1, temperatures >= 0")
     categories = "all" if args.categories == "all" else args.categories.split(",")
-    questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
+    if args.workload == "spec-bench":
+        questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
+    else:
+        questions = load_workload(args.workload, categories, args.prompts_per_category, seed=args.seed)
     cfg = BenchConfig(
         model=args.model, methods=parse_methods(args.methods, ks, peers=[] if args.peers == "none" else
                                                 args.peers.split(",")),

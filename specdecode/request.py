@@ -156,3 +156,4 @@ class Request:
             self.finished = True
             self.stats.seconds = time.perf_counter() - self.started
             self.policy.finish(self.tokens)
+            self.proposer.finish(self.tokens)

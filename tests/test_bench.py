@@ -165,3 +165,25 @@ def test_questions_and_methods_are_checked(questions: Path) -> None:
 def test_default_questions_are_spec_bench() -> None:
     questions = load_questions(per_category=1)
     assert len(questions) == 13 and {q.category for q in questions} >= {"translation", "rag", "math_reasoning"}
+
+
+def test_repetitive_workload_is_built_from_training_data() -> None:
+    from specdecode.bench.data import DEFAULT_QUESTIONS
+    from specdecode.bench.workloads import TRAIN, load_workload
+
+    if not TRAIN.is_dir():
+        pytest.skip("no training data at ../shared/data/train")
+    questions = load_workload("repetitive", per_category=2)
+    assert [q.category for q in questions] == ["revise"] * 2 + ["code-edit"] * 2 + ["tool-loop"] * 2
+    assert questions == load_workload("repetitive", per_category=2)  # the same prompts every run
+    assert len({q.question_id for q in questions}) == 6
+    revise = questions[0].prompt
+    assert [m["role"] for m in revise] == ["user", "assistant", "user"] and "Revise" in revise[-1]["content"]
+    tools = questions[-1].prompt
+    assert tools[0]["role"] == "system" and '"tool"' in tools[2]["content"]  # earlier calls in the fixed schema
+    spec_bench = DEFAULT_QUESTIONS.read_text()
+    assert all(m["content"][:200] not in spec_bench for q in questions for m in q.prompt)  # never eval prompts
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("nope")
+    with pytest.raises(ValueError, match="unknown categories"):
+        load_workload("revise", ["tool-loop"])

@@ -84,7 +84,8 @@ def ask(client: TestClient, prompt: str, method: str, k, stream: bool) -> tuple[
     return r.json()["choices"][0]["text"], r.json()["usage"]
 
 
-METHODS = ["none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized"]
+METHODS = ["none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized",
+           "suffix"]
 
 
 @pytest.mark.parametrize("method", METHODS)

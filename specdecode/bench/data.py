@@ -13,7 +13,7 @@ DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2].parent / "shared/data/ev
 class Question:
     question_id: int
     category: str
-    prompt: str  # the first user turn
+    prompt: str | list[dict[str, str]]  # the first user turn, or chat messages (the repetitive workloads)
 
 
 def load_questions(

@@ -36,7 +36,7 @@ class Method:
         return runner.transformers(self, prompt_ids, max_new_tokens, temperature, seed)
 
 
-SPECULATIVE = ("prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized")
+SPECULATIVE = ("prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized", "suffix")
 
 
 PEERS = ("transformers", "llama.cpp")

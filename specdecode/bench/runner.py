@@ -44,7 +44,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
     context = llm.model.config.max_position_embeddings
     for q in cfg.questions:
         if len(prompts[q.question_id]) + cfg.max_new_tokens > context:
-            raise ValueError(f"Spec-Bench question {q.question_id} is too long for the model's context ({context})")
+            raise ValueError(f"question {q.question_id} is too long for the model's context ({context})")
 
     first = prompts[cfg.questions[0].question_id]
     for m in cfg.methods:  # warm-up: one-off costs (weight packing, allocator growth) stay out of the numbers

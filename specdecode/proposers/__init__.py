@@ -7,6 +7,8 @@ from .lookahead import LookaheadProposer
 from .medusa import MedusaProposer
 from .prompt_lookup import PromptLookupProposer
 from .quantized import QuantizedSelfProposer
+from .suffix import SuffixCache, SuffixProposer
 
 __all__ = ["Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer", "HybridProposer",
-           "LookaheadProposer", "LayerSkipProposer", "EagleProposer", "MedusaProposer", "QuantizedSelfProposer"]
+           "LookaheadProposer", "LayerSkipProposer", "EagleProposer", "MedusaProposer", "QuantizedSelfProposer",
+           "SuffixProposer", "SuffixCache"]

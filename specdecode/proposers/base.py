@@ -59,6 +59,9 @@ class Proposer(ABC):
         """After verification: the tree the target saw (maybe cut by the policy), its verdict, and the
         target's logits for the tree's extra nodes ([m, V]; empty without extra nodes)."""
 
+    def finish(self, tokens: list[int]) -> None:  # noqa: B027 - optional hook
+        """The request ended (done, stopped or cancelled); `tokens` is everything committed, prompt first."""
+
 
 class NoProposer(Proposer):
     """Plain decoding through the same engine: the baseline."""

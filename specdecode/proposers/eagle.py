@@ -82,6 +82,7 @@ class EagleProposer(Proposer):
         self.value: float | None = None  # realized rate of the head's steps over a plain step's (decayed sums)
         self.tally = (0.0, 0.0, 0)  # decayed tokens committed and seconds spent in the head's steps, steps seen
         self.step_head = (0.0, 0)  # the last proposal's head seconds and context
+        self.node_chances: list[float] = []  # the last tree's guessed nodes' calibrated chances, in tree order
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
@@ -224,6 +225,7 @@ class EagleProposer(Proposer):
             (logits, hidden), elapsed = self._timed_run(hidden[None], drafted[-1:], [root - 1 + depth], None)
             logits, hidden, spent = logits[-1], hidden[-1], spent + elapsed
         n = len(drafted) if self.cost is None else self._best_count(chances, root, spent)[0]
+        self.node_chances = chances[:n]
         return DraftTree.chain(root_token, drafted[:n], probs[:n]), path_sum(probs[:n], drafted[:n])
 
     def _tree(self, root_token, root, logits, hidden, k, spent) -> tuple[DraftTree, float]:
@@ -285,9 +287,11 @@ class EagleProposer(Proposer):
                 ranked.append(n)
                 chosen.add(n)
         chances = [min(1.0, alpha * math.exp(scores[n])) for n in ranked]
+        chance_of = dict(zip(ranked, chances, strict=True))
         if self.cost is not None:
             ranked = ranked[: self._best_count(chances, root, spent)[0]]
         keep = sorted(ranked)  # creation order: parents before children
+        self.node_chances = [chance_of[n] for n in keep]
         index = {node: i + 1 for i, node in enumerate(keep)}
         tree = DraftTree([root_token] + [tokens[n] for n in keep],
                          [-1] + [0 if parents[n] < 0 else index[parents[n]] for n in keep])

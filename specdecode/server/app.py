@@ -51,6 +51,7 @@ class Server:
     def __init__(self, llm: LLM, config: ServerConfig, cost: BatchCost) -> None:
         self.llm, self.config = llm, config
         self.metrics = Metrics()
+        self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
         self.engine = Engine(llm.model, cost)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics)

@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
     s.add_argument("--draft", help="draft model for --method draft/hybrid (registry name, HF dir or .gguf)")
     s.add_argument("--k", default="auto", help="tokens guessed per step, or 'auto' (cost model; backs off as the "
                    "batch grows)")
+    s.add_argument("--suffix-cache-tokens", type=int, default=1_000_000,
+                   help="method suffix: tokens of earlier outputs kept for all requests to match (oldest evicted "
+                        "first; about 36 bytes a token)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
@@ -51,6 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("specdecode.server")
     log.info("loading %s", args.model)
     llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
+    llm.suffix_cache(args.suffix_cache_tokens)
     llm.proposer(args.method, args.draft)  # load and check the draft (model, head, layer search) now, not later
     log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
     cost = BatchCost.for_model(llm.model, args.max_batch, llm.cost_model())

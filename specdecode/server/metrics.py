@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported for the route
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -50,6 +52,22 @@ class Metrics:
         if self._drafted:
             self.acceptance_rate.set(self._accepted / self._drafted)
         self.mean_accepted.set(self._committed / self._steps)
+
+    def watch_suffix(self, cache: Callable[[], object | None]) -> None:
+        """Gauges read at scrape time from the model's suffix cache (`cache()`: a SuffixCache, None before one
+        is made): its size and how often it helps."""
+        def read(attribute: str) -> Callable[[], float]:
+            return lambda: float(getattr(c, attribute)) if (c := cache()) is not None else 0.0
+
+        r, p = self.registry, "specdecode_suffix_cache_"
+        for name, attribute, doc in (
+                ("tokens", "tokens", "Tokens of earlier outputs held by the global suffix cache"),
+                ("bytes", "nbytes", "Bytes of the global suffix cache's arrays"),
+                ("sequences", "sequences", "Earlier outputs held by the global suffix cache"),
+                ("hit_rate", "hit_rate", "Share of suffix steps whose text's end the global cache had seen"),
+                ("accepted_tokens", "accepted", "Accepted guesses that only the global suffix cache offered, "
+                                                "since start")):
+            Gauge(p + name, doc, registry=r).set_function(read(attribute))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

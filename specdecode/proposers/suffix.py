@@ -1,0 +1,271 @@
+"""Suffix decoding: guess from what followed the end of the text where it occurred before, in this request's own
+prompt and output or in earlier requests' outputs, a tree sized by how often each continuation followed.
+
+Two suffix indexes (specdecode/suffix_index.py) are searched each step: the request's own (prompt + output,
+extended as tokens commit) and the model's global one (`SuffixCache`: the outputs of earlier requests, shared by
+every request of one model, bounded with FIFO eviction). Each finds the occurrences of the longest suffix of the
+text; their continuations merge into a trie in which a node's frequency is the share of occurrences that
+continued with its path (a suffix tree's count over its parent's, multiplied down the path).
+
+A node's chance of acceptance is its frequency times the reach learned for its source and match length: the
+chance that guesses copied from such a match still hold d tokens deep, learned from every proposal against the
+text committed after it (scored whether or not it was verified, so learning is free). Nodes ranked by chance
+form a tree at every prefix (a child never beats its parent), and with a cost model the proposer sends the count
+that maximises expected tokens per second of the target's forward, none when a plain step is better
+(`policy.best_count`); without one, `k` nodes. Ties go to the request's own text, which is searched first.
+
+Guesses are point masses (q = 1), so greedy and sampled verification are exact through the one verify core.
+The global cache changes speed only: every committed token is the target's.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
+from ..cost import ForwardCost
+from ..policy import best_count
+from ..suffix_index import SEPARATOR, SuffixIndex
+from ..tree import DraftTree
+from .base import Capabilities, Proposer
+
+MAX_DEPTH = 32  # deepest guess
+MATCH_CLASSES = (2, 3, 4, 6, 10, 16)  # match lengths that start a new acceptance class (1 token: class 0)
+GLOBAL_BUCKET = 16  # added to the class of guesses from the global cache: they are learned apart
+DEFAULT_CACHE_TOKENS = 1_000_000  # global cache budget: about 36 MB of arrays
+LOCAL, GLOBAL = 1, 2  # node sources (bit flags)
+
+
+class SuffixCache:
+    """What suffix decoding keeps across the requests of one model: earlier outputs, what guessing from matches
+    taught (long-run acceptance per class and depth), and counters for metrics. Thread-safe."""
+
+    def __init__(self, max_tokens: int | None = DEFAULT_CACHE_TOKENS, max_match: int = 32,
+                 max_occurrences: int = 64) -> None:
+        self.index = SuffixIndex(max_tokens, max_match, max_occurrences)
+        self.stats = AcceptanceStats(max_depth=MAX_DEPTH)
+        self._lock = threading.Lock()
+        self.lookups = 0  # steps that searched the global cache
+        self.hits = 0  # ... and found the text's end in it
+        self.accepted = 0  # guesses accepted that only the global cache offered
+
+    def count(self, hit: bool) -> None:
+        with self._lock:
+            self.lookups += 1
+            self.hits += hit
+
+    def credit(self, accepted: int) -> None:
+        with self._lock:
+            self.accepted += accepted
+
+    def fork(self) -> AcceptanceStats:
+        with self._lock:
+            return self.stats.fork()
+
+    def finish(self, output: list[int], stats: AcceptanceStats) -> None:
+        """A request ended: its output joins the cache, what it learned the long-run estimate."""
+        if output:
+            self.index.add_sequence(output)
+        with self._lock:
+            self.stats.absorb(stats)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.index.live_tokens
+
+    @property
+    def sequences(self) -> int:
+        return self.index.sequences
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes
+
+
+@dataclass
+class Candidates:
+    """Guessed continuations of both sources merged into one trie; node 0 is the root."""
+
+    tokens: list[int] = field(default_factory=lambda: [-1])
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    chances: list[float] = field(default_factory=lambda: [1.0])
+    sources: list[int] = field(default_factory=lambda: [0])
+    index: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def add(self, rows: np.ndarray, counts: np.ndarray, reach: list[float], source: int) -> list[int]:
+        """Continuations (rows, SEPARATOR-padded) seen counts[i] times each; returns the most frequent path."""
+        total = float(counts.sum())
+        seen: dict[int, float] = {}  # node -> occurrences through it, this source
+        lengths = (rows != SEPARATOR).sum(axis=1).tolist()  # padding only ever follows a row's tokens
+        for row, length, count in zip(rows.tolist(), lengths, counts.tolist(), strict=True):
+            node, d = 0, 0
+            while d < length and (node, row[d]) in self.index:  # the part some path already has
+                node = self.index[node, row[d]]
+                seen[node] = seen.get(node, 0.0) + count
+                d += 1
+            if d < length:  # the rest is new: one chain, appended at once
+                first = len(self.tokens)
+                new = range(first, first + length - d)
+                self.tokens.extend(row[d:length])
+                self.parents.extend([node, *new[:-1]])
+                self.depths.extend(range(self.depths[node] + 1, self.depths[node] + 1 + len(new)))
+                self.chances.extend([0.0] * len(new))
+                self.sources.extend([0] * len(new))
+                self.index.update(zip(zip(self.parents[first:], row[d:length], strict=True), new, strict=True))
+                seen.update(dict.fromkeys(new, float(count)))
+        chances, sources, depths = self.chances, self.sources, self.depths
+        for node, count in seen.items():
+            chance = count / total * reach[depths[node] - 1]
+            if chance > chances[node]:
+                chances[node] = chance
+            sources[node] |= source
+        if len(lengths) == 1:
+            return rows[0, : lengths[0]].tolist()
+        best: dict[int, int] = {}  # parent -> its most frequent child (the first created of equals)
+        for node, count in seen.items():
+            parent = self.parents[node]
+            if parent not in best or count > seen[best[parent]]:
+                best[parent] = node
+        path, node = [], 0
+        while node in best:
+            node = best[node]
+            path.append(self.tokens[node])
+        return path
+
+    def graft(self, tree: DraftTree, chances: list[float], source: int) -> None:
+        """Another proposer's tree (its guessed nodes' chances in tree order) joins the trie."""
+        where = [0]
+        for i in range(1, len(tree)):
+            key = (where[tree.parents[i]], tree.tokens[i])
+            node = self.index.get(key)
+            if node is None:
+                node = self.index[key] = len(self.tokens)
+                self.tokens.append(tree.tokens[i])
+                self.parents.append(key[0])
+                self.depths.append(self.depths[key[0]] + 1)
+                self.chances.append(0.0)
+                self.sources.append(0)
+            self.chances[node] = max(self.chances[node], chances[i - 1])
+            self.sources[node] |= source
+            where.append(node)
+
+    def tree(self, root: int, nodes: list[int]) -> tuple[DraftTree, list[int]]:
+        """The DraftTree of these nodes (a prefix of `ranked`), and each node's sources (root: 0)."""
+        keep = sorted(nodes)  # creation order: parents before children
+        position = {node: i for i, node in enumerate(keep, start=1)}
+        tree = DraftTree([root] + [self.tokens[i] for i in keep],
+                         [-1] + [position.get(self.parents[i], 0) for i in keep])
+        return tree, [0] + [self.sources[i] for i in keep]
+
+    def ranked(self) -> list[int]:
+        """Nodes best first; every prefix is a tree (a child's chance never exceeds its parent's, and ties keep
+        creation order: parents first, the request's own text first)."""
+        return sorted(range(1, len(self.tokens)), key=lambda i: (-self.chances[i], i))
+
+
+class SuffixProposer(Proposer):
+    name = "suffix"
+
+    def __init__(self, cache: SuffixCache | None = None, *, nodes: int = 24, cost: ForwardCost | None = None,
+                 max_match: int = 32) -> None:
+        """cache: the model's global cache (None: the request's own text only); nodes: the most guesses a step;
+        cost: the target's forward cost, with which each step's tree is sized (else `k` nodes a step)."""
+        if nodes < 1:
+            raise ValueError(f"suffix needs nodes >= 1, got {nodes}")
+        self.cache, self.nodes, self.cost, self.max_match = cache, nodes, cost, max_match
+        self.local = SuffixIndex(max_match=max_match)
+        self.stats = cache.fork() if cache is not None else AcceptanceStats(max_depth=MAX_DEPTH)
+        self.scorer = ProposalScorer(self.stats)
+        self.indexed = self.prompt_len = 0
+        self.finished = True
+        self.last: tuple[DraftTree, list[int]] | None = None  # the tree sent and each node's sources
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return Capabilities(cheap=True, sizes_itself=self.cost is not None, max_depth=MAX_DEPTH)
+
+    def bind(self, cost, acceptance) -> None:
+        self.cost = cost
+
+    def begin(self, prompt: list[int], max_len: int) -> None:
+        self.local = SuffixIndex(max_match=self.max_match)
+        self.local.extend(prompt)
+        self.indexed = self.prompt_len = len(prompt)
+        if self.cache is not None:
+            self.stats = self.cache.fork()
+        self.scorer = ProposalScorer(self.stats)
+        self.finished = False
+
+    def propose(self, tokens, k, params, generator) -> DraftTree:
+        found = self.candidates(tokens, k)
+        ranked = found.ranked()[: self.nodes]
+        n = min(k, len(ranked)) if self.cost is None else self.best_count(found, ranked, len(tokens))
+        tree, sources = found.tree(tokens[-1], ranked[:n])
+        self.last = (tree, sources)
+        return tree
+
+    def best_count(self, found: Candidates, ranked: list[int], context: int) -> int:
+        """How many of the ranked nodes maximise expected tokens per second (0: a plain step)."""
+        return best_count(np.array([found.chances[i] for i in ranked]), self.cost, context)[0]
+
+    def candidates(self, tokens: list[int], depth: int) -> Candidates:
+        """Both sources' continuations up to `depth` deep, merged; each source's most frequent path is scored
+        against the text committed later (what teaches the reach). Tokens committed since the last call join
+        the request's own index first."""
+        if len(tokens) > self.indexed:
+            self.local.extend(tokens[self.indexed :])
+            self.indexed = len(tokens)
+        self.scorer.update(tokens)
+        found = Candidates()
+        sources = [(LOCAL, self.local, 0)]
+        if self.cache is not None:
+            sources.append((GLOBAL, self.cache.index, GLOBAL_BUCKET))
+        for source, index, offset in sources:
+            match = index.match(tokens, depth)
+            if source == GLOBAL:
+                self.cache.count(match is not None)
+            if match is None:
+                continue
+            bucket = offset + sum(match.length >= c for c in MATCH_CLASSES)
+            rows = match.continuations
+            if len(rows) > 1:
+                rows, counts = np.unique(rows, axis=0, return_counts=True)
+            else:
+                counts = np.ones(1, dtype=np.int64)
+            path = found.add(rows, counts, self.reach(bucket), source)
+            if path:
+                self.scorer.pending.append(Proposal(len(tokens), [path], bucket))
+        return found
+
+    def reach(self, bucket: int) -> list[float]:
+        """[d - 1]: the learned chance that a guess of this class still holds d tokens deep."""
+        out, reach = [], 1.0
+        for rate in self.stats.rates(bucket):
+            reach *= rate
+            out.append(reach)
+        return out
+
+    def observe(self, tree, verdict, extra_logits) -> None:
+        if self.cache is None or self.last is None or self.last[0] is not tree:
+            return
+        sources = self.last[1]
+        only_global = sum(1 for node in verdict.path[1:] if sources[node] == GLOBAL)
+        if only_global:
+            self.cache.credit(only_global)
+        self.last = None
+
+    def finish(self, tokens: list[int]) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.scorer.update(tokens, final=True)
+        if self.cache is not None:
+            self.cache.finish(tokens[self.prompt_len :], self.stats)

@@ -1,0 +1,104 @@
+"""Hybrid of suffix decoding and the EAGLE head: one tree, the cost model choosing how many of its nodes to verify.
+
+Each step the suffix proposer's candidates come first (they cost a lookup). The head runs only when it could add
+something: while the suffix's best tree expects fewer accepted tokens than the head's recent trees did (decayed
+mean of its calibrated predictions), so text that copies its prompt or an earlier output takes the copy path and
+pays no head forward, and chat text takes the head. The head sizes its own tree (EAGLE-2, see eagle.py) and rests
+while its steps do not pay.
+
+Greedy: the head's nodes join the suffix trie (a path both offer is one branch, with the larger chance); nodes
+ranked by chance form a tree at every prefix, and `policy.best_count` picks how many to send. Sampling: the
+suffix's point masses, cut by their own best count, then the head's chain drawn from q as a separate sibling
+(the multi-round rule tries each sibling against the residual the ones before it left, so it stays exact).
+"""
+
+from __future__ import annotations
+
+from ..tree import DraftTree
+from ..verify import Verdict
+from .base import Capabilities, Proposer
+from .eagle import EagleProposer
+from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer
+
+EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
+
+
+class SuffixEagleProposer(Proposer):
+    name = "hybrid"
+
+    def __init__(self, suffix: SuffixProposer, eagle: EagleProposer) -> None:
+        if suffix.cost is None or eagle.cost is None:
+            raise ValueError("the suffix + EAGLE hybrid sizes its trees by the cost model: give both a cost")
+        self.suffix, self.eagle = suffix, eagle
+        self.hidden_layers = eagle.hidden_layers
+        self.head_expects = 1.0  # decayed mean of the head's predicted accepted tokens per tree
+        self.last: tuple[DraftTree, DraftTree | None, list[int]] | None = None  # the tree sent, the head's tree,
+        # and each node's sources
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        return Capabilities(sizes_itself=True, max_depth=MAX_DEPTH, hidden_layers=self.hidden_layers)
+
+    def bind(self, cost, acceptance) -> None:  # a request's engine prices its trees: both parts by the same cost
+        self.suffix.cost = self.eagle.cost = cost
+
+    def begin(self, prompt: list[int], max_len: int) -> None:
+        self.suffix.begin(prompt, max_len)
+        self.eagle.begin(prompt, max_len)
+        self.last = None
+
+    def observe_hidden(self, start, hidden) -> None:
+        self.eagle.observe_hidden(start, hidden)
+
+    def propose(self, tokens, k, params, generator) -> DraftTree:
+        found = self.suffix.candidates(tokens, k)
+        ranked = found.ranked()[: self.suffix.nodes]
+        n = self.suffix.best_count(found, ranked, len(tokens))
+        expected = sum(found.chances[i] for i in ranked[:n])
+        head = None
+        if expected < self.head_expects:
+            head = self.eagle.propose(tokens, min(k, self.eagle.MAX_DEPTH), params, generator)
+            if head.num_drafted and len(self.eagle.node_chances) == head.num_drafted:
+                self.head_expects = 0.9 * self.head_expects + 0.1 * sum(self.eagle.node_chances)
+            else:
+                head = None
+        if head is None:
+            tree, sources = found.tree(tokens[-1], ranked[:n])
+        elif params.greedy:
+            found.graft(head, self.eagle.node_chances, EAGLE)
+            ranked = found.ranked()[: self.suffix.nodes + head.num_drafted]
+            tree, sources = found.tree(tokens[-1], ranked[: self.suffix.best_count(found, ranked, len(tokens))])
+        else:
+            own, sources = found.tree(tokens[-1], ranked[:n])
+            offset = len(own.tokens)
+            parents = [0 if p == 0 else p - 1 + offset for p in head.parents[1:]]  # the head's chain, re-rooted
+            tree = DraftTree(own.tokens + head.tokens[1:], own.parents + parents,
+                             own.draft_probs + head.draft_probs[1:])
+            sources = sources + [EAGLE] * head.num_drafted
+        self.last = (tree, head, sources)
+        return tree
+
+    def observe(self, tree, verdict, extra_logits) -> None:
+        """The head calibrates on (and judges) its own part of the tree: the accepted path as it ran through it."""
+        if self.last is None or self.last[0] is not tree:
+            self.last = None
+            return
+        _, head, sources = self.last
+        self.last = None
+        cache = self.suffix.cache
+        if cache is not None and (only_global := sum(sources[i] == GLOBAL for i in verdict.path[1:])):
+            cache.credit(only_global)
+        if head is None:
+            return
+        path, node = [0], 0
+        for accepted in verdict.path[1:]:
+            child = next((c for c in head.children(node) if head.tokens[c] == tree.tokens[accepted]), None)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        self.eagle.observe(head, Verdict(path, verdict.next_token), extra_logits)
+
+    def finish(self, tokens: list[int]) -> None:
+        self.suffix.finish(tokens)
+        self.eagle.finish(tokens)

@@ -1,0 +1,246 @@
+"""A suffix index over token ids: where did the end of the current text occur before, and what followed it?
+
+Suffix decoding (Oliaro et al., SuffixDecoding; ArcticInference, vLLM) asks a suffix tree two questions each step:
+the longest suffix of the context that occurred earlier (up to `max_match` tokens), and, over its occurrences,
+how often each continuation followed (a node's count over its parent's is the chance of that token). This
+index answers both from the token ids themselves: each position is filed under the 1 and the 3 tokens ending
+there, in sorted arrays searched by bisection (plus a small dict of positions not sorted in yet). The most
+recent `max_occurrences` positions filed under the context's last 3 tokens (or last 1 when those 3 never
+occurred) are matched backwards in one vectorised comparison, and the ones that match longest are the
+occurrences; their continuations come out as rows of a matrix.
+
+Why not a pointer-based suffix tree: in Python its nodes cost a few hundred bytes a token and an insertion walks
+up to `max_match` nodes a token; here a token costs 36 bytes (its id, and a key and a position at each of the two
+levels) and an insertion is two list appends. Occurrences beyond the most recent `max_occurrences` of a key
+are not seen (recent text weighs more, which is what a cache of earlier outputs wants anyway).
+
+Memory is bounded by `max_tokens`: the oldest sequences are evicted first (FIFO) once the live tokens exceed it.
+Every public method holds the index's lock, so the server's threads and a library user's may share one index.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SEPARATOR = -1  # between sequences: never matched, never continued past
+_SHIFT = 21  # bits per token in a trigram key: vocabularies up to 2M ids
+_SEAL_AT = 4096  # positions kept unsorted before they are sorted into the arrays
+
+
+@dataclass
+class Match:
+    """The longest earlier occurrences of the context's end and what followed each."""
+
+    length: int  # tokens of context matched (the same for every occurrence)
+    continuations: np.ndarray  # [occurrences, depth] int: the tokens after each, SEPARATOR-padded past an end
+
+
+class _Level:
+    """Positions filed under a key (the n tokens ending at the position): sorted arrays + recent positions."""
+
+    def __init__(self) -> None:
+        self.keys = np.empty(0, dtype=np.int64)  # sorted by (key, position)
+        self.positions = np.empty(0, dtype=np.int64)
+        self.fresh: dict[int, list[int]] = {}  # key -> positions not sorted in yet, ascending
+        self.fresh_count = 0
+
+    def add(self, key: int, position: int) -> None:
+        self.fresh.setdefault(key, []).append(position)
+        self.fresh_count += 1
+
+    def find(self, key: int, live_from: int, most: int) -> np.ndarray:
+        """The last `most` live positions filed under `key`, ascending."""
+        lo, hi = np.searchsorted(self.keys, [key, key + 1])
+        older = self.positions[max(lo, hi - most) : hi]
+        recent = self.fresh.get(key)
+        found = np.concatenate((older, recent[-most:])) if recent else older
+        found = found[-most:]
+        return found[found >= live_from]
+
+    def seal(self, live_from: int) -> None:
+        """Sort the recent positions in and drop evicted ones (amortised: run when enough piled up)."""
+        if not self.fresh_count:
+            return
+        keys = np.fromiter((k for k, ps in self.fresh.items() for _ in ps), np.int64, self.fresh_count)
+        positions = np.fromiter((p for ps in self.fresh.values() for p in ps), np.int64, self.fresh_count)
+        keep = self.positions >= live_from
+        keys = np.concatenate((self.keys[keep], keys))
+        positions = np.concatenate((self.positions[keep], positions))
+        order = np.lexsort((positions, keys))
+        self.keys, self.positions = keys[order], positions[order]
+        self.fresh, self.fresh_count = {}, 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.positions.nbytes + 48 * self.fresh_count  # a list slot and an int each
+
+
+class SuffixIndex:
+    """Token sequences, searchable by their suffixes; see the module docstring.
+
+    max_tokens: live tokens kept (None: unbounded); the oldest whole sequences go first, and a sequence longer
+    than the budget keeps its last `max_tokens`. max_match: context tokens compared. max_occurrences: the most
+    recent positions of a key that are compared.
+    """
+
+    def __init__(self, max_tokens: int | None = None, max_match: int = 32, max_occurrences: int = 64) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None (unbounded), got {max_tokens}")
+        if max_match < 1 or max_occurrences < 1:
+            raise ValueError(f"max_match and max_occurrences must be >= 1, got {max_match}, {max_occurrences}")
+        self.max_tokens, self.max_match, self.max_occurrences = max_tokens, max_match, max_occurrences
+        self._lock = threading.RLock()
+        # absolute position p at index p - _base; index 0, evicted positions and the rest past the end hold
+        # SEPARATOR, so any position reads as its token or SEPARATOR with one clipped gather
+        self._buffer = np.full(1024, SEPARATOR, dtype=np.int32)
+        self._base = -1
+        self._end = 0  # absolute position after the last token
+        self._live_from = 0  # positions before this are evicted
+        self._sequences: deque[tuple[int, int]] = deque()  # (start, end) of each sequence, oldest first
+        self._levels = {1: _Level(), 3: _Level()}
+        self.evicted_sequences = 0
+        self._seal_at = min(_SEAL_AT, max_tokens or _SEAL_AT)  # unsorted positions stay within the budget
+
+    # -------------------------------------------------------------------------------------- writing
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append to the last sequence (a first one is started if there is none)."""
+        with self._lock:
+            if not self._sequences:
+                self._sequences.append((self._end, self._end))
+            self._append(tokens)
+
+    def add_sequence(self, tokens: Sequence[int]) -> None:
+        """A new sequence, never matched across its boundaries; then evict down to `max_tokens`."""
+        if self.max_tokens is not None and len(tokens) > self.max_tokens:
+            tokens = tokens[-self.max_tokens :]
+        with self._lock:
+            separator = [SEPARATOR] if self._end > self._live_from else []
+            start = self._end + len(separator)
+            self._sequences.append((start, start))
+            self._append([*separator, *tokens])
+            self._evict()
+
+    def _append(self, tokens: Sequence[int]) -> None:
+        n = len(tokens)
+        if not n:
+            return
+        self._reserve(n)
+        at = self._end - self._base
+        self._buffer[at : at + n] = tokens
+        buf, end = self._buffer, self._end
+        unigrams, trigrams = self._levels[1], self._levels[3]
+        for i, token in enumerate(tokens):
+            position = end + i
+            if token == SEPARATOR:
+                continue
+            unigrams.add(int(token), position)
+            j = position - self._base
+            if position - 2 >= self._live_from and buf[j - 1] >= 0 and buf[j - 2] >= 0:
+                trigrams.add(_trigram(int(buf[j - 2]), int(buf[j - 1]), int(token)), position)
+        self._end += n
+        start, _ = self._sequences[-1]
+        self._sequences[-1] = (start, self._end)
+        for level in self._levels.values():
+            if level.fresh_count >= max(self._seal_at, len(level.keys) // 4):
+                level.seal(self._live_from)
+
+    def _reserve(self, n: int) -> None:
+        used = self._end - self._base
+        if used + n < len(self._buffer):  # at least one SEPARATOR stays after the end
+            return
+        dead = self._live_from - self._base  # compact away evicted tokens, then grow if still short
+        live = self._buffer[dead:used]
+        buffer = np.full(max(1024, 2 * (len(live) + n) + 1), SEPARATOR, dtype=np.int32)
+        buffer[1 : 1 + len(live)] = live
+        self._buffer, self._base = buffer, self._live_from - 1
+
+    def _evict(self) -> None:
+        if self.max_tokens is None:
+            return
+        while self._sequences and self.live_tokens > self.max_tokens:
+            self._sequences.popleft()
+            live_from = self._sequences[0][0] if self._sequences else self._end
+            self._buffer[self._live_from - self._base : live_from - self._base] = SEPARATOR
+            self._live_from = live_from
+            self.evicted_sequences += 1
+        for level in self._levels.values():
+            if len(level.keys) and level.positions[0] < self._live_from and self.live_tokens * 2 < len(level.keys):
+                level.seal(self._live_from)  # half of the sorted entries are dead: drop them now
+
+    # -------------------------------------------------------------------------------------- reading
+    def match(self, context: Sequence[int], depth: int) -> Match | None:
+        """The occurrences of the longest suffix of `context` (up to max_match tokens) that has something after it,
+        with up to `depth` following tokens each; None when not even the last token occurred before."""
+        if depth < 1 or not len(context):
+            return None
+        with self._lock:
+            ctx = np.asarray(context[-self.max_match :], dtype=np.int64)
+            candidates = np.empty(0, dtype=np.int64)
+            for n in (3, 1):
+                if len(ctx) >= n:
+                    key = _trigram(*map(int, ctx[-3:])) if n == 3 else int(ctx[-1])
+                    candidates = self._levels[n].find(key, self._live_from, self.max_occurrences)
+                    candidates = candidates[self._token_at(candidates + 1) >= 0]  # something follows it
+                    if len(candidates):
+                        break
+            if not len(candidates):
+                return None
+            longest, chosen = self._longest(candidates, ctx[::-1])
+            ahead = chosen[:, None] + 1 + np.arange(depth)[None, :]
+            following = self._token_at(ahead)
+            following[np.cumprod(following >= 0, axis=1) == 0] = SEPARATOR  # nothing past a sequence's end
+            return Match(longest, following)
+
+    def _longest(self, candidates: np.ndarray, backwards: np.ndarray) -> tuple[int, np.ndarray]:
+        """How many tokens before each candidate (itself included) match `backwards` (the context, last first):
+        the longest count and the candidates with it. The first few tokens weed out most candidates; the rest of
+        the context is compared with the survivors in one go."""
+        matched, width = 0, 4
+        while matched < len(backwards):
+            width = min(width, len(backwards) - matched)
+            offsets = matched + np.arange(width)
+            equal = self._token_at(candidates[:, None] - offsets[None, :]) == backwards[None, matched : matched + width]
+            whole = equal.all(axis=1)
+            if not whole.any():
+                run = equal.argmin(axis=1)  # the first mismatch
+                best = int(run.max())
+                return matched + best, candidates[run == best]
+            candidates, matched, width = candidates[whole], matched + width, len(backwards)
+        return matched, candidates
+
+    def _token_at(self, positions: np.ndarray) -> np.ndarray:
+        """Tokens at absolute positions; SEPARATOR outside the live range."""
+        return self._buffer.take(positions - self._base, mode="clip")
+
+    # ----------------------------------------------------------------------------------------- size
+    @property
+    def live_tokens(self) -> int:
+        return self._end - self._live_from
+
+    @property
+    def sequences(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the token buffer and the position arrays (the Python objects around them aside)."""
+        with self._lock:
+            return self._buffer.nbytes + sum(level.nbytes for level in self._levels.values())
+
+    def tokens(self) -> list[list[int]]:
+        """The live sequences (tests, debugging)."""
+        with self._lock:
+            out = []
+            for start, end in self._sequences:
+                start = max(start, self._live_from)
+                out.append(self._buffer[start - self._base : end - self._base].tolist())
+            return out
+
+
+def _trigram(a: int, b: int, c: int) -> int:
+    return (a << (2 * _SHIFT)) | (b << _SHIFT) | c

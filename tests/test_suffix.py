@@ -1,0 +1,325 @@
+"""Suffix decoding: the suffix index (matches, eviction, threads), the proposer's trees (own text before the global
+cache's, sizes from frequencies and the cost model), and losslessness: greedy token for token in float64 across
+depths and tree sizes, sampled against the exact distribution."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from specdecode.cost import CostModel
+from specdecode.engine import generate_ids
+from specdecode.policy import FixedK
+from specdecode.proposers import SuffixCache, SuffixProposer
+from specdecode.sampling import SamplingParams
+from specdecode.suffix_index import SEPARATOR, SuffixIndex
+
+from .helpers import tiny_model
+from .test_distribution import ALPHA, chi_square, exact_joint
+from .test_lossless import NEW, PROMPTS, VOCAB
+
+GREEDY = SamplingParams()
+
+
+# ------------------------------------------------------------------------------------------------ index
+def test_index_finds_the_longest_suffix_and_what_followed() -> None:
+    index = SuffixIndex()
+    index.add_sequence([1, 2, 3, 4, 5, 6])
+    index.add_sequence([9, 2, 3, 4, 7, 8])
+    index.add_sequence([3, 4, 5, 0])
+    match = index.match([8, 9, 2, 3, 4], depth=3)  # "9 2 3 4" occurred once: the longest wins
+    assert match.length == 4 and match.continuations.tolist() == [[7, 8, SEPARATOR]]
+    match = index.match([0, 3, 4], depth=2)  # "3 4" three times; nothing longer
+    assert match.length == 2 and sorted(match.continuations.tolist()) == [[5, 0], [5, 6], [7, 8]]
+    assert index.match([6], depth=2) is None  # the end of a sequence: nothing followed it
+    assert index.match([42], depth=2) is None
+
+
+def test_index_never_matches_or_continues_across_sequences() -> None:
+    index = SuffixIndex()
+    index.add_sequence([1, 2])
+    index.add_sequence([3, 4])
+    assert index.match([1, 2], depth=2) is None  # 3 follows 2 in the buffer, not in any sequence
+    match = index.match([7, 2, 3], depth=3)  # "2 3" spans the boundary: only "3" matches
+    assert match.length == 1 and match.continuations.tolist() == [[4, SEPARATOR, SEPARATOR]]
+
+
+def test_a_growing_sequence_is_matched_but_its_own_end_is_not() -> None:
+    index = SuffixIndex()
+    index.extend([5, 6, 7])
+    index.extend([5, 6])
+    match = index.match([5, 6, 7, 5, 6], depth=4)
+    assert match.length == 2 and match.continuations.tolist() == [[7, 5, 6, SEPARATOR]]
+
+
+def test_eviction_bounds_memory_and_forgets_the_oldest() -> None:
+    index = SuffixIndex(max_tokens=1000)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(5000) for _ in range(rng.randrange(20, 120))] for _ in range(400)]
+    sizes = []
+    for seq in sequences:
+        index.add_sequence(seq)
+        assert index.live_tokens <= 1000
+        sizes.append(index.nbytes)
+    assert index.evicted_sequences > 300
+    assert max(sizes[100:]) < 3 * sizes[100]  # bounded: no growth with the sequences added after the budget filled
+    assert max(sizes) < 200_000
+    kept = index.tokens()
+    assert kept == sequences[-len(kept) :]  # whole sequences, newest last
+    old = sequences[0]
+    match = index.match(old[:10], depth=5)  # forgotten text is not offered
+    assert match is None or old[10:15] not in match.continuations.tolist()
+    new = sequences[-1]
+    assert index.match(new[:10], depth=5).continuations.tolist()[0] == new[10:15]
+    index.add_sequence(list(range(3000)))  # longer than the budget: its last 1000 tokens stay
+    assert index.tokens() == [list(range(2000, 3000))]
+
+
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_match": 0}, {"max_occurrences": 0}])
+def test_index_refuses_bad_sizes(kwargs) -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        SuffixIndex(**kwargs)
+
+
+def test_concurrent_updates_from_threads_leave_the_cache_whole() -> None:
+    """Server threads add finished outputs while others match: every sequence stays intact and findable."""
+    cache = SuffixCache(max_tokens=20_000)
+    per_thread, threads = 60, 6
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for i in range(per_thread):
+                seq = [seed * 1000 + i] + [rng.randrange(50) for _ in range(rng.randrange(5, 60))] + [seed * 1000 + i]
+                proposer = SuffixProposer(cache)
+                proposer.begin(seq[:3], 1000)
+                proposer.propose(seq[:3], 8, GREEDY, None)
+                proposer.finish(seq[:3] + seq)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker, args=(s,)) for s in range(1, threads + 1)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors
+    assert cache.lookups == per_thread * threads
+    stored = cache.index.tokens()
+    assert len(stored) == per_thread * threads  # nothing evicted at this budget, nothing lost
+    for seq in stored:
+        marker = seq[0]
+        assert seq[-1] == marker and 1000 <= marker < 1000 * (threads + 1)  # no interleaving inside a sequence
+        found = cache.index.match(seq[:1], depth=len(seq) - 1)  # its marker is unique: exactly its continuation
+        assert found.continuations.tolist() == [seq[1:]]
+
+
+# -------------------------------------------------------------------------------------------- proposer
+def test_the_requests_own_text_comes_before_the_global_cache() -> None:
+    cache = SuffixCache()
+    cache.index.add_sequence([1, 2, 3, 30, 31, 32])  # earlier outputs continue "1 2 3" with 30 ...
+    prompt = [1, 2, 3, 10, 11, 12, 7, 1, 2, 3]  # ... this request's own text with 10
+    proposer = SuffixProposer(cache)
+    proposer.begin(prompt, 100)
+    one = proposer.propose(prompt, 1, GREEDY, None)
+    assert one.tokens == [3, 10]
+    both = proposer.propose(prompt, 3, GREEDY, None)  # a deeper budget: own path first, global one beside it
+    assert both.paths()[0] == [10, 11] and [30] in both.paths() or [30, 31] in both.paths()
+    assert cache.hits == 2
+
+
+def test_frequencies_rank_the_branches() -> None:
+    """Continuations seen more often rank first, and a tree's size follows them (k nodes without a cost model)."""
+    cache = SuffixCache()
+    for _ in range(3):
+        cache.index.add_sequence([4, 5, 6, 7])
+    cache.index.add_sequence([4, 5, 8, 9])
+    proposer = SuffixProposer(cache)
+    proposer.begin([0, 4, 5], 100)
+    tree = proposer.propose([0, 4, 5], 3, GREEDY, None)
+    assert tree.tokens == [5, 6, 7, 8]  # 6 (3 of 4), 7 after it (3 of 4), then 8 (1 of 4)
+    assert tree.parents == [-1, 0, 1, 0]
+
+
+def test_the_cost_model_sizes_the_tree() -> None:
+    """Sure guesses under a cheap forward: a deep tree. The same guesses under a dear one: a plain step."""
+    text = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8] * 2
+    cheap = CostModel([1, 64], [0, 1000], [[1.0, 1.2], [1.0, 1.2]])
+    dear = CostModel([1, 64], [0, 1000], [[1.0, 64.0], [1.0, 64.0]])
+    sizes = {}
+    for name, cost in (("cheap", cheap), ("dear", dear)):
+        proposer = SuffixProposer(None, cost=cost)
+        for _ in range(3):  # copying holds: what the reach learns
+            proposer.begin(text[:14], 100)
+            for n in range(14, len(text)):
+                proposer.propose(text[:n], 16, GREEDY, None)
+            proposer.finish(text)
+        proposer.begin(text[:14], 100)
+        sizes[name] = proposer.propose(text[:14], 16, GREEDY, None).num_drafted
+    assert sizes["cheap"] >= 8 and sizes["dear"] == 0
+
+
+def test_finish_adds_the_output_to_the_global_cache_once() -> None:
+    cache = SuffixCache()
+    target = tiny_model(0, vocab_size=VOCAB)
+    out, _ = generate_ids(target, PROMPTS[5], proposer=SuffixProposer(cache), max_new_tokens=12, k=4)
+    assert cache.index.tokens() == [out]
+
+
+def test_bad_nodes_is_refused() -> None:
+    with pytest.raises(ValueError, match="nodes >= 1"):
+        SuffixProposer(None, nodes=0)
+
+
+# ----------------------------------------------------------------------------------------- losslessness
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    """Plain decoding through the engine (test_lossless checks it equals recomputing every step)."""
+    return [generate_ids(target, prompt, max_new_tokens=NEW)[0] for prompt in PROMPTS]
+
+
+CHEAP = CostModel([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])  # guessing nearly always pays
+
+
+@pytest.mark.parametrize("k, nodes", [(1, 24), (2, 1), (4, 4), (8, 3), (8, 24), ("auto", 24), ("auto", 2)])
+def test_greedy_suffix_equals_plain(target, reference, k, nodes) -> None:
+    """Every prompt twice: the second time its own earlier output is in the global cache, so guesses from both
+    sources are accepted (and rejected)."""
+    cache = SuffixCache()
+    drafted = accepted = 0
+    for _ in range(2):
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            proposer = SuffixProposer(cache, nodes=nodes, cost=CHEAP if k == "auto" else None)
+            policy = FixedK(proposer.capabilities.max_depth) if k == "auto" else k
+            out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW, cost=CHEAP)
+            assert out == expected, f"prompt {prompt}"
+            drafted += stats.drafted
+            accepted += stats.accepted
+    assert 0 < accepted < drafted
+    assert cache.accepted > 0, "no guess only the global cache offered was ever accepted"
+
+
+V = 8
+PROMPT = [0, 6, 7, 0, 5, 2, 0, 7, 6, 0]
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_sampled_suffix_matches_the_target_distribution(sized: bool) -> None:
+    """T = 1: a tree of point masses from the request's text (0 -> 6, 5, 7) and the global cache's (0 -> 1, 3)."""
+    target = tiny_model(3, head_gain=3.0, vocab_size=V, num_layers=1, hidden_size=32, intermediate_size=64,
+                        num_heads=2, num_kv_heads=1, head_dim=16)
+    params, tokens, samples = SamplingParams(temperature=1.0), 3, 2000
+    joint = exact_joint(target, PROMPT, params, tokens)
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(samples):
+        cache = SuffixCache()  # the same cache every time: outputs of other samples must not leak in
+        cache.index.add_sequence([0, 1, 2, 0, 3, 4, 0, 1])
+        proposer = SuffixProposer(cache, cost=CHEAP if sized else None)
+        k = FixedK(proposer.capabilities.max_depth) if sized else 4
+        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=k, max_new_tokens=tokens, params=params,
+                                  seed=seed, cost=CHEAP)
+        counts[tuple(out)] += 1
+        drafted += stats.drafted
+        accepted += stats.accepted
+    assert 0 < accepted < drafted
+    pvalue, tv = chi_square(counts, joint, samples)
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}, total variation {tv:.3f}"
+    assert tv < 0.1
+
+
+def test_sampled_tree_offers_several_branches() -> None:
+    """The sampled test above exercises siblings (else it would only test chains)."""
+    cache = SuffixCache()
+    cache.index.add_sequence([0, 1, 2, 0, 3, 4, 0, 1])
+    proposer = SuffixProposer(cache, nodes=8)
+    proposer.begin(PROMPT, 100)
+    tree = proposer.propose(PROMPT, 8, SamplingParams(temperature=1.0), None)
+    first = sorted(tree.tokens[c] for c in tree.children(0))
+    assert len(first) >= 3 and np.isin([1, 7], first).all()
+
+
+def test_server_metrics_report_the_shared_cache() -> None:
+    from specdecode.server.metrics import Metrics
+
+    cache = SuffixCache()
+    metrics = Metrics()
+    holder: list[SuffixCache] = []
+    metrics.watch_suffix(lambda: holder[0] if holder else None)
+    assert b"specdecode_suffix_cache_tokens 0.0" in metrics.render()  # no cache yet: zeros, not an error
+    holder.append(cache)
+    cache.index.add_sequence([1, 2, 3, 4])
+    proposer = SuffixProposer(cache)
+    proposer.begin([9, 1, 2], 10)
+    proposer.propose([9, 1, 2], 2, GREEDY, None)
+    text = metrics.render().decode()
+    assert "specdecode_suffix_cache_tokens 4.0" in text and "specdecode_suffix_cache_hit_rate 1.0" in text
+    assert "specdecode_suffix_cache_sequences 1.0" in text
+
+
+# ------------------------------------------------------------------------------ hybrid: suffix + EAGLE head
+def eagle_for(model):
+    import torch
+
+    from specdecode.models.eagle import EagleConfig, EagleHead
+    from specdecode.proposers import EagleProposer
+
+    vocab = torch.arange(model.config.vocab_size)
+    head = EagleHead(EagleConfig.for_target(model.config, model.config.vocab_size)).double()
+    head.init_from_target(model, vocab)
+    return EagleProposer(head, model, topk=3, nodes=12, cost=CHEAP)
+
+
+def hybrid(model, cache: SuffixCache):
+    from specdecode.proposers.suffix_eagle import SuffixEagleProposer
+
+    return SuffixEagleProposer(SuffixProposer(cache, cost=CHEAP), eagle_for(model))
+
+
+def test_greedy_hybrid_equals_plain_and_uses_both_sources(target, reference) -> None:
+    cache = SuffixCache()
+    drafted = accepted = 0
+    heads = 0
+    for _ in range(2):
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            proposer = hybrid(target, cache)
+            depth = FixedK(proposer.capabilities.max_depth)
+            out, stats = generate_ids(target, prompt, proposer=proposer, k=depth, cost=CHEAP, max_new_tokens=NEW)
+            assert out == expected, f"prompt {prompt}"
+            drafted += stats.drafted
+            accepted += stats.accepted
+            heads += proposer.eagle.calibration[True][1] > 0  # the head's trees were verified and calibrated
+    assert 0 < accepted < drafted
+    assert heads > 0 and cache.accepted > 0
+
+
+def test_sampled_hybrid_matches_the_target_distribution() -> None:
+    target = tiny_model(3, head_gain=3.0, vocab_size=V, num_layers=1, hidden_size=32, intermediate_size=64,
+                        num_heads=2, num_kv_heads=1, head_dim=16)
+    params, tokens, samples = SamplingParams(temperature=1.0), 3, 2000
+    joint = exact_joint(target, PROMPT, params, tokens)
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    proposer = hybrid(target, SuffixCache())
+    proposer.suffix.cache = None  # the request's own text only: samples must not teach each other
+    for seed in range(samples):
+        depth = FixedK(proposer.capabilities.max_depth)
+        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=depth, cost=CHEAP, max_new_tokens=tokens,
+                                  params=params, seed=seed)
+        counts[tuple(out)] += 1
+        drafted += stats.drafted
+        accepted += stats.accepted
+    assert 0 < accepted < drafted
+    pvalue, tv = chi_square(counts, joint, samples)
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}, total variation {tv:.3f}"
+    assert tv < 0.1
