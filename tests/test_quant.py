@@ -23,7 +23,9 @@ from specdecode.sampling import SamplingParams
 from .helpers import noisy_copy, tiny_model
 from .test_distribution import ALPHA, PROMPT, V, chi_square, exact_joint
 
-SHAPES = [(64, 40), (576, 960), (1536, 96)]  # (in, out): the default model's widths and a tiny one
+# (in, out): the default model's widths, a tiny one, and outputs that end in a partial tile of 8
+SHAPES = [(64, 40), (576, 960), (1536, 96), (96, 44)]
+ROW_COUNTS = (2, 3, 4, 5, 7, 8, 9, 13, 16)
 
 
 @pytest.fixture
@@ -53,13 +55,17 @@ def test_matmul_equals_dequantize_then_matmul(kind, shape) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "int4-a8", "int8-a8"])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind) -> None:
+@pytest.mark.parametrize("shape", [(576, 96), (96, 44)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, shape) -> None:
+    """Bit for bit, whatever the number of rows in the call and wherever the row sits among them."""
     g = torch.Generator().manual_seed(1)
-    layer = QuantLinear.quantize(torch.randn(96, 576, generator=g), kind)
-    x = torch.randn(16, 576, generator=g)
+    k, n = shape
+    layer = QuantLinear.quantize(torch.randn(n, k, generator=g), kind)
+    x = torch.randn(16, k, generator=g)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(16)])
-    for rows in (2, 3, 4, 7, 16):
-        assert torch.equal(layer(x[:rows]), alone[:rows]), rows  # bit for bit
+    for rows in ROW_COUNTS:
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+        assert torch.equal(layer(x[16 - rows :]), alone[16 - rows :]), rows  # the same rows at other offsets
 
 
 def test_quantization_error_is_what_the_format_allows() -> None:
@@ -168,11 +174,33 @@ def test_portable_build_without_avx2_computes_the_same(monkeypatch, caplog) -> N
         kernels.reset()
 
 
+def test_vnni_code_path_computes_what_the_avx2_path_does(monkeypatch, caplog) -> None:
+    """The int8-activation kernels' VNNI path (vpdpbusd), built here with that instruction emulated: its integer sums
+    are exact, so a VNNI machine gives bit for bit the AVX2 results; the build names itself in one log line."""
+    if kernels.simd() == "scalar":
+        pytest.skip("needs AVX2")
+    g = torch.Generator().manual_seed(6)
+    layers = {kind: QuantLinear.quantize(torch.randn(44, 576, generator=g), kind) for kind in ("int4-a8", "int8-a8")}
+    x = torch.randn(7, 576, generator=g)
+    fast = {kind: layer(x) for kind, layer in layers.items()}
+    monkeypatch.setenv("SPECDECODE_NATIVE", "emulate-vnni")
+    kernels.reset()
+    try:
+        with caplog.at_level(logging.INFO, logger="specdecode"):
+            assert kernels.simd() == "avx2+vnni-emulated"
+        assert "native kernels for this CPU: avx2+vnni-emulated (int8 dot products by vpdpbusd)" in caplog.text
+        for kind, layer in layers.items():
+            assert torch.equal(layer(x), fast[kind]), kind
+            assert torch.equal(layer(x[3:4]), fast[kind][3:4]), kind
+    finally:
+        kernels.reset()
+
+
 def test_kernels_build_once_per_machine_and_name_the_simd(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     kernels.reset()
     try:
-        assert kernels.simd() in ("avx2", "scalar")
+        assert kernels.simd() in kernels.SIMD_NAMES.values()
         built = list((tmp_path / "kernels").glob("*.so"))
         assert len(built) == 1
         kernels.reset()

@@ -3,8 +3,10 @@
 `native()` returns the loaded library, or None when it cannot be built here; callers then fall back to
 PyTorch and this module logs one line saying so and why. The build is cached under the cache dir, keyed by
 the source, the compiler and the CPU's flags, so a machine with other flags (AVX-512, AVX2 only, no AVX)
-builds its own. SPECDECODE_NATIVE=0 turns the kernels off; SPECDECODE_NATIVE=portable builds them for the
-baseline of the architecture (plain C: what a CPU without AVX2 runs, and what its tests check).
+builds its own, and the build dispatches on those flags (kernels/simd.h): AVX2 + FMA + F16C, with AVX-VNNI or
+AVX512-VNNI int8 dot products where present, plain C otherwise. SPECDECODE_NATIVE=0 turns the kernels off;
+SPECDECODE_NATIVE=portable builds them for the baseline of the architecture (plain C: what a CPU without AVX2 runs,
+and what its tests check); SPECDECODE_NATIVE=emulate-vnni builds the VNNI code path on a CPU without VNNI (tests).
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the kernels share)
 
 log = logging.getLogger("specdecode")
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "block.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "a8matmul.c", "block.c")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
 def _target_flags() -> list[str]:
-    if os.environ.get("SPECDECODE_NATIVE") == "portable":
+    mode = os.environ.get("SPECDECODE_NATIVE")
+    if mode == "portable":
         return ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else []
-    return ["-march=native", "-mtune=native"]
+    return ["-march=native", "-mtune=native", *(["-DSPECDECODE_EMULATE_VNNI"] if mode == "emulate-vnni" else [])]
+
+
+SIMD_NAMES = {0: "scalar", 2: "avx2", 3: "avx2+avx-vnni", 4: "avx2+avx512-vnni", 5: "avx2+vnni-emulated"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -57,7 +64,7 @@ def _build(cache_dir: Path) -> Path:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     flags = [*_target_flags(), *FLAGS]
-    key = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode() + version.encode()
+    key = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(flags).encode() + version.encode()
                        + cpu_flags().encode()).hexdigest()[:16]
     lib = cache_dir / "kernels" / f"specdecode-{key}.so"
     if lib.exists():
@@ -98,18 +105,21 @@ def native() -> ctypes.CDLL | None:
                         "dequantized per call (same model, several times slower)", reason)
         elif lib.specdecode_simd() == 0:
             log.warning("this CPU lacks AVX2/FMA/F16C: the quantized kernels run as plain C (correct, slower)")
+        else:
+            log.info("native kernels for this CPU: %s (int8 dot products by %s)", SIMD_NAMES[lib.specdecode_simd()],
+                     "vpdpbusd" if lib.specdecode_simd() >= 3 else "vpmaddubsw + vpmaddwd")
         _state["lib"] = lib
         return lib
 
 
 def source_key() -> str:
     """A short hash of the kernels' source: forward costs measured with other kernels are measured again."""
-    return hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:8]
+    return hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:8]
 
 
 def simd() -> str:
     lib = native()
-    return "none" if lib is None else {2: "avx2", 0: "scalar"}[lib.specdecode_simd()]
+    return "none" if lib is None else SIMD_NAMES[lib.specdecode_simd()]
 
 
 class Weight(ctypes.Structure):

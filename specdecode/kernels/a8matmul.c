@@ -1,0 +1,261 @@
+/* Quantized weights with int8 activations (llama.cpp's arithmetic for GGUF models: Q4_1 x Q8_1, Q8_0 x Q8_0).
+
+   Each row of x is rounded per block of 32 to dx * qx (qx in -127..127, dx = max |x| / 127); then a block's dot
+   product is an exact integer sum, scaled once: dw * dx * sum(qw * qx) (+ mw * dx * sum(qx) for int4). A model
+   of its own ("int4-a8", "int8-a8"), several times less arithmetic per weight than float activations.
+
+   Speculation verifies 2-16 rows against weights read once, so the AVX2 kernel is built for several rows per
+   weight load: a tile of 8 outputs has its weights unpacked once, transposed so that one 32-byte vector holds 4
+   consecutive weights of each of the 8 outputs; a row then broadcasts 4 of its activations and meets all 8
+   outputs in one maddubs (integer products, no per-row unpacking, no horizontal sums: output c is lane c). A
+   block's integer sums turn into floats once per row and 8 outputs: one convert, one multiply, two FMAs.
+
+   Row independence (what keeps speculation lossless): every row's result comes from the same instructions in
+   the same order whatever the number of rows in the call or beside it in its group of 4; the integer sums are
+   exact in any order. So a tree verifies bit for bit the numbers one-token steps compute. */
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, float *sx) {
+    const int nb = K / QK;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (int64_t)r * K + QK * b;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < QK; j++) {
+                const int q = (int)nearbyintf(v[j] * inv);
+                qx[(int64_t)r * K + QK * b + j] = (int8_t)q;
+                sum += q;
+            }
+            dx[(int64_t)r * nb + b] = d;
+            sx[(int64_t)r * nb + b] = d * (float)sum;
+        }
+}
+
+#if SPECDECODE_AVX2
+#define COLS 8 /* outputs per tile: one float lane each */
+#define ROWS 4 /* rows per pass over a tile's weights */
+
+/* A tile's weights, one block (p: its first output's, stride: bytes per output): vector g (of 8) holds weights
+   4g..4g+3 of each output, output c in bytes 4c..4c+3. */
+static inline void unpack_q4(const uint8_t *p, int64_t stride, __m256i *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i a[4];
+    for (int c = 0; c < 4; c++)  /* output c in the low 128 bits, output c + 4 in the high */
+        a[c] = _mm256_loadu2_m128i((const __m128i *)(p + (c + 4) * stride), (const __m128i *)(p + c * stride));
+    const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+    const __m256i raw[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    for (int g = 0; g < 4; g++) {  /* byte j holds weight j (low nibble) and weight j + 16 (high nibble) */
+        out[g] = _mm256_and_si256(raw[g], low);
+        out[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw[g], 4), low);
+    }
+}
+
+/* int8 weights, one block, in the same order: signed in out[0..7], their absolute values in out[8..15] */
+static inline void unpack_q8(const int8_t *p, int64_t stride, __m256i *out) {
+    __m256i a[8], t[8], u[8];
+    for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_si256((const __m256i *)(p + c * stride));
+    for (int c = 0; c < 8; c += 2) {
+        t[c] = _mm256_unpacklo_epi32(a[c], a[c + 1]);
+        t[c + 1] = _mm256_unpackhi_epi32(a[c], a[c + 1]);
+    }
+    for (int c = 0; c < 8; c += 4) {
+        u[c] = _mm256_unpacklo_epi64(t[c], t[c + 2]);
+        u[c + 1] = _mm256_unpackhi_epi64(t[c], t[c + 2]);
+        u[c + 2] = _mm256_unpacklo_epi64(t[c + 1], t[c + 3]);
+        u[c + 3] = _mm256_unpackhi_epi64(t[c + 1], t[c + 3]);
+    }
+    for (int g = 0; g < 4; g++) {
+        out[g] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x20);
+        out[g + 4] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x31);
+    }
+    for (int g = 0; g < 8; g++) out[g + 8] = _mm256_abs_epi8(out[g]);
+}
+
+/* The tile's float16 scales (output c's at h + c * stride), as floats out[8 * b + c] for its nb blocks */
+static inline void unpack_scales(const uint16_t *h, int64_t stride, int nb, int ncols, float *out) {
+    int b = 0;
+    for (; ncols == COLS && b + 8 <= nb; b += 8) {  /* 8 blocks at a time: an 8 x 8 transpose of 16-bit values */
+        __m128i r[8], a[8], t[8];
+        for (int c = 0; c < 8; c++) r[c] = _mm_loadu_si128((const __m128i *)(h + c * stride + b));
+        for (int c = 0; c < 8; c += 2) {
+            a[c] = _mm_unpacklo_epi16(r[c], r[c + 1]);      /* blocks b..b+3 of outputs c, c + 1 */
+            a[c + 1] = _mm_unpackhi_epi16(r[c], r[c + 1]);  /* blocks b+4..b+7 */
+        }
+        for (int c = 0; c < 8; c += 4)
+            for (int half = 0; half < 2; half++) {
+                t[c + 2 * half] = _mm_unpacklo_epi32(a[c + half], a[c + 2 + half]);
+                t[c + 2 * half + 1] = _mm_unpackhi_epi32(a[c + half], a[c + 2 + half]);
+            }
+        for (int j = 0; j < 4; j++) {  /* t[j]: blocks b+2j, b+2j+1 of outputs 0..3; t[4 + j]: of outputs 4..7 */
+            _mm256_storeu_ps(out + COLS * (b + 2 * j), _mm256_cvtph_ps(_mm_unpacklo_epi64(t[j], t[4 + j])));
+            _mm256_storeu_ps(out + COLS * (b + 2 * j + 1), _mm256_cvtph_ps(_mm_unpackhi_epi64(t[j], t[4 + j])));
+        }
+    }
+    for (; b < nb; b++)
+        for (int c = 0; c < COLS; c++) out[COLS * b + c] = half_to_float(h[(c < ncols ? c : ncols - 1) * stride + b]);
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Rows r..r+R of a tile's 8 outputs (KIND 1: int4, 2: int8; KIND and R constants at each call, so the loops
+   unroll): each block's weights unpacked once for the R rows. w: the tile's first output, stride: bytes per output. */
+static inline __attribute__((always_inline)) void a8_tile_rows(
+    const int KIND, const uint8_t *w, int64_t stride, int ncols, const float *dw, const float *mw, const int8_t *xq,
+    const float *dx, const float *sx, int K, float *y, int N, const int R) {
+    const int nb = K / QK, block_bytes = KIND == 1 ? QK / 2 : QK;
+    __m256 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = w + (int64_t)block_bytes * b;
+        int64_t step = stride;
+        /* the next tile's weights (8 outputs, 8 lines apart: the prefetchers miss this order): as much per block */
+        for (int line = 0; line < block_bytes * COLS; line += 64)
+            _mm_prefetch((const char *)w + COLS * stride + (int64_t)block_bytes * COLS * b + line, _MM_HINT_T0);
+        uint8_t part[COLS * QK];
+        if (ncols < COLS) {  /* a last, partial tile: its outputs side by side, the last one repeated */
+            for (int c = 0; c < COLS; c++) memcpy(part + c * block_bytes, p + (c < ncols ? c : ncols - 1) * stride, block_bytes);
+            p = part;
+            step = block_bytes;
+        }
+        __m256i unpacked[16] __attribute__((aligned(32))), isum[ROWS];
+        if (KIND == 1) unpack_q4(p, step, unpacked);
+        else unpack_q8((const int8_t *)p, step, unpacked);
+#pragma GCC unroll 1
+        for (int r = 0; r < R; r++) {  /* one row at a time (unrolled, the compiler interleaves them and spills) */
+            const __m256i *v = unpacked;
+            __asm__("" : "+r"(v));  /* each row reads the block from L1: 16 registers cannot hold it and 4 rows' sums */
+            const int8_t *x = xq + (int64_t)r * K + QK * b;
+            __m256i sum = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i xg = bcast4(x + 4 * g);
+                if (KIND == 1) {
+#if SPECDECODE_VNNI
+                    sum = dpbusd(sum, v[g], xg);
+#else  /* 16-bit sums: 8 products of 4 bits x 7 bits and sign, at most 8 * 3810 */
+                    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(v[g], xg));
+#endif
+                } else {  /* |w| * (x * sign(w)): maddubs wants its first side unsigned */
+#if SPECDECODE_VNNI
+                    sum = dpbusd(sum, v[8 + g], _mm256_sign_epi8(xg, v[g]));
+#else
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[8 + g], _mm256_sign_epi8(xg, v[g])),
+                                                                  _mm256_set1_epi16(1)));
+#endif
+                }
+            }
+#if !SPECDECODE_VNNI
+            if (KIND == 1) sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+#endif
+            isum[r] = sum;
+        }
+        const __m256 d = _mm256_loadu_ps(dw + COLS * b);
+        for (int r = 0; r < R; r++) {
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        }
+        if (KIND == 1) {
+            const __m256 m = _mm256_loadu_ps(mw + COLS * b);
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float out[COLS];
+        _mm256_storeu_ps(out, acc[r]);
+        memcpy(y + (int64_t)r * N, out, sizeof(float) * ncols);
+    }
+}
+
+/* returns nonzero when scratch memory is short */
+static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
+                     const uint16_t *d, const uint16_t *m, float *y, int N) {
+    const int nb = K / QK;
+    const int64_t stride = (int64_t)nb * (kind == 1 ? QK / 2 : QK);  /* bytes per output */
+    const int threads = omp_get_max_threads();
+    const size_t s_size = (size_t)COLS * nb;
+    float *s_all = malloc(sizeof(float) * 2 * s_size * threads);
+    if (!s_all) return 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *dw = s_all + 2 * s_size * omp_get_thread_num(), *mw = dw + s_size;
+#pragma omp for schedule(static)
+        for (int t = 0; t < (N + COLS - 1) / COLS; t++) {
+            const int n0 = t * COLS, ncols = N - n0 < COLS ? N - n0 : COLS;
+            const uint8_t *w = (const uint8_t *)qs + n0 * stride;
+            unpack_scales(d + (int64_t)n0 * nb, nb, nb, ncols, dw);
+            if (kind == 1) unpack_scales(m + (int64_t)n0 * nb, nb, nb, ncols, mw);
+            for (int r0 = 0; r0 < M; r0 += ROWS) {
+#define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
+                                        sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
+                const int rows = M - r0 < ROWS ? M - r0 : ROWS;
+                if (kind == 1) {
+                    if (rows >= 4) TILE_ROWS(1, 4); else if (rows == 3) TILE_ROWS(1, 3);
+                    else if (rows == 2) TILE_ROWS(1, 2); else TILE_ROWS(1, 1);
+                } else {
+                    if (rows >= 4) TILE_ROWS(2, 4); else if (rows == 3) TILE_ROWS(2, 3);
+                    else if (rows == 2) TILE_ROWS(2, 2); else TILE_ROWS(2, 1);
+                }
+#undef TILE_ROWS
+            }
+        }
+    }
+    free(s_all);
+    return 0;
+}
+#else
+/* plain C: one output at a time, each row on its own */
+static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
+                      const uint16_t *d, const uint16_t *m, float *y, int N) {
+    const int nb = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int r = 0; r < M; r++) {
+            const int8_t *xr = xq + (int64_t)r * K;
+            float total = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                int s = 0;
+                if (kind == 1) {
+                    const uint8_t *q = (const uint8_t *)qs + (int64_t)n * (K / 2) + 16 * b;
+                    for (int j = 0; j < 16; j++) s += (q[j] & 0x0f) * xr[QK * b + j] + (q[j] >> 4) * xr[QK * b + j + 16];
+                } else {
+                    const int8_t *q = (const int8_t *)qs + (int64_t)n * K + QK * b;
+                    for (int j = 0; j < QK; j++) s += q[j] * xr[QK * b + j];
+                }
+                total += (float)s * (half_to_float(d[(int64_t)n * nb + b]) * dx[(int64_t)r * nb + b]);
+                if (kind == 1) total += half_to_float(m[(int64_t)n * nb + b]) * sx[(int64_t)r * nb + b];
+            }
+            y[(int64_t)r * N + n] = total;
+        }
+    return 0;
+}
+#endif
+
+/* y[M, N] = round(x) @ dequant(W)^T; kind 1: int4 weights (qs [N, K / 2], needs m), kind 2: int8 (qs [N, K]).
+   Returns nonzero when scratch memory is short. */
+int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d,
+                         const uint16_t *m, float *y, int N) {
+    const int nb = K / QK;
+    int8_t *xq = malloc((size_t)M * K + 4);
+    float *dx = malloc(sizeof(float) * (size_t)M * nb), *sx = malloc(sizeof(float) * (size_t)M * nb);
+    if (!xq || !dx || !sx) {
+        free(xq); free(dx); free(sx);
+        return 1;
+    }
+    quantize_rows(x, M, K, xq, dx, sx);
+    const int failed = a8_matmul(kind, xq, dx, sx, M, K, qs, d, m, y, N);
+    free(xq); free(dx); free(sx);
+    return failed;
+}

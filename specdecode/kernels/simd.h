@@ -1,0 +1,73 @@
+/* What the kernels may use on this CPU, decided when they are compiled for it (-march=native, at first use on
+   each machine: kernels/__init__.py keys the build by the CPU's flags, so this is the runtime dispatch).
+
+   SPECDECODE_AVX2: AVX2 + FMA + F16C (256-bit vectors); without it every kernel runs as plain C.
+   SPECDECODE_VNNI: the int8 dot product in one instruction (vpdpbusd on 256-bit vectors) where the CPU has
+     AVX-VNNI (1) or AVX512-VNNI with AVX512-VL (2); 3 is a test build on a CPU without it, where dpbusd()
+     is maddubs + madd + add. The int8-activation kernels give the same integers either way (their operands
+     never saturate maddubs), hence the same floats: a VNNI machine computes bit for bit what an AVX2 one does. */
+
+#ifndef SPECDECODE_SIMD_H
+#define SPECDECODE_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECDECODE_AVX2 1
+#include <immintrin.h>
+#else
+#define SPECDECODE_AVX2 0
+#endif
+
+#if SPECDECODE_AVX2 && defined(SPECDECODE_EMULATE_VNNI)
+#define SPECDECODE_VNNI 3
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#elif SPECDECODE_AVX2 && defined(__AVXVNNI__)
+#define SPECDECODE_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#elif SPECDECODE_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPECDECODE_VNNI 2
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#define SPECDECODE_VNNI 0
+#endif
+
+#define QK 32 /* weights per quantization block (GGUF's) */
+
+static inline float half_to_float(uint16_t h) {
+#if SPECDECODE_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#if SPECDECODE_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#endif
