@@ -56,10 +56,10 @@ def plain(llm, prompt: str) -> str:
     return llm.generate(prompt, method="none", max_new_tokens=MAX_TOKENS, temperature=0.0).text
 
 
-def client_for(llm, draft: Path | None) -> TestClient:
+def client_for(llm, draft: Path | None, methods: tuple[str, ...] = ()) -> TestClient:
     batch_cost = BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)])
     return TestClient(create_app(llm, ServerConfig("tiny", method="none", draft=str(draft) if draft else None,
-                                                   max_batch=4), batch_cost))
+                                                   max_batch=4, methods=methods), batch_cost))
 
 
 def ask(client: TestClient, prompt: str, method: str, k, stream: bool) -> tuple[str, dict]:
@@ -92,7 +92,7 @@ def test_every_method_through_the_server_equals_plain(world, method, monkeypatch
     llm, heads, draft_dir, cache = world
     monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
     expected = {p: plain(llm, p) for p in PROMPTS}
-    with client_for(llm, heads.get(method, draft_dir)) as client:
+    with client_for(llm, heads.get(method, draft_dir), (method,)) as client:
         drafted = 0
         for k in ("auto", 3):
             for stream in (False, True):
