@@ -17,17 +17,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
-import specdecode
-from specdecode.batch import BatchCost
-from specdecode.policy import CostModel
-
-from .helpers import make_tokenizer, write_checkpoint
+from .server_files import CONTEXT, server_files
 
 KEY = "test-key"
 MODEL = "tiny"
-CONTEXT = 1024
 
 
 def free_port() -> int:
@@ -86,27 +80,8 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny checkpoint (context raised to 1024, so long requests exist), a flat made-up batch cost saved where
-    the server looks for it (measuring is not what these tests are about) and two servers started together:
-    the main one and a one-slot one without a queue."""
-    root = tmp_path_factory.mktemp("server")
-    checkpoint = write_checkpoint(root / "ckpt", make_tokenizer())
-    config = json.loads((checkpoint / "config.json").read_text())
-    config["max_position_embeddings"] = CONTEXT
-    (checkpoint / "config.json").write_text(json.dumps(config))
-    cache = root / "cache"
-    llm = specdecode.load(checkpoint, dtype="float64")
-    sizes = [1, 2, 4, 8, 16]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the cost file's name carries the thread count: the servers run one thread
-    try:
-        for max_batch in (16, 1):
-            batch_sizes = BatchCost.sizes_up_to(max_batch)
-            tables = [CostModel(sizes, [64, 512], [[1e-3 * (1 + 0.01 * b * n) for n in sizes]] * 2)
-                      for b in batch_sizes]
-            BatchCost(batch_sizes, tables).save(BatchCost.path(llm.model, max_batch, cache))
-    finally:
-        torch.set_num_threads(threads)
+    """Two servers started together on the tiny checkpoint: the main one and a one-slot one without a queue."""
+    checkpoint, cache, llm = server_files(tmp_path_factory.mktemp("server"), max_batches=(16, 1))
     main = ServerProcess(checkpoint, cache, "--max-batch", "16", "--max-queue", "8")
     small = ServerProcess(checkpoint, cache, "--max-batch", "1", "--max-queue", "0", "--shutdown-timeout", "20")
     try:
