@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import bad_request
-from .fields import screen
+from .fields import screen, unknown
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # a stop string is held back from a stream until it cannot match: keep that short
@@ -155,11 +155,20 @@ def validate(cls: type[BaseModel], body: object) -> BaseModel:
     try:
         return cls.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
+        errors = e.errors()
+        # an unknown nested field says more than "not a boolean" from the other member of a union
+        first = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+        path = [p for p in first["loc"] if not is_union_tag(p)]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
         if first["type"] == "extra_forbidden":
-            raise bad_request(f"unrecognized request argument `{loc}`", param=loc) from None
-        raise bad_request(f"{loc}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) from None
+            nested = {f for m in (Speculation, StreamOptions, Message, TextPart) for f in m.model_fields}
+            raise unknown(loc, nested | set(cls.model_fields)) from None
+        raise bad_request(f"{loc}: {first['msg']}", param=str(path[0]) if path else None) from None
+
+
+def is_union_tag(part: str | int) -> bool:
+    """pydantic names the member of a union in an error's location: `Speculation`, `bool`, `list[str]`..."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("bool", "int", "str", "float"))
 
 
 def parse(cls: type[Common], body: object) -> Common:
