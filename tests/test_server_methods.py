@@ -19,10 +19,14 @@ from specdecode.policy import CostModel
 from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
 from specdecode.proposers.medusa import MedusaHeads
 from specdecode.server.app import ServerConfig, create_app
+from specdecode.server.warmup import parse_methods
 
 from .helpers import make_tokenizer, write_checkpoint
 
 MAX_TOKENS = 24
+SKIP = SkipSearchResult(skipped=[1], agreement=0.5, speedup=1.2, k=3, num_layers=2,
+                        trajectory=[SkipStep(skipped=[], agreement=1.0, speedup=1.0, k=3),
+                                    SkipStep(skipped=[1], agreement=0.5, speedup=1.2, k=3)])
 PROMPTS = ["the cat sat on the mat and the cat sat on the", "one two three one two three one two"]
 
 
@@ -45,10 +49,7 @@ def world(tmp_path_factory):
     head.init_from_target(model, vocab)
     head.save(root / "eagle")
     MedusaHeads.from_target(model, 2, vocab).save(root / "medusa")
-    skip = SkipSearchResult(skipped=[1], agreement=0.5, speedup=1.2, k=3, num_layers=2,
-                            trajectory=[SkipStep(skipped=[], agreement=1.0, speedup=1.0, k=3),
-                                        SkipStep(skipped=[1], agreement=0.5, speedup=1.2, k=3)])
-    save_skip_layers(model, skip, root / "cache")
+    save_skip_layers(model, SKIP, root / "cache")
     return llm, {"eagle": root / "eagle", "medusa": root / "medusa"}, draft_dir, root / "cache"
 
 
@@ -126,3 +127,58 @@ def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -
         monkeypatch.setattr(server.decoder, "step", original)
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200  # and the server goes on serving
+
+
+def test_methods_are_set_up_at_start_never_in_a_request(world, monkeypatch, tmp_path, caplog) -> None:
+    """The layer search (not cached yet) and the low-bit copy run while the app is built, with progress in the
+    log; afterwards a request for either finds them ready (set-up inside a request fails this test)."""
+    llm, _, _, _ = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # no layer search saved here
+    searches = []
+
+    def search(progress=None, **kwargs):  # as the real search on a bigger model: steps, then saved
+        searches.append(1)
+        for step in SKIP.trajectory:
+            progress(step)
+        save_skip_layers(llm.model, SKIP)
+        return SKIP
+
+    monkeypatch.setattr(llm, "tune_layer_skip", search)
+    llm._low_bit.clear()
+    with caplog.at_level("INFO", logger="specdecode.server"):
+        client = client_for(llm, None, ("layer-skip", "quantized"))
+    log = caplog.text
+    assert "setting up layer-skip (1/2)" in log and "setting up quantized (2/2)" in log
+    assert "layer-skip: skipping" in log and "quantized ready" in log  # the search's progress, step by step
+    assert searches == [1]
+
+    def no_set_up(*args, **kwargs):
+        raise AssertionError("set-up inside a request")
+
+    monkeypatch.setattr(llm, "tune_layer_skip", no_set_up)
+    monkeypatch.setattr("specdecode.api.low_bit_copy", no_set_up)
+    with client:
+        for method in ("layer-skip", "quantized"):
+            assert ask(client, PROMPTS[0], method, 3, False)[0] == plain(llm, PROMPTS[0])
+
+
+def test_a_method_that_cannot_run_stops_the_start(world, monkeypatch, tmp_path) -> None:
+    llm, _, _, _ = world
+    with pytest.raises(ValueError, match=r"cannot run method 'eagle': no EAGLE head ships.*--methods"):
+        client_for(llm, None, ("eagle",))
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+
+    def no_data(**kwargs):
+        raise FileNotFoundError("calibration data /x/train.jsonl not found (expected ../shared/data/train)")
+
+    monkeypatch.setattr(llm, "tune_layer_skip", no_data)
+    with pytest.raises(ValueError, match=r"cannot run method 'hybrid': calibration data .* leave hybrid out of"):
+        client_for(llm, None, ("hybrid",))
+
+
+def test_parse_methods() -> None:
+    assert parse_methods("", "eagle", None) == ("none", "eagle", "prompt-lookup", "lookahead")
+    assert parse_methods("medusa", "none", "heads/") == ("none", "medusa")
+    assert "draft" not in parse_methods("all", "none", None) and "draft" in parse_methods("all", "none", "d")
+    with pytest.raises(ValueError, match="unknown method telepathy"):
+        parse_methods("eagle,telepathy", "none", None)

@@ -44,7 +44,7 @@ def warm_up(llm: LLM, methods: Iterable[str], draft: str | None) -> None:
     if not methods:
         return
     started = time.perf_counter()
-    if CostModel.cached(llm.model) is None:
+    if llm._cost is None and CostModel.cached(llm.model) is None:  # else it is in memory or on disk
         log.info("timing the target's forward by size (once per model and machine, then cached; about a minute)")
     llm.cost_model()
     for i, method in enumerate(methods, 1):
