@@ -33,8 +33,7 @@ def cluster(tmp_path_factory):
     import ray
     from ray import serve
 
-    from specdecode.server.ray_app import deployment
-    from specdecode.server.warmup import parse_methods
+    from specdecode.server.ray_app import build_app
 
     checkpoint, cache, llm = server_files(tmp_path_factory.mktemp("ray"), max_batches=(4,))
     port = free_port()
@@ -44,11 +43,10 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = {"model": str(checkpoint), "served_model_name": MODEL, "method": "prompt-lookup",
-                   "methods": parse_methods("", "prompt-lookup", None), "k": "auto", "draft": None,
-                   "max_batch": 4, "max_queue": 8, "api_key": None, "max_request_bytes": 1 << 20,
-                   "dtype": "float64", "quantization": None, "threads": 1}
-        serve.run(deployment(options, replicas=2, replica_cpus=1), name="specdecode", route_prefix="/")
+        # as `serve run specdecode.server.ray_app:build_app key=value ...` would pass them
+        args = {"model": str(checkpoint), "served_model_name": MODEL, "dtype": "float64", "threads": "1",
+                "max_batch": "4", "max_queue": "8", "replicas": "2", "replica_cpus": "1"}
+        serve.run(build_app(args), name="specdecode", route_prefix="/")
         yield f"http://127.0.0.1:{port}", llm
     finally:
         serve.shutdown()

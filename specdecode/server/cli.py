@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     s.add_argument("--method", choices=METHODS, default="prompt-lookup",
                    help="default speculation method (a request may pick another, or `speculation: false`)")
     s.add_argument("--methods", default="",
-                   help="comma list of the methods requests may pick, or 'all'; each is set up at start (cost "
+                   help="comma list of the methods requests may pick; each is set up at start (cost "
                         "timing, heads, layer search), never inside a request (default: the --method plus "
                         "none,prompt-lookup,lookahead)")
     s.add_argument("--draft", help="draft model for --method draft/hybrid (registry name, HF dir or .gguf); the "
@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--k must be 'auto' or an integer >= 0, got {args.k!r}")
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1024")
-    methods = parse_methods(args.methods, args.method, args.draft)
+    methods = parse_methods(args.methods, args.method)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
     options = dict(model=args.model, served_model_name=args.served_model_name or args.model, method=args.method,
                    methods=methods, k=args.k if args.k == "auto" else int(args.k), draft=args.draft,

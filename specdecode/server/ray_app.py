@@ -65,7 +65,7 @@ def build_app(args: dict[str, str]) -> Application:
     k = args.get("k", "auto")
     options = {
         "model": model, "served_model_name": args.get("served_model_name", model), "method": method,
-        "methods": parse_methods(str(args.get("methods", "")), method, args.get("draft")),
+        "methods": parse_methods(str(args.get("methods", "")), method),
         "k": k if k == "auto" else int(k), "draft": args.get("draft"),
         "max_batch": int(args.get("max_batch", 16)), "max_queue": int(args.get("max_queue", 64)),
         "api_key": args.get("api_key", os.environ.get("SPECDECODE_API_KEY")),

@@ -18,21 +18,16 @@ log = logging.getLogger("specdecode.server")
 
 # cheap to set up and useful to any client: allowed unless --methods says otherwise
 DEFAULT_METHODS = ("none", "prompt-lookup", "lookahead")
-NEEDS_DRAFT = ("draft", "medusa")
 _ready: weakref.WeakKeyDictionary[LLM, set[tuple[str, str | None]]] = weakref.WeakKeyDictionary()
 
 
-def parse_methods(spec: str, default: str, draft: str | None) -> tuple[str, ...]:
-    """`--methods`: a comma list, 'all', or empty for DEFAULT_METHODS; the default method always joins, and
-    'none' (speculation off) is always allowed."""
-    spec = spec.strip()
-    if spec == "all":
-        chosen = [m for m in METHODS if draft is not None or m not in NEEDS_DRAFT]
-    else:
-        chosen = [m.strip() for m in spec.split(",") if m.strip()] if spec else list(DEFAULT_METHODS)
+def parse_methods(spec: str, default: str) -> tuple[str, ...]:
+    """`--methods`: a comma list, or empty for DEFAULT_METHODS; the default method always joins, and 'none'
+    (speculation off) is always allowed. (No 'all': draft, eagle and medusa each read --draft differently.)"""
+    chosen = [m.strip() for m in spec.split(",") if m.strip()] if spec.strip() else list(DEFAULT_METHODS)
     unknown = [m for m in chosen if m not in METHODS]
     if unknown:
-        raise ValueError(f"--methods: unknown method {', '.join(unknown)}; choose from {', '.join(METHODS)} or 'all'")
+        raise ValueError(f"--methods: unknown method {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     return tuple(dict.fromkeys(["none", default, *chosen]))
 
 
@@ -40,6 +35,7 @@ def warm_up(llm: LLM, methods: Iterable[str], draft: str | None) -> None:
     """Set up each method once, as its first request would have; raise ValueError naming the method that
     cannot run and why. Methods already set up for this model are skipped."""
     ready = _ready.setdefault(llm, set())
+    requested = ",".join(methods)
     methods = [m for m in methods if m != "none" and (m, draft) not in ready]
     if not methods:
         return
@@ -56,7 +52,7 @@ def warm_up(llm: LLM, methods: Iterable[str], draft: str | None) -> None:
             llm.proposer(method, draft)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ValueError(f"the server cannot run method {method!r}: {e}. Fix that, or leave {method} out of "
-                             f"--methods (now {','.join(['none', *methods])})") from None
+                             f"--methods (now {requested})") from None
         ready.add((method, draft))
         log.info("%s ready (%.1f s)", method, time.perf_counter() - t)
     log.info("%d methods ready in %.1f s: %s", len(methods), time.perf_counter() - started, ", ".join(methods))
