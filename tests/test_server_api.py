@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,17 +18,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import specdecode
-from specdecode.batch_cost import BatchCost
-from specdecode.cost import CostModel
 
-from .helpers import make_tokenizer, write_checkpoint
+from .server_files import CONTEXT, server_files
 
 KEY = "test-key"
 MODEL = "tiny"
-CONTEXT = 1024
 
 
 def free_port() -> int:
@@ -63,11 +61,16 @@ class ServerProcess:
     def health(self) -> dict:
         return httpx.get(self.url + "/health").json()
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples called `name` whose labels include `labels` (also given as 'name{a="b"}')."""
+        if "{" in name:
+            name, _, rest = name.partition("{")
+            labels.update(re.findall(r'(\w+)="([^"]*)"', rest))
         total = 0.0
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                total += float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
         return total
 
     def client(self, key: str = KEY) -> openai.OpenAI:
@@ -86,27 +89,8 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny checkpoint (context raised to 1024, so long requests exist), a flat made-up batch cost saved where
-    the server looks for it (measuring is not what these tests are about) and two servers started together:
-    the main one and a one-slot one without a queue."""
-    root = tmp_path_factory.mktemp("server")
-    checkpoint = write_checkpoint(root / "ckpt", make_tokenizer())
-    config = json.loads((checkpoint / "config.json").read_text())
-    config["max_position_embeddings"] = CONTEXT
-    (checkpoint / "config.json").write_text(json.dumps(config))
-    cache = root / "cache"
-    llm = specdecode.load(checkpoint, dtype="float64")
-    sizes = [1, 2, 4, 8, 16]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the cost file's name carries the thread count: the servers run one thread
-    try:
-        for max_batch in (16, 1):
-            batch_sizes = BatchCost.sizes_up_to(max_batch)
-            tables = [CostModel(sizes, [64, 512], [[1e-3 * (1 + 0.01 * b * n) for n in sizes]] * 2)
-                      for b in batch_sizes]
-            BatchCost(batch_sizes, tables).save(BatchCost.path(llm.model, max_batch, cache))
-    finally:
-        torch.set_num_threads(threads)
+    """Two servers started together on the tiny checkpoint: the main one and a one-slot one without a queue."""
+    checkpoint, cache, llm = server_files(tmp_path_factory.mktemp("server"), max_batches=(16, 1))
     main = ServerProcess(checkpoint, cache, "--max-batch", "16", "--max-queue", "8")
     small = ServerProcess(checkpoint, cache, "--max-batch", "1", "--max-queue", "0", "--shutdown-timeout", "20")
     try:
@@ -157,10 +141,11 @@ def test_models_health_and_auth(server):
     assert server.health()["status"] == "ok"
     names = {line.split()[2] for line in httpx.get(server.url + "/metrics").text.splitlines()
              if line.startswith("# TYPE")}
-    assert {"specdecode_requests_total", "specdecode_generation_tokens_total", "specdecode_drafted_tokens_total",
-            "specdecode_accepted_tokens_total", "specdecode_acceptance_rate", "specdecode_mean_accepted_length",
-            "specdecode_time_to_first_token_seconds", "specdecode_inter_token_latency_seconds",
-            "specdecode_queue_depth", "specdecode_batch_size"} <= names
+    assert {"specdecode_requests_total", "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts_total",
+            "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:time_to_first_token_seconds",
+            "vllm:inter_token_latency_seconds", "vllm:num_requests_waiting", "vllm:num_requests_running",
+            "vllm:kv_cache_usage_perc"} <= names
     with pytest.raises(openai.AuthenticationError) as e:
         server.client("wrong").models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
@@ -258,7 +243,6 @@ def test_disconnect_mid_stream_frees_the_row(server):
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": MODEL, "prompt": "word " * 1200}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, "prompt"),
-    ({"model": "gpt-4", "prompt": "hi"}, "model"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "speculation": {"method": "telepathy"}}, "speculation"),
@@ -286,6 +270,201 @@ def test_errors_for_chat_and_unknown_routes(server):
         client.chat.completions.create(model=MODEL, messages=[])
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def post(server, path: str, body, **kwargs) -> httpx.Response:
+    data = json.dumps(body) if isinstance(body, dict | list) else body  # else text, bytes or chunks
+    return httpx.post(server.url + path, content=data, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kwargs)
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+
+
+@pytest.mark.parametrize("route,field,value", [
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("chat", "response_format", {"type": "bogus"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "tool_choice", "required"),
+    ("chat", "functions", [{"name": "f"}]),
+    ("chat", "logit_bias", {"5": -100}),
+    ("chat", "logprobs", True),
+    ("chat", "top_logprobs", 2),
+    ("completion", "logprobs", 0),
+    ("completion", "logprobs", 3),
+    ("chat", "min_tokens", 5),
+    ("chat", "repetition_penalty", 1.2),
+    ("completion", "presence_penalty", 0.5),
+    ("completion", "frequency_penalty", -1),
+    ("chat", "stop_token_ids", [3]),
+    ("chat", "guided_json", {"type": "object"}),
+    ("completion", "guided_choice", ["a", "b"]),
+    ("chat", "chat_template", "{{ messages }}"),
+    ("completion", "n", 2),
+    ("completion", "best_of", 3),
+    ("completion", "echo", True),
+    ("completion", "suffix", "end"),
+    ("chat", "min_p", 0.1),
+])
+def test_unsupported_fields_are_400s_naming_them(server, route, field, value):
+    """Every field the audit found silently ignored: a 400 that names it and says it is not supported."""
+    path, base = ("/v1/chat/completions", CHAT) if route == "chat" else ("/v1/completions", COMPLETION)
+    r = post(server, path, {**base, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["code"] == "unsupported_parameter"
+    assert f"`{field}` is not supported" in error["message"]
+
+
+def test_neutral_values_and_harmless_fields_are_accepted(server):
+    """Clients send defaults explicitly (n=1, logprobs=false, penalties 0, tools=null) and echo assistant
+    messages back with their null fields: none of that is refused."""
+    client = server.client()
+    first = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=4, n=1, logprobs=False,
+        presence_penalty=0, frequency_penalty=0, response_format={"type": "text"}, user="u1",
+        metadata={"k": "v"}, store=False, parallel_tool_calls=True,
+        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True})
+    echoed = first.choices[0].message.model_dump()  # role, content, refusal, annotations, audio, tool_calls...
+    r = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": PROMPTS[2]}, echoed, {"role": "user", "content": "go on", "name": "me"}])
+    assert r.choices[0].finish_reason in ("length", "stop")
+    c = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=None, echo=False, best_of=1)
+    assert c.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("route,body,param,guess", [
+    ("completion", {**COMPLETION, "max_tokenz": 5}, "max_tokenz", "max_tokens"),
+    ("chat", {**CHAT, "temprature": 0}, "temprature", "temperature"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "contnet": "hi"}]}, "messages[0].contnet", "content"),
+    ("chat", {**CHAT, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", None),
+    ("completion", {**COMPLETION, "speculation": {"methd": "none"}}, "speculation.methd", None),
+])
+def test_unknown_fields_are_400s_with_a_guess(server, route, body, param, guess):
+    r = post(server, "/v1/chat/completions" if route == "chat" else "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "unrecognized request argument" in error["message"]
+    if guess:
+        assert f"did you mean `{guess}`" in error["message"]
+
+
+def test_limits_on_size_depth_and_stops(server):
+    deep = "[" * 100_000 + "]" * 100_000  # json's recursion limit: once a 500
+    r = post(server, "/v1/completions", deep)
+    assert r.status_code == 400 and "nests" in r.json()["error"]["message"]
+    nested: object = "x"
+    for _ in range(40):
+        nested = {"a": nested}
+    r = post(server, "/v1/completions", {**COMPLETION, "metadata": nested})
+    assert r.status_code == 400 and "nests" in r.json()["error"]["message"]
+    big = json.dumps({**COMPLETION, "prompt": "x" * (3 << 20)})
+    r = post(server, "/v1/completions", big)  # announced by Content-Length
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", iter([big[i:i + 65536].encode() for i in range(0, len(big), 65536)]))
+    assert r.status_code == 413  # chunked: counted as it arrives
+    for stop, why in ((["a", "b", "c", "d", "e"], "at most 4"), ("x" * 257, "1 to 256"), ([""], "1 to 256")):
+        r = post(server, "/v1/completions", {**COMPLETION, "stop": stop})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "stop"
+    assert chat(server.client(), PROMPTS[3], max_tokens=3)[1] == "length"
+
+
+def test_unknown_model_is_404_and_model_routes(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(server.url + "/version").json()["version"] == specdecode.__version__
+
+
+def test_tokenize_and_detokenize(server, llm):
+    r = post(server, "/tokenize", {"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True}).json()
+    assert r["tokens"] == llm.encode(PROMPTS[0]) and r["count"] == len(r["tokens"]) and r["max_model_len"] == CONTEXT
+    assert len(r["token_strs"]) == r["count"]
+    assert post(server, "/detokenize", {"model": MODEL, "tokens": r["tokens"]}).json()["prompt"].endswith("brown")
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    tokens = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert tokens == llm.encode(messages, chat=True)
+    usage = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
+    assert usage.prompt_tokens == len(tokens)
+    assert post(server, "/tokenize", {"model": "gpt-4", "prompt": "hi"}).status_code == 404
+    assert post(server, "/detokenize", {"tokens": [10 ** 6]}).json()["error"]["param"] == "tokens"
+    assert post(server, "/tokenize", {"prompt": "hi", "add_special_tokenz": True}).status_code == 400
+
+
+def test_a_method_not_set_up_is_refused_naming_methods(server):
+    r = post(server, "/v1/completions", {**COMPLETION, "speculation": {"method": "eagle"}})
+    assert r.status_code == 400 and "--methods" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "speculation"
+
+
+def test_tokenizing_a_large_body_does_not_block_the_server(server):
+    """~1.5 MB of prompt takes seconds to tokenize: in a worker thread, while /health keeps answering."""
+    body = {**COMPLETION, "prompt": "word " * 300_000}
+    outcome = {}
+
+    def big() -> None:
+        started = time.perf_counter()
+        outcome["status"] = post(server, "/v1/completions", body).status_code
+        outcome["seconds"] = time.perf_counter() - started
+
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(big)
+        time.sleep(0.2)
+        waits = []
+        while not future.done():
+            started = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+            waits.append(time.perf_counter() - started)
+            time.sleep(0.05)
+    assert outcome["status"] == 400  # longer than the context, found out after tokenizing
+    assert outcome["seconds"] > 1.0 and len(waits) >= 5
+    assert max(waits) < outcome["seconds"] / 4, (max(waits), outcome["seconds"])
+
+
+def test_non_streaming_client_that_disconnects_frees_its_row(server):
+    cancelled = server.metric('specdecode_requests_total{outcome="cancelled"}')
+    body = {**COMPLETION, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "speculation": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 10
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.health()["running"] == 0
+    assert server.metric('specdecode_requests_total{outcome="cancelled"}') == cancelled + 1
+
+
+def test_vllm_metrics_with_model_and_method_labels(server):
+    client = server.client()
+    for prompt in PROMPTS:  # greedy text of the tiny model repeats itself: prompt lookup guesses some of it right
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                  extra_body={"ignore_eos": True, "speculation": {"method": "prompt-lookup", "k": 3}})
+    labels = {"model_name": MODEL, "method": "prompt-lookup"}
+    drafts = server.metric("vllm:spec_decode_num_drafts_total", **labels)
+    drafted = server.metric("vllm:spec_decode_num_draft_tokens_total", **labels)
+    accepted = server.metric("vllm:spec_decode_num_accepted_tokens_total", **labels)
+    first = server.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0", **labels)
+    per_pos = server.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total", **labels)
+    assert drafts > 0 and drafted >= drafts and 0 < accepted <= drafted
+    assert per_pos == accepted and 0 < first <= drafts  # each accepted guess at one position; the first at most once
+    assert server.metric("vllm:generation_tokens_total", **labels) >= 160
+    assert server.metric("vllm:prompt_tokens_total", **labels) > 0
+    assert server.metric("vllm:request_success_total", finished_reason="length", **labels) >= 4
+    assert server.metric("vllm:e2e_request_latency_seconds_count", **labels) >= 4
+    assert server.metric("vllm:time_to_first_token_seconds_count", **labels) >= 4
+    assert server.metric("vllm:inter_token_latency_seconds_count", **labels) > 0
+    assert server.metric("vllm:num_requests_running", model_name=MODEL) == 0
+    assert 0 <= server.metric("vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
 
 
 def test_full_queue_then_graceful_shutdown(setup):

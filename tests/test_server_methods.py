@@ -23,6 +23,9 @@ from specdecode.server.app import ServerConfig, create_app
 from .helpers import make_tokenizer, write_checkpoint
 
 MAX_TOKENS = 24
+SKIP = SkipSearchResult(skipped=[1], agreement=0.5, speedup=1.2, k=3, num_layers=2,
+                        trajectory=[SkipStep(skipped=[], agreement=1.0, speedup=1.0, k=3),
+                                    SkipStep(skipped=[1], agreement=0.5, speedup=1.2, k=3)])
 PROMPTS = ["the cat sat on the mat and the cat sat on the", "one two three one two three one two"]
 
 
@@ -45,10 +48,7 @@ def world(tmp_path_factory):
     head.init_from_target(model, vocab)
     head.save(root / "eagle")
     MedusaHeads.from_target(model, 2, vocab).save(root / "medusa")
-    skip = SkipSearchResult(skipped=[1], agreement=0.5, speedup=1.2, k=3, num_layers=2,
-                            trajectory=[SkipStep(skipped=[], agreement=1.0, speedup=1.0, k=3),
-                                        SkipStep(skipped=[1], agreement=0.5, speedup=1.2, k=3)])
-    save_skip_layers(model, skip, root / "cache")
+    save_skip_layers(model, SKIP, root / "cache")
     return llm, {"eagle": root / "eagle", "medusa": root / "medusa"}, draft_dir, root / "cache"
 
 
@@ -56,10 +56,10 @@ def plain(llm, prompt: str) -> str:
     return llm.generate(prompt, method="none", max_new_tokens=MAX_TOKENS, temperature=0.0).text
 
 
-def client_for(llm, draft: Path | None) -> TestClient:
+def client_for(llm, draft: Path | None, methods: tuple[str, ...] = ()) -> TestClient:
     batch_cost = BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)])
     return TestClient(create_app(llm, ServerConfig("tiny", method="none", draft=str(draft) if draft else None,
-                                                   max_batch=4), batch_cost))
+                                                   max_batch=4, methods=methods), batch_cost))
 
 
 def ask(client: TestClient, prompt: str, method: str, k, stream: bool) -> tuple[str, dict]:
@@ -93,7 +93,7 @@ def test_every_method_through_the_server_equals_plain(world, method, monkeypatch
     llm, heads, draft_dir, cache = world
     monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
     expected = {p: plain(llm, p) for p in PROMPTS}
-    with client_for(llm, heads.get(method, draft_dir)) as client:
+    with client_for(llm, heads.get(method, draft_dir), (method,)) as client:
         drafted = 0
         for k in ("auto", 3):
             for stream in (False, True):
@@ -142,8 +142,9 @@ def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monke
     saved, llm._cost = llm._cost, slow()
     try:
         llm._acceptance.clear()
-        app = create_app(llm, ServerConfig("tiny", method="none", draft=str(draft_dir), max_batch=4),
-                         BatchCost([1, 2, 4], [slow() for _ in range(3)]))
+        config = ServerConfig("tiny", method="none", draft=str(draft_dir), max_batch=4,
+                              methods=("prompt-lookup", "lookahead", "draft"))
+        app = create_app(llm, config, BatchCost([1, 2, 4], [slow() for _ in range(3)]))
         with TestClient(app) as client:
             for method, k in (("prompt-lookup", "auto"), ("lookahead", "auto"), ("prompt-lookup", 3), ("draft", 2)):
                 draft = draft_dir if method == "draft" else None

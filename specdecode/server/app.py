@@ -1,9 +1,15 @@
-"""The FastAPI app: OpenAI routes, API-key check, SSE streaming, errors in OpenAI's shape."""
+"""The FastAPI app: OpenAI routes (plus vLLM's /tokenize, /detokenize, /version), API-key check, SSE streaming,
+errors in OpenAI's shape.
+
+Everything that takes CPU time per request (JSON parsing, validation, tokenization and the chat template) runs
+in a worker thread, never on the event loop: a large body must not stall /health or other streams.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import math
@@ -12,14 +18,13 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import api
+from .. import __version__
 from .. import request as engine_request
 from ..acceptance import AcceptanceStats
 from ..api import LLM
@@ -27,11 +32,11 @@ from ..batch_cost import BatchCost
 from ..engine import Engine, policy_for
 from ..sampling import SamplingParams
 from . import schemas
+from .body import MAX_REQUEST_BYTES, parse_json, read_body
 from .errors import APIError, bad_request, internal_error
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Failed, Job, LockedTokenizer, Piece, Scheduler
-
-Body = TypeVar("Body", schemas.ChatRequest, schemas.CompletionRequest)
+from .warmup import DEFAULT_METHODS, warm_up
 
 
 @dataclass
@@ -43,6 +48,20 @@ class ServerConfig:
     max_batch: int = 16
     max_queue: int = 64
     api_key: str | None = None
+    methods: tuple[str, ...] = DEFAULT_METHODS  # what requests may ask for: set up before the first request
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    replica: str | None = None  # a name /health reports (one replica of several behind Ray Serve)
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(["none", self.method, *self.methods]))
+
+
+@dataclass
+class Prepared:
+    req: schemas.Common
+    row: engine_request.Request
+    method: str
 
 
 class Server:
@@ -50,15 +69,18 @@ class Server:
 
     def __init__(self, llm: LLM, config: ServerConfig, cost: BatchCost) -> None:
         self.llm, self.config = llm, config
-        self.metrics = Metrics()
+        self.context = llm.model.config.max_position_embeddings
+        warm_up(llm, config.allowed, config.draft)
+        self.metrics = Metrics(config.model_name, self.context)
         self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
         self.engine = Engine(llm.model, cost)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics)
-        self.tokenizer_lock = threading.Lock()
-        self.tokenizer = LockedTokenizer(llm.tokenizer, self.tokenizer_lock)
+        # two tokenizers, as a fast tokenizer must not run in two threads at once: the routes' (worker threads,
+        # one at a time) and the scheduler's (its detokenizing never waits behind a long prompt's encoding)
+        self.encode_lock = threading.Lock()
+        self.tokenizer = LockedTokenizer(copy.deepcopy(llm.tokenizer), threading.Lock())
         self.acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method, across requests
-        self.context = llm.model.config.max_position_embeddings
 
     # -------------------------------------------------------------------------------- requests
     def speculation(self, req: schemas.Common) -> tuple[str, int | str]:
@@ -68,16 +90,26 @@ class Server:
         if spec is None or spec is True:
             return cfg.method, cfg.k
         method = spec.method or cfg.method
-        if method not in api.METHODS:
-            raise bad_request(f"speculation.method {method!r} is unknown; choose one of {', '.join(api.METHODS)}",
-                              param="speculation")
-        if method in ("draft",) and cfg.draft is None:
-            raise bad_request("speculation.method 'draft' needs a draft model: start the server with --draft",
-                              param="speculation")
+        if method not in cfg.allowed:
+            raise bad_request(f"speculation.method {method!r} is not enabled on this server; it runs "
+                              f"{', '.join(cfg.allowed)} (the server's --methods option chooses which, and sets "
+                              "them up at start)", param="speculation", code="method_not_enabled")
         return method, cfg.k if spec.k is None else spec.k
 
-    def build_row(self, req: schemas.GenerationRequest, prompt: list[int]) -> engine_request.Request:
-        """Validate against the model and build the Request (runs in a worker thread: a draft may load)."""
+    def prepare(self, raw: bytes, cls: schemas.RequestType) -> Prepared:
+        """Body -> validated request -> prompt tokens -> Request (a worker thread: all of it may take a while)."""
+        req = schemas.parse(cls, parse_json(raw))
+        self.check_model(req.model)
+        prompt = self.encode(req)
+        method, row = self.build_row(req, prompt)
+        return Prepared(req, row, method)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise model_not_found(model, self.config.model_name)
+
+    def build_row(self, req: schemas.GenerationRequest, prompt: list[int]) -> tuple[str, engine_request.Request]:
+        """Validate against the model and build the Request."""
         limit = req.limit
         room = self.context - len(prompt)
         where = "messages" if isinstance(req, schemas.ChatRequest) else "prompt"
@@ -96,28 +128,60 @@ class Server:
         try:
             params = SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                     top_k=req.top_k or 0)
-            proposer = self.llm.proposer(method, self.config.draft, k=k)
+            proposer = self.llm.proposer(method, self.config.draft, k=k)  # set up at start: cached now
             acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
                                                                  AcceptanceStats())
-            return engine_request.Request(self.context, proposer, prompt, max_new_tokens=limit, params=params,
-                           k=policy_for(k, proposer, self.engine.view, acceptance),
-                           stop_token_ids=() if req.ignore_eos else self.llm.stop_token_ids, seed=req.seed)
+            return method, engine_request.Request(
+                self.context, proposer, prompt, max_new_tokens=limit, params=params,
+                k=policy_for(k, proposer, self.engine.view, acceptance),
+                stop_token_ids=() if req.ignore_eos else self.llm.stop_token_ids, seed=req.seed)
         except ValueError as e:
             raise bad_request(str(e)) from None
 
-    def encode(self, req: schemas.GenerationRequest) -> list[int]:
+    def encode(self, req: schemas.GenerationRequest | schemas.TokenizeChat | schemas.TokenizeCompletion) -> list[int]:
         try:
-            with self.tokenizer_lock:
-                if isinstance(req, schemas.ChatRequest):
-                    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                    return self.llm.encode(messages, chat=True)
+            with self.encode_lock:
+                if isinstance(req, schemas.ChatRequest | schemas.TokenizeChat):
+                    return self.llm.encode(req.chat(), chat=True)
+                if isinstance(req, schemas.TokenizeCompletion):
+                    return list(self.llm.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
+                                ["input_ids"])
                 return self.llm.encode(req.single_prompt())
         except ValueError as e:
             raise bad_request(str(e), param="prompt") from None
 
+    def tokenize(self, raw: bytes) -> dict:
+        req = schemas.parse_tokenize(parse_json(raw))
+        self.check_model(req.model)
+        tokens = self.encode(req)
+        out = {"count": len(tokens), "max_model_len": self.context, "tokens": tokens}
+        if req.return_token_strs:
+            with self.encode_lock:
+                out["token_strs"] = self.llm.tokenizer.convert_ids_to_tokens(tokens)
+        return out
+
+    def detokenize(self, raw: bytes) -> dict:
+        req = schemas.validate(schemas.Detokenize, parse_json(raw))
+        self.check_model(req.model)
+        vocab = self.llm.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
+        with self.encode_lock:
+            return {"prompt": self.llm.tokenizer.decode(req.tokens)}
+
+    def model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
+                "root": self.llm.name, "max_model_len": self.context}
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"the model {model!r} does not exist here; this server serves {served!r} (see /v1/models)",
+                    param="model", code="model_not_found")
+
 
 def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thread: bool = True) -> FastAPI:
-    """scheduler_thread=False: the caller runs `app.state.server.scheduler.run()` itself (see `serve`)."""
+    """Sets up every method of `config.methods` before it returns (see warmup.py).
+    scheduler_thread=False: the caller runs `app.state.server.scheduler.run()` itself (see `serve`)."""
     server = Server(llm, config, cost)
 
     @asynccontextmanager
@@ -127,7 +191,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
         yield
         await run_in_threadpool(server.scheduler.stop)  # in-flight requests had the graceful-shutdown window
 
-    app = FastAPI(title="specdecode", lifespan=lifespan)
+    app = FastAPI(title="specdecode", version=__version__, lifespan=lifespan)
     app.state.server = server
 
     @app.exception_handler(APIError)
@@ -153,21 +217,20 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
             raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>'", type="authentication_error",
                            code="invalid_api_key")
 
-    async def read(request: Request, cls: type[Body]) -> Body:
+    async def body(request: Request) -> bytes:
         authorize(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}") from None
-        req = schemas.parse(cls, body)
-        if req.model != config.model_name:
-            raise APIError(400, f"the model {req.model!r} is not served here; this server serves "
-                                f"{config.model_name!r} (see /v1/models)", param="model", code="model_not_found")
-        return req
+        return await read_body(request, config.max_request_bytes)
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": config.model_name, **server.scheduler.load}
+        out = {"status": "ok", "model": config.model_name, **server.scheduler.load}
+        if config.replica:
+            out["replica"] = config.replica
+        return out
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -176,21 +239,34 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         authorize(request)
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdecode", "max_model_len": server.context}]}
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> dict:
+        authorize(request)
+        server.check_model(model)
+        return server.model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await run_in_threadpool(server.tokenize, await body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        return await run_in_threadpool(server.detokenize, await body(request))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await complete(request, await read(request, schemas.ChatRequest), "chat")
+        return await complete(request, schemas.ChatRequest, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await complete(request, await read(request, schemas.CompletionRequest), "completion")
+        return await complete(request, schemas.CompletionRequest, "completion")
 
-    async def complete(request: Request, req: schemas.GenerationRequest, kind: str) -> Response:
-        prompt = server.encode(req)
-        row = await run_in_threadpool(server.build_row, req, prompt)
-        job = Job(row, server.tokenizer, req.stops, asyncio.get_running_loop())
+    async def complete(request: Request, cls: schemas.RequestType, kind: str) -> Response:
+        prepared = await run_in_threadpool(server.prepare, await body(request), cls)
+        req = prepared.req
+        job = Job(prepared.row, server.tokenizer, req.stops, asyncio.get_running_loop(), method=prepared.method)
         server.scheduler.submit(job)
         rid, created = schemas.new_id(kind), schemas.now()
         if req.stream:
@@ -200,16 +276,22 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
         return await whole(request, job, kind, rid, created)
 
     async def whole(request: Request, job: Job, kind: str, rid: str, created: int) -> Response:
+        """Collect the text; if the client goes away meanwhile, the job is cancelled at once (its row leaves
+        the batch before the next step), whatever the job is doing."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            server.scheduler.cancel(job)
+            job.events.put_nowait(None)  # wakes the loop below: nobody is left to answer
+
+        watcher = asyncio.create_task(watch())
         text = []
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        server.scheduler.cancel(job)
-                        return Response(status_code=499)
-                    continue
+                event = await job.events.get()
+                if event is None:
+                    return Response(status_code=499)  # nginx's "client closed request", for the access log
                 if isinstance(event, Piece):
                     text.append(event.text)
                 elif isinstance(event, Failed):
@@ -219,6 +301,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
                     return JSONResponse(schemas.envelope(kind, rid, created, config.model_name, [choice],
                                                          stream=False, usage=event.usage))
         finally:
+            watcher.cancel()
             server.scheduler.cancel(job)  # no-op when it finished
 
     async def stream(job: Job, kind: str, rid: str, created: int, with_usage: bool) -> AsyncIterator[str]:

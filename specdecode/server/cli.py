@@ -8,6 +8,7 @@ import os
 import sys
 
 from ..cli_precision import add_precision_args, quantization
+from .body import MAX_REQUEST_BYTES
 
 
 def add_parser(sub) -> None:
@@ -18,7 +19,12 @@ def add_parser(sub) -> None:
     s.add_argument("--served-model-name", help="the model id clients send (default: --model)")
     s.add_argument("--method", choices=METHODS, default="prompt-lookup",
                    help="default speculation method (a request may pick another, or `speculation: false`)")
-    s.add_argument("--draft", help="draft model for --method draft/hybrid (registry name, HF dir or .gguf)")
+    s.add_argument("--methods", default="",
+                   help="comma list of the methods requests may pick; each is set up at start (cost "
+                        "timing, heads, layer search), never inside a request (default: the --method plus "
+                        "none,prompt-lookup,lookahead)")
+    s.add_argument("--draft", help="draft model for --method draft/hybrid (registry name, HF dir or .gguf); the "
+                   "trained heads' folder for eagle/medusa")
     s.add_argument("--k", default="auto", help="tokens guessed per step, or 'auto' (cost model; backs off as the "
                    "batch grows)")
     s.add_argument("--suffix-cache-tokens", type=int, default=1_000_000,
@@ -28,6 +34,13 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch slot before 503")
+    s.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413 (default 2 MiB)")
+    s.add_argument("--replicas", type=int,
+                   help="serve N replicas behind Ray Serve's router (one endpoint; `pip install specdecode[ray]`; "
+                        "joins the Ray cluster at $RAY_ADDRESS, else starts a local one)")
+    s.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="with --replicas: CPUs Ray reserves for each replica (its torch threads)")
     s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY, else none)")
     add_precision_args(s)
@@ -38,29 +51,33 @@ def add_parser(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..api import LLM
-    from ..batch_cost import BatchCost
-    from .app import ServerConfig, serve
+    from .warmup import parse_methods
 
     if args.max_batch < 1 or args.max_queue < 0:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.k != "auto" and not str(args.k).isdigit():
         raise ValueError(f"--k must be 'auto' or an integer >= 0, got {args.k!r}")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.max_request_bytes < 1024:
+        raise ValueError("--max-request-bytes must be at least 1024")
+    methods = parse_methods(args.methods, args.method)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
-    log = logging.getLogger("specdecode.server")
-    log.info("loading %s", args.model)
-    llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
-    llm.suffix_cache(args.suffix_cache_tokens)
-    llm.proposer(args.method, args.draft)  # load and check the draft (model, head, layer search) now, not later
-    log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
-    cost = BatchCost.for_model(llm.model, args.max_batch, llm.cost_model())
-    config = ServerConfig(model_name=args.served_model_name or args.model, method=args.method,
-                          k=args.k if args.k == "auto" else int(args.k), draft=args.draft, max_batch=args.max_batch,
-                          max_queue=args.max_queue, api_key=args.api_key)
+    options = dict(model=args.model, served_model_name=args.served_model_name or args.model, method=args.method,
+                   methods=methods, k=args.k if args.k == "auto" else int(args.k), draft=args.draft,
+                   max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
+                   max_request_bytes=args.max_request_bytes, dtype=args.dtype, quantization=quantization(args),
+                   threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens)
+    if args.replicas is not None:
+        from .ray_app import run_replicas
+
+        if args.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        run_replicas(options, replicas=args.replicas, replica_cpus=args.replica_cpus, host=args.host,
+                     port=args.port)
+        return 0
+    from .app import serve
+    from .replica import build
+
+    llm, config, cost = build(options)
     serve(llm, config, host=args.host, port=args.port, cost=cost, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level)
     return 0

@@ -1,57 +1,138 @@
-"""Prometheus metrics of one server (its own registry, so several servers in one process do not clash)."""
+"""Prometheus metrics of one server (its own registry, so several servers in one process do not clash).
+
+Names, types and buckets follow vLLM's (`vllm:...`), so dashboards and alerts written for vLLM work here.
+Labels: `model_name` everywhere, plus `method` (the speculation method that served the request) on request
+and speculation metrics. A few of our own (`specdecode_...`) say what vLLM's cannot: requests refused or
+abandoned, and the batch each step ran.
+
+vLLM's recipes hold: acceptance rate = rate(vllm:spec_decode_num_accepted_tokens_total) /
+rate(vllm:spec_decode_num_draft_tokens_total); mean acceptance length = 1 + rate(..._num_accepted_tokens_total)
+/ rate(vllm:spec_decode_num_drafts_total); per position = ..._num_accepted_tokens_per_pos_total / ..._drafts.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported for the route
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
+MAX_POSITIONS = 64  # per-position acceptance counts this many positions at most (a request may fix k <= 64)
+
+
+class Timed(Protocol):
+    """What the metrics read of a scheduler job."""
+
+    method: str
+    arrived: float
+    first_token_at: float | None
+
+
+def token_buckets(max_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's 1-2-5 buckets for token counts)."""
+    out: list[int] = []
+    base = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * base > max_len:
+                return out
+            out.append(m * base)
+        base *= 10
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 8192) -> None:
         r = self.registry = CollectorRegistry()
-        p = "specdecode_"
-        self.requests = Counter(p + "requests", "Requests by outcome: stop, length, cancelled (client gone), "
+        m, mm = ["model_name"], ["model_name", "method"]
+        self.model_name = model_name
+        # state of the scheduler
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a batch slot", m, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Tokens held in the KV cache by running requests, as a "
+                              "fraction of what --max-batch rows of the full context hold (1 = 100%)", m, registry=r)
+        # tokens and requests
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", mm, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", mm, registry=r)
+        self.success = Counter("vllm:request_success", "Requests finished, by finish reason",
+                               [*mm, "finished_reason"], registry=r)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", mm,
+                                        buckets=token_buckets(max_model_len), registry=r)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Generated tokens per request", mm,
+                                            buckets=token_buckets(max_model_len), registry=r)
+        # latency
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "From arrival to the first generated token", mm,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Between successive outputs of one request (one per "
+                             "step: a step may commit several tokens)", mm, buckets=TOKEN_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Per request: time after the first token / the "
+                              "tokens after it", mm, buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From arrival to the last token", mm,
+                             buckets=REQUEST_BUCKETS, registry=r)
+        # speculation
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Row steps that verified at least one guess", mm,
+                              registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Guessed tokens sent for verification", mm,
+                                    registry=r)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Guessed tokens accepted", mm,
+                                       registry=r)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted guesses by position along the accepted path (0 = first guess)",
+                                        [*mm, "position"], registry=r)
+        # ours
+        self.requests = Counter("specdecode_requests", "Requests by outcome: stop, length, cancelled (client gone), "
                                 "error, rejected (queue full or shutting down)", ["outcome"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generated_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.drafted = Counter(p + "drafted_tokens", "Guessed tokens sent to the target for verification", registry=r)
-        self.accepted = Counter(p + "accepted_tokens", "Guessed tokens the target accepted", registry=r)
-        self.acceptance_rate = Gauge(p + "acceptance_rate", "accepted / drafted since start", registry=r)
-        self.mean_accepted = Gauge(p + "mean_accepted_length",
-                                   "Mean tokens committed per row per verification step (tau) since start", registry=r)
-        self.accepted_per_step = Histogram(p + "accepted_per_step", "Guesses accepted per row per step",
-                                           buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16), registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "From arrival to the first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds",
-                             "Between successive pieces of output of one request (a piece may hold several tokens)",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_duration_seconds", "From arrival to the last token",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a batch slot", registry=r)
-        self.batch_size = Gauge(p + "batch_size", "Requests in the running batch", registry=r)
-        self.step_rows = Histogram(p + "step_batch_size", "Rows per batched verification forward",
+        self.step_rows = Histogram("specdecode_step_batch_size", "Rows per batched verification forward",
                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.step_seconds = Histogram(p + "step_seconds", "Seconds per batched step (propose, forward, verify)",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self._steps = self._committed = self._drafted = self._accepted = 0
+        self.step_seconds = Histogram("specdecode_step_seconds", "Seconds per batched step (propose, forward, "
+                                      "verify)", buckets=STEP_BUCKETS, registry=r)
 
-    def observe_row_step(self, drafted: int, accepted: int, committed: int) -> None:
-        self.drafted.inc(drafted)
-        self.accepted.inc(accepted)
-        self.generated_tokens.inc(committed)
-        self.accepted_per_step.observe(accepted)
-        self._steps += 1
-        self._committed += committed
-        self._drafted += drafted
-        self._accepted += accepted
-        if self._drafted:
-            self.acceptance_rate.set(self._accepted / self._drafted)
-        self.mean_accepted.set(self._committed / self._steps)
+    def labels(self, job: Timed) -> tuple[str, str]:
+        return self.model_name, job.method
+
+    # -------------------------------------------------------------------------- scheduler hooks
+    def queue(self, running: int, waiting: int) -> None:
+        self.running.labels(self.model_name).set(running)
+        self.waiting.labels(self.model_name).set(waiting)
+
+    def kv(self, tokens: int, capacity: int) -> None:
+        self.kv_usage.labels(self.model_name).set(tokens / capacity if capacity else 0.0)
+
+    def admitted(self, job: Timed, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(*self.labels(job)).inc(prompt_tokens)
+        self.request_prompt.labels(*self.labels(job)).observe(prompt_tokens)
+
+    def row_step(self, job: Timed, drafted: int, accepted: int, committed: int) -> None:
+        """One row's share of a step: guesses verified and accepted, tokens committed."""
+        labels = self.labels(job)
+        self.generation_tokens.labels(*labels).inc(committed)
+        if drafted:
+            self.drafts.labels(*labels).inc()
+            self.draft_tokens.labels(*labels).inc(drafted)
+            self.accepted_tokens.labels(*labels).inc(accepted)
+            for pos in range(min(accepted, MAX_POSITIONS)):
+                self.accepted_per_pos.labels(*labels, str(pos)).inc()
+
+    def first_token(self, job: Timed, now: float) -> None:
+        self.ttft.labels(*self.labels(job)).observe(now - job.arrived)
+
+    def inter_token(self, job: Timed, seconds: float) -> None:
+        self.itl.labels(*self.labels(job)).observe(seconds)
+
+    def finished(self, job: Timed, reason: str, now: float, generated: int) -> None:
+        labels = self.labels(job)
+        self.success.labels(*labels, reason).inc()
+        self.e2e.labels(*labels).observe(now - job.arrived)
+        self.request_generation.labels(*labels).observe(generated)
+        if job.first_token_at is not None and generated > 1:
+            self.tpot.labels(*labels).observe((now - job.first_token_at) / (generated - 1))
 
     def watch_suffix(self, cache: Callable[[], object | None]) -> None:
         """Gauges read at scrape time from the model's suffix cache (`cache()`: a SuffixCache, None before one

@@ -55,8 +55,9 @@ class LockedTokenizer:
 
 
 class Job:
-    def __init__(self, row: Request, tokenizer: LockedTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop):
-        self.row, self.loop = row, loop
+    def __init__(self, row: Request, tokenizer: LockedTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop,
+                 method: str = "none"):
+        self.row, self.loop, self.method = row, loop, method  # method: the metrics' label
         self.text = RequestText(tokenizer, stops, row.stop_token_ids)
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
@@ -109,7 +110,7 @@ class Scheduler:
                 raise overloaded(f"the server is busy: {len(self.active)} requests running and {len(self.waiting)} "
                                  "waiting (the queue is full); retry shortly")
             self.waiting.append(job)
-            self.metrics.queue_depth.set(len(self.waiting))
+            self.metrics.queue(len(self.active), len(self.waiting))
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
@@ -150,7 +151,7 @@ class Scheduler:
                         break
                     budget -= prompt
                     admit.append(self.waiting.popleft())
-                self.metrics.queue_depth.set(len(self.waiting))
+                self.metrics.queue(len(self.active), len(self.waiting))
             try:
                 self._admit(admit)
                 self._drop_cancelled()
@@ -180,7 +181,7 @@ class Scheduler:
                 self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
                 continue
             self.active[id(job.row)] = job
-            self.metrics.prompt_tokens.inc(job.row.stats.prompt_tokens)
+            self.metrics.admitted(job, job.row.stats.prompt_tokens)
 
     def _drop_cancelled(self) -> None:
         for job in list(self.active.values()):
@@ -189,7 +190,6 @@ class Scheduler:
                 self._close(job, "cancelled", None)
 
     def _step(self) -> None:
-        self.metrics.batch_size.set(len(self.active))
         self.metrics.step_rows.observe(len(self.active))
         before = {key: (job.row.stats.drafted, job.row.stats.accepted) for key, job in self.active.items()}
         started = time.perf_counter()
@@ -202,24 +202,30 @@ class Scheduler:
                 self._close(job, "error", Failed(internal_error("the request failed", result)))
                 continue
             drafted, accepted = before[id(row)]
-            self.metrics.observe_row_step(row.stats.drafted - drafted, row.stats.accepted - accepted, len(result))
+            self.metrics.row_step(job, row.stats.drafted - drafted, row.stats.accepted - accepted, len(result))
             self._deliver(job, result)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.metrics.queue(len(self.active), len(self.waiting))
+        held = sum(self.engine.cache.lengths[: len(self.engine.rows)])
+        self.metrics.kv(held, self.max_batch * self.engine.model.config.max_position_embeddings)
 
     def _deliver(self, job: Job, tokens: list[int]) -> None:
         now = time.perf_counter()
         if tokens and job.first_token_at is None:
             job.first_token_at = now
-            self.metrics.ttft.observe(now - job.arrived)
+            self.metrics.first_token(job, now)
         piece = job.text.step(tokens, job.row.finish_reason)
         finish = job.text.finish
         if piece:
             if job.last_piece_at is not None:
-                self.metrics.itl.observe(now - job.last_piece_at)
+                self.metrics.inter_token(job, now - job.last_piece_at)
             job.last_piece_at = now
             job.emit(Piece(piece))
         if finish:
             self._leave(job)
-            self.metrics.e2e.observe(now - job.arrived)
+            self.metrics.finished(job, finish, now, job.row.stats.new_tokens)
             self._close(job, finish, Done(finish, job.usage()))
 
     def _leave(self, job: Job) -> None:
@@ -228,7 +234,7 @@ class Scheduler:
         else:
             job.row.finish()
         self.active.pop(id(job.row), None)
-        self.metrics.batch_size.set(len(self.active))
+        self._publish()
 
     def _close(self, job: Job, outcome: str, event: Done | Failed | None) -> None:
         job.done = True

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API (the fields this server honours) and the response/chunk shapes.
 
-Unknown fields are accepted and ignored, as OpenAI clients send many optional ones; fields whose non-default
-values this server cannot honour (n > 1, logprobs, penalties, echo, best_of) are refused with a 400 that says so.
+Fields outside these models are screened by fields.py first: harmless ones are dropped, unsupported ones are
+accepted only with their neutral value (`n: 1`, `logprobs: false`, ...) and anything else is a 400 naming the
+field. The models themselves forbid extra fields, so nothing can slip through unread.
 """
 
 from __future__ import annotations
@@ -13,42 +14,45 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import bad_request
+from .fields import screen, unknown
+
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # a stop string is held back from a stream until it cannot match: keep that short
+MAX_K = 64  # guesses per step a request may fix (a draft model proposes them one forward at a time)
 
 
-class Speculation(BaseModel):
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Speculation(Strict):
     """Per-request extension: `"speculation": {"method": "prompt-lookup", "k": "auto"}` or `false` (plain)."""
 
-    model_config = ConfigDict(extra="forbid")
     method: str | None = None
     k: int | Literal["auto"] | None = Field(None)
 
     @field_validator("k")
     @classmethod
     def _k(cls, k):
-        if isinstance(k, int) and k < 0:
-            raise ValueError("k must be 'auto' or an integer >= 0")
+        if isinstance(k, int) and not 0 <= k <= MAX_K:
+            raise ValueError(f"k must be 'auto' or an integer in [0, {MAX_K}]")
         return k
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
 
 
-class Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # other OpenAI fields (user, metadata, ...) are ignored
-
+class Common(Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
     # extensions
     speculation: Speculation | bool | None = None
     top_k: int | None = Field(None, ge=0)
@@ -57,34 +61,28 @@ class Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, stop):
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences")
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        for s in stops:
+            if not 0 < len(s) <= MAX_STOP_CHARS:
+                raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters (got {len(s)})")
         return stop
-
-    def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request(f"n must be 1 (got {self.n}): this server returns one choice per request; "
-                              "send several requests for several choices", param="n")
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported (it would change the target distribution)", param=name)
 
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     type: str
     text: str | None = None
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted; the chat template decides whether it shows
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -102,21 +100,12 @@ class ChatRequest(Common):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
 
 class CompletionRequest(Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if self.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of must be 1", param="best_of")
 
     @property
     def limit(self) -> int:
@@ -134,21 +123,72 @@ class CompletionRequest(Common):
         return prompt  # type: ignore[return-value]  # a list of lists was refused above
 
 
-GenerationRequest = ChatRequest | CompletionRequest  # what a route hands to the server
-Parsed = TypeVar("Parsed", bound=Common)
+class TokenizeCompletion(Strict):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
-def parse(cls: type[Parsed], body: object) -> Parsed:
+class TokenizeChat(Strict):
+    """vLLM's /tokenize with messages (rendered by the model's chat template, the assistant's turn opened)."""
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: Literal[True] = True
+    return_token_strs: bool = False
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class Detokenize(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+Validated = TypeVar("Validated", bound=BaseModel)
+
+
+def validate(cls: type[Validated], body: object) -> Validated:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        req = cls.model_validate(body)
+        return cls.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"{loc}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) from None
-    req.check_supported()
-    return req
+        errors = e.errors()
+        # an unknown nested field says more than "not a boolean" from the other member of a union
+        first = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+        path = [p for p in first["loc"] if not is_union_tag(p)]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        if first["type"] == "extra_forbidden":
+            nested = {f for m in (Speculation, StreamOptions, Message, TextPart) for f in m.model_fields}
+            raise unknown(loc, nested | set(cls.model_fields)) from None
+        raise bad_request(f"{loc}: {first['msg']}", param=str(path[0]) if path else None) from None
+
+
+def is_union_tag(part: str | int) -> bool:
+    """pydantic names the member of a union in an error's location: `Speculation`, `bool`, `list[str]`..."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("bool", "int", "str", "float"))
+
+
+GenerationRequest = ChatRequest | CompletionRequest  # what a route hands to the server
+RequestType = type[ChatRequest] | type[CompletionRequest]
+
+
+def parse(cls: RequestType, body: object) -> GenerationRequest:
+    """A chat or completion request: fields screened (fields.py), then validated."""
+    if isinstance(body, dict):
+        body = screen(body, set(cls.model_fields), chat=cls is ChatRequest)
+    return validate(cls, body)
+
+
+def parse_tokenize(body: object) -> TokenizeCompletion | TokenizeChat:
+    if isinstance(body, dict) and "messages" in body:
+        return validate(TokenizeChat, body)
+    return validate(TokenizeCompletion, body)
 
 
 # ------------------------------------------------------------------------------------- responses

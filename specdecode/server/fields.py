@@ -1,0 +1,176 @@
+"""Which request fields this server honours, which it refuses, and which typo a client probably made.
+
+OpenAI answers a field it does not know with a 400 ("Unrecognized request argument"), and so do we: a client
+that sends `max_tokenz` or `response_format` must learn that it was not honoured, not get plain prose back.
+Each field OpenAI or vLLM define falls in one of three groups:
+- honoured: the pydantic models in schemas.py validate and use it;
+- harmless: accepted and ignored, because it cannot change the output (`user`, `metadata`, ...);
+- not supported yet: accepted only with its neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: false`,
+  `tools: null`, ...), since clients often send defaults explicitly; any other value is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from .errors import APIError
+
+Neutral = Callable[[Any], bool]
+
+
+def _null(v: Any) -> bool:
+    return v is None
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _true(v: Any) -> bool:
+    return v is None or v is True
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (not isinstance(v, bool) and v == 0)
+
+
+def _one(v: Any) -> bool:
+    return v is None or (not isinstance(v, bool) and v == 1)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+def _is(*values: Any) -> Neutral:
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
+
+
+CHANGES_DISTRIBUTION = "it changes the target's distribution, which the verifier does not apply yet"
+STRUCTURED = "structured output (grammar-constrained decoding) is not implemented yet"
+TOOLS = "tool and function calling are not implemented; describe the tools in the prompt instead"
+LOGPROBS = "log-probabilities are not returned yet"
+
+# name -> (neutral value test, why not / what to do instead); shared by both routes
+UNSUPPORTED: dict[str, tuple[Neutral, str]] = {
+    "n": (_one, "this server returns one choice per request; send several requests for several choices"),
+    "best_of": (_one, "send several requests and pick the best yourself"),
+    "use_beam_search": (_false, "beam search is not speculative decoding's job"),
+    "length_penalty": (_one, "it only applies to beam search"),
+    "presence_penalty": (_zero, CHANGES_DISTRIBUTION),
+    "frequency_penalty": (_zero, CHANGES_DISTRIBUTION),
+    "repetition_penalty": (_one, CHANGES_DISTRIBUTION),
+    "logit_bias": (_empty, CHANGES_DISTRIBUTION),
+    "min_p": (_zero, CHANGES_DISTRIBUTION),
+    "min_tokens": (_zero, CHANGES_DISTRIBUTION),
+    "bad_words": (_empty, CHANGES_DISTRIBUTION),
+    "allowed_token_ids": (_null, CHANGES_DISTRIBUTION),
+    "logits_processors": (_null, CHANGES_DISTRIBUTION),
+    "stop_token_ids": (_empty, "use `stop` strings (the model's end-of-turn tokens always stop)"),
+    "include_stop_str_in_output": (_false, "the text always ends before a stop string"),
+    "skip_special_tokens": (_true, "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": (_true, "special tokens are always left out of the text"),
+    "truncate_prompt_tokens": (_null, "shorten the prompt yourself (see /tokenize)"),
+    "prompt_logprobs": (_null, LOGPROBS),
+    "return_tokens_as_token_ids": (_false, LOGPROBS),
+    "priority": (_zero, "requests are served first come, first served"),
+    "response_format": (_is({"type": "text"}), STRUCTURED),
+    "guided_json": (_null, STRUCTURED),
+    "guided_regex": (_null, STRUCTURED),
+    "guided_choice": (_null, STRUCTURED),
+    "guided_grammar": (_null, STRUCTURED),
+    "guided_decoding_backend": (_null, STRUCTURED),
+    "guided_whitespace_pattern": (_null, STRUCTURED),
+    "structural_tag": (_null, STRUCTURED),
+    "structured_outputs": (_null, STRUCTURED),
+}
+UNSUPPORTED_CHAT: dict[str, tuple[Neutral, str]] = {
+    "logprobs": (_false, LOGPROBS),
+    "top_logprobs": (_null, LOGPROBS),
+    "tools": (_empty, TOOLS),
+    "tool_choice": (_is("none"), TOOLS),
+    "functions": (_empty, TOOLS),
+    "function_call": (_is("none"), TOOLS),
+    "audio": (_null, "this server answers in text only"),
+    "modalities": (_is(["text"]), "this server answers in text only"),
+    "prediction": (_null, "predicted outputs are not supported; speculation already guesses from the prompt"),
+    "reasoning_effort": (_null, "this model does not reason in a separate channel"),
+    "verbosity": (_null, "this model has no verbosity control"),
+    "web_search_options": (_null, "this server does not search the web"),
+    "chat_template": (_null, "the model's own chat template is always used"),
+    "chat_template_kwargs": (_empty, "the model's own chat template is always used"),
+    "add_generation_prompt": (_true, "the assistant's turn is always opened"),
+    "continue_final_message": (_false, "the assistant's turn is always a new one"),
+    "add_special_tokens": (_false, "the chat template places the special tokens"),
+    "documents": (_null, "put the documents in the messages"),
+    "mm_processor_kwargs": (_null, "this server takes text only"),
+    "echo": (_false, "the response holds the new text only"),
+}
+UNSUPPORTED_COMPLETION: dict[str, tuple[Neutral, str]] = {
+    "logprobs": (_null, LOGPROBS),  # 0 is not neutral here: it asks for the chosen tokens' log-probabilities
+    "echo": (_false, "the response holds the new text only"),
+    "suffix": (_is(""), "insertion (fill in the middle) is not supported"),
+    "add_special_tokens": (_true, "the tokenizer always adds the model's special tokens to a text prompt"),
+}
+# accepted and ignored: they cannot change what the model writes
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                      "parallel_tool_calls", "request_id", "cache_salt"})
+
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+UNSUPPORTED_MESSAGE: dict[str, tuple[Neutral, str]] = {
+    "tool_calls": (_empty, TOOLS),
+    "function_call": (_null, TOOLS),
+    "audio": (_null, "this server takes text only"),
+}
+HARMLESS_MESSAGE = frozenset({"refusal", "annotations", "tool_call_id", "reasoning_content"})
+
+
+def unsupported(param: str, value: Any, why: str) -> APIError:
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return APIError(400, f"`{param}` is not supported by this server (got {shown}): {why}", param=param,
+                    code="unsupported_parameter")
+
+
+def unknown(param: str, known: set[str] | frozenset[str], where: str = "") -> APIError:
+    guess = difflib.get_close_matches(param.split(".")[-1], sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean `{guess[0]}`?" if guess else ""
+    return APIError(400, f"unrecognized request argument `{param}`{where}{hint}", param=param,
+                    code="unknown_parameter")
+
+
+def screen(body: dict, honoured: set[str], chat: bool) -> dict:
+    """The body less harmless and neutral fields; a 400 for a field with a value we cannot honour or a name
+    nobody defines. `honoured`: the fields the request model reads."""
+    table = {**UNSUPPORTED, **(UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION)}
+    kept = {}
+    for name, value in body.items():
+        if name in honoured:
+            kept[name] = value
+        elif name in table:
+            neutral, why = table[name]
+            if not neutral(value):
+                raise unsupported(name, value, why)
+        elif name not in HARMLESS:
+            raise unknown(name, honoured | set(table) | HARMLESS)
+    if chat and isinstance(kept.get("messages"), list):
+        kept["messages"] = [screen_message(m, i) for i, m in enumerate(kept["messages"])]
+    return kept
+
+
+def screen_message(message: Any, index: int) -> Any:
+    if not isinstance(message, dict):
+        return message  # pydantic says what is wrong with it
+    kept = {}
+    for name, value in message.items():
+        param = f"messages[{index}].{name}"
+        if name in MESSAGE_FIELDS:
+            kept[name] = value
+        elif name in UNSUPPORTED_MESSAGE:
+            neutral, why = UNSUPPORTED_MESSAGE[name]
+            if not neutral(value):
+                raise unsupported(param, value, why)
+        elif name not in HARMLESS_MESSAGE:
+            raise unknown(param, MESSAGE_FIELDS | set(UNSUPPORTED_MESSAGE) | HARMLESS_MESSAGE)
+    return kept

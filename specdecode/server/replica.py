@@ -1,0 +1,35 @@
+"""One server's set-up from plain options: load the model, measure the batch's forward cost, make the config.
+`specdecode serve` runs it in its own process; each Ray Serve replica runs it in its actor (ray_app.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..api import LLM
+from ..batch_cost import BatchCost
+from .app import ServerConfig
+from .warmup import warm_up
+
+log = logging.getLogger("specdecode.server")
+
+
+def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, ServerConfig, BatchCost]:
+    """options: the keys cmd_serve fills (model, served_model_name, method, methods, k, draft, max_batch,
+    max_queue, api_key, max_request_bytes, dtype, quantization, threads, suffix_cache_tokens)."""
+    if options.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(options["threads"]))
+    log.info("loading %s", options["model"])
+    llm = LLM.load(options["model"], dtype=options.get("dtype", "float32"),
+                   quantization=options.get("quantization", "auto"))
+    llm.suffix_cache(options.get("suffix_cache_tokens"))
+    warm_up(llm, options["methods"], options.get("draft"))  # before the batch's timing: fail fast
+    log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
+    cost = BatchCost.for_model(llm.model, options["max_batch"], llm.cost_model())
+    config = ServerConfig(model_name=options["served_model_name"], method=options["method"], k=options["k"],
+                          draft=options.get("draft"), max_batch=options["max_batch"], max_queue=options["max_queue"],
+                          api_key=options.get("api_key"), methods=tuple(options["methods"]),
+                          max_request_bytes=options["max_request_bytes"], replica=replica)
+    return llm, config, cost
