@@ -11,7 +11,7 @@ import torch
 
 import specdecode
 from specdecode.batch_cost import BatchCost
-from specdecode.cost import CostModel
+from specdecode.cost import TABLE_VERSION, CostModel
 
 from .helpers import make_tokenizer, write_checkpoint
 
@@ -30,7 +30,8 @@ def server_files(root: Path, max_batches: tuple[int, ...] = (16,)) -> tuple[Path
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the cost files' names carry the thread count: the servers run one thread
     try:
-        CostModel.save(llm.model, CostModel(sizes, [64, 512], [[1e-3 * (1 + 0.01 * n) for n in sizes]] * 2), cache)
+        single = CostModel(sizes, [64, 512], [[1e-3 * (1 + 0.01 * n) for n in sizes]] * 2, version=TABLE_VERSION)
+        CostModel.save(llm.model, single, cache)
         for max_batch in max_batches:
             batch_sizes = BatchCost.sizes_up_to(max_batch)
             tables = [CostModel(sizes, [64, 512], [[1e-3 * (1 + 0.01 * b * n) for n in sizes]] * 2)

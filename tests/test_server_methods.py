@@ -1,4 +1,4 @@
-"""Every method through the server's own path (`Server.policy`, `RowCost`, the batch decoder), at k="auto" and at
+"""Every method through the server's own path (`policy_for`, `RowCost`, the engine), at k="auto" and at
 a fixed k, streamed and not: greedy output equals plain decoding. The library path hands a proposer a
 `CostModel`, the server a `RowCost`; a method one of them lacked once failed every eagle and medusa request in
 the server (HTTP 500) while every library test passed. And a 500 carries no exception text to the client."""
@@ -114,8 +114,8 @@ def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -
         def broken(*args, **kwargs):
             raise RuntimeError("secret internals /home/user/weights.bin")
 
-        original = server.decoder.step
-        monkeypatch.setattr(server.decoder, "step", broken)
+        original = server.engine.step
+        monkeypatch.setattr(server.engine, "step", broken)
         for stream in (False, True):
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": stream}
             r = client.post("/v1/completions", json=body)
@@ -124,7 +124,7 @@ def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -
             assert "error id" in text
             assert r.status_code == (200 if stream else 500)
         assert "secret internals" in caplog.text  # the log keeps what the client is not told
-        monkeypatch.setattr(server.decoder, "step", original)
+        monkeypatch.setattr(server.engine, "step", original)
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200  # and the server goes on serving
 
