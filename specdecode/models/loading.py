@@ -292,7 +292,8 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
               act8: bool = False) -> Transformer:
     """A GGUF file's model, its Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors loaded as they are stored, the others (float, or
     K-quants such as Q4_K / Q6_K, which have no kernel here) dequantized to float32 once; with `kind` ("int4",
-    "int8") those float matrices are quantized to that; act8: int8 activations."""
+    "int8") the file's float matrices are quantized to that (never the K-quants: rounding twice only loses);
+    act8: int8 activations (the int4 / int8 layers')."""
     from rich.console import Console
     from rich.progress import track
 
@@ -310,7 +311,9 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
             parts[name] = layer if rows is None else layer.rows(rows)
             continue
         w = gguf_dense(t, rows, shift)
-        parts[name] = w if kind is None or w.dim() != 2 else QuantLinear.quantize(w, kind + ("-a8" if act8 else ""))
+        # `kind` rounds float matrices only: a K-quant's weights were rounded once already
+        rounds = kind is not None and w.dim() == 2 and stored in ("F32", "F16", "BF16")
+        parts[name] = QuantLinear.quantize(w, kind + ("-a8" if act8 else "")) if rounds else w
     with torch.device("meta"):
         model = Transformer(cfg)
 
