@@ -142,6 +142,33 @@ def test_token_by_token_and_tree_see_the_window_the_target_would(checkpoint) -> 
         torch.testing.assert_close(tree_logits[node], expected, atol=1e-5, rtol=1e-5, msg=f"node {node}")
 
 
+def test_float32_tree_verifies_bit_for_bit_what_single_steps_compute() -> None:
+    """On the CPU in float32 a token's numbers must not depend on how many tokens share the forward (else a near
+    tie decides differently in verification than in plain decoding, and greedy speculation is not lossless): the
+    attention runs in the native kernel, the matmuls in row-invariant ones."""
+    from specdecode import kernels
+
+    if kernels.native() is None:
+        pytest.skip("native kernels unavailable")
+    model = tiny_model(4, vocab_size=VOCAB, **GEMMA).float()
+    prefix = random_ids(14, VOCAB, seed=7)[0].tolist()
+    tree = DraftTree.from_paths(prefix[-1], [[5, 6, 7, 8, 9], [5, 6, 9], [5, 10], [11, 12]])
+    cache = model.new_cache(64)
+    model.forward(torch.tensor([prefix[:-1]]), cache, logits_at=None)
+    start = cache.length
+    tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
+                                tree_mask=tree.attention_mask()).logits[0]
+    for node in range(len(tree)):
+        path, i = [], node
+        while i > 0:
+            path.append(tree.tokens[i])
+            i = tree.parents[i]
+        cache.rollback(start)
+        for token in [prefix[-1], *path[::-1]]:  # one token per forward, as plain decoding runs
+            step = model.forward(torch.tensor([[token]]), cache).logits[0, -1]
+        assert torch.equal(step, tree_logits[node]), f"node {node}"
+
+
 def test_ragged_batch_equals_single_sequences() -> None:
     from specdecode.models import BatchKVCache
 

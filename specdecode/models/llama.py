@@ -114,9 +114,34 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, start)
+        lib = kernels.native() if native_attention(q, cache) else None
+        if lib is not None:  # a query's numbers independent of the forward's size: trees verify bit for bit
+            return self.wo(self._native(lib, q, cache, layer, start, mask).view(b, n, -1))
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.n_kv != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _native(self, lib, q: torch.Tensor, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+        """kernels/block.c's attention over the cache (keys and values written): [n, heads * head_dim]."""
+        n = q.shape[2]
+        rows = q.transpose(1, 2).reshape(n, -1).contiguous()
+        out = torch.empty_like(rows)
+        full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]; None: causal
+        kv = cache.kv[layer]
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        if lib.specdecode_attention(rows.data_ptr(), rows.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(),
+                                    kv[1].data_ptr(), cache.max_len, start, n, None,
+                                    None if full is None else full.data_ptr(), self.n_heads, self.n_kv,
+                                    self.head_dim, scale):
+            raise MemoryError("the native attention could not allocate its scratch memory")
+        return out
+
+
+def native_attention(q: torch.Tensor, cache) -> bool:
+    """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32 (the
+    Llama block's native path runs its own; SDPA's numbers for a query depend on the others in the call)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and type(cache) is KVCache
+            and cache.kv.dtype == torch.float32 and cache.kv.is_contiguous() and not torch.is_grad_enabled())
 
 
 class MLP(nn.Module):
