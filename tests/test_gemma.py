@@ -333,8 +333,8 @@ def test_greedy_speculative_equals_plain_on_gemma(target, reference, method: str
 
 
 def test_sampled_speculation_matches_gemma_distribution() -> None:
-    """Prompt lookup's tree at T > 0 on a one-layer... two-layer Gemma (a sliding and a global layer, window 3)
-    whose prompt runs past the window: the first three tokens follow the target's exact joint distribution."""
+    """Prompt lookup's tree at T > 0 on a two-layer Gemma (a sliding and a global layer, window 3) whose prompt runs
+    past the window: the first three tokens follow the target's exact joint distribution."""
     target = tiny_model(3, head_gain=3.0, vocab_size=V, hidden_size=32, intermediate_size=64, num_heads=2,
                         num_kv_heads=1, head_dim=16, **{**GEMMA, "num_layers": 2, "layer_types": [SLIDING, FULL],
                                                        "sliding_window": 3})
