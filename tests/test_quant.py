@@ -89,7 +89,7 @@ def test_gguf_blocks_load_as_stored() -> None:
         expected = gguf.quants.dequantize(raw, kind)
         got = QuantLinear.from_gguf(raw, name).dequantize().numpy()
         np.testing.assert_array_equal(got, expected, err_msg=name)
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0"):
         QuantLinear.from_gguf(raw, "Q6_K")
 
 

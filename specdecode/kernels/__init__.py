@@ -139,6 +139,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     w = ctypes.POINTER(Weight)
     lib.specdecode_block.argtypes = [p, i, i, p, p, f, w, w, w, w, p, p, i, i, p, p, p, p, i, i, i, i]
     lib.specdecode_block.restype = i
+    lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
+    lib.specdecode_attention.restype = i
     lib.specdecode_simd.restype = i
     for fn in (lib.specdecode_q4_matmul, lib.specdecode_q8_matmul, lib.specdecode_f32_matmul):
         fn.restype = None

@@ -11,7 +11,8 @@
    one-token steps would compute.
 
    Numerics follow the PyTorch model (models/llama.py): RMSNorm in float32 with the weight applied after the
-   normalisation, rotate-half RoPE from the given cos/sin tables, softmax with the max subtracted. */
+   normalisation, rotate-half RoPE from the given cos/sin tables, softmax with the max subtracted. The attention
+   itself (specdecode_attention) is exported: the PyTorch blocks of other families (Gemma) call it too. */
 
 #include <math.h>
 #include <stdint.h>
@@ -122,48 +123,30 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
     }
 }
 
-int specdecode_block(float *x, int n, int H, const float *attn_norm, const float *mlp_norm, float eps,
-                     const Weight *wqkv, const Weight *wo, const Weight *w13, const Weight *w2,
-                     float *k_cache, float *v_cache, int max_len, int start,
-                     const float *cos, const float *sin, const uint8_t *mask, const uint8_t *full_mask,
-                     int n_heads, int n_kv, int hd, int inter) {
-    const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim, L = start + n;
-    const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
-    float *xn = malloc(sizeof(float) * (size_t)n * (H > inter ? H : inter));
-    float *big = malloc(sizeof(float) * (size_t)n * widest);
-    float *att = malloc(sizeof(float) * (size_t)n * q_dim);
-    float *scratch = malloc(sizeof(float) * (size_t)n * (inter > H ? inter : H) / 32 + 64);
-    float *out = malloc(sizeof(float) * (size_t)n * H);
-    if (!xn || !big || !att || !scratch || !out) {
-        free(xn); free(big); free(att); free(scratch); free(out);
-        return 1;
-    }
-
-    /* attention */
-    rmsnorm(x, attn_norm, eps, n, H, xn);
-    linear(wqkv, xn, n, big, scratch);
-    for (int i = 0; i < n; i++) {
-        float *row = big + (int64_t)i * qkv_dim;
-        const float *c = cos + (int64_t)i * hd, *s = sin + (int64_t)i * hd;
-        for (int h = 0; h < n_heads; h++) rope(row + h * hd, c, s, hd);
-        for (int g = 0; g < n_kv; g++) {
-            float *k = row + q_dim + g * hd;
-            rope(k, c, s, hd);
-            memcpy(k_cache + ((int64_t)g * max_len + start + i) * hd, k, sizeof(float) * hd);
-            memcpy(v_cache + ((int64_t)g * max_len + start + i) * hd, row + q_dim + kv_dim + g * hd,
-                   sizeof(float) * hd);
-        }
-    }
-    const float scale = 1.0f / sqrtf((float)hd);
+/* Attention of n new queries (rows of q, `q_stride` floats apart, heads side by side, RoPE applied) over the
+   layer's cache, whose keys and values for the new tokens are already at start..start+n: out rows `att_stride`
+   apart. Visibility as in specdecode_block (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
+   [n, start + n]). A query's numbers never depend on n: the kernel the PyTorch blocks (Gemma) call too, so
+   that a tree verifies bit for bit what one-token steps compute. Returns 1 when scratch memory ran out. */
+int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const float *k_cache,
+                         const float *v_cache, int max_len, int start, int n, const uint8_t *mask,
+                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale) {
+    const int L = start + n;
+    int failed = 0;
     const int group = n_heads / n_kv;
 #pragma omp parallel
     {
         float *p = malloc(sizeof(float) * ((size_t)L + 8));
         float *pad = malloc(sizeof(float) * 8 * (size_t)hd);
+        if (!p || !pad) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int task = 0; task < n_heads * n; task++) {
+            if (!p || !pad) continue;  /* this thread's scratch is missing: `failed` says so */
             const int h = task / n, i = task % n, g = h / group;
-            const float *q = big + (int64_t)i * qkv_dim + h * hd;
+            const float *q = qs + (int64_t)i * q_stride + h * hd;
             const float *keys = k_cache + (int64_t)g * max_len * hd, *vals = v_cache + (int64_t)g * max_len * hd;
 #if FAST_ATTENTION
             if (hd % 8 == 0) {  /* every key's score by dot8, whatever L is: a key's number never depends on n */
@@ -201,7 +184,7 @@ int specdecode_block(float *x, int n, int H, const float *attn_norm, const float
 #endif
             float total = 0.0f;
             for (int j = 0; j < L; j++) total += p[j];
-            float *o = att + (int64_t)i * q_dim + h * hd;
+            float *o = att + (int64_t)i * att_stride + h * hd;
             for (int e = 0; e < hd; e++) o[e] = 0.0f;
             for (int j = 0; j < L; j++) {
                 if (p[j] == 0.0f) continue;
@@ -213,6 +196,46 @@ int specdecode_block(float *x, int n, int H, const float *attn_norm, const float
         }
         free(p);
         free(pad);
+    }
+    return failed;
+}
+
+int specdecode_block(float *x, int n, int H, const float *attn_norm, const float *mlp_norm, float eps,
+                     const Weight *wqkv, const Weight *wo, const Weight *w13, const Weight *w2,
+                     float *k_cache, float *v_cache, int max_len, int start,
+                     const float *cos, const float *sin, const uint8_t *mask, const uint8_t *full_mask,
+                     int n_heads, int n_kv, int hd, int inter) {
+    const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
+    const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
+    float *xn = malloc(sizeof(float) * (size_t)n * (H > inter ? H : inter));
+    float *big = malloc(sizeof(float) * (size_t)n * widest);
+    float *att = malloc(sizeof(float) * (size_t)n * q_dim);
+    float *scratch = malloc(sizeof(float) * (size_t)n * (inter > H ? inter : H) / 32 + 64);
+    float *out = malloc(sizeof(float) * (size_t)n * H);
+    if (!xn || !big || !att || !scratch || !out) {
+        free(xn); free(big); free(att); free(scratch); free(out);
+        return 1;
+    }
+
+    /* attention */
+    rmsnorm(x, attn_norm, eps, n, H, xn);
+    linear(wqkv, xn, n, big, scratch);
+    for (int i = 0; i < n; i++) {
+        float *row = big + (int64_t)i * qkv_dim;
+        const float *c = cos + (int64_t)i * hd, *s = sin + (int64_t)i * hd;
+        for (int h = 0; h < n_heads; h++) rope(row + h * hd, c, s, hd);
+        for (int g = 0; g < n_kv; g++) {
+            float *k = row + q_dim + g * hd;
+            rope(k, c, s, hd);
+            memcpy(k_cache + ((int64_t)g * max_len + start + i) * hd, k, sizeof(float) * hd);
+            memcpy(v_cache + ((int64_t)g * max_len + start + i) * hd, row + q_dim + kv_dim + g * hd,
+                   sizeof(float) * hd);
+        }
+    }
+    if (specdecode_attention(big, qkv_dim, att, q_dim, k_cache, v_cache, max_len, start, n, mask, full_mask,
+                             n_heads, n_kv, hd, 1.0f / sqrtf((float)hd))) {
+        free(xn); free(big); free(att); free(scratch); free(out);
+        return 1;
     }
     linear(wo, att, n, out, scratch);
     for (int64_t j = 0; j < (int64_t)n * H; j++) x[j] += out[j];

@@ -37,7 +37,8 @@ class EagleConfig:
     def for_target(cls, target: ModelConfig, draft_vocab_size: int, target_layers: list[int] | None = None):
         n = target.num_layers
         layers = target_layers or sorted({min(2, n - 1), n // 2, max(n - 3, 0)})
-        return cls(layers, min(draft_vocab_size, target.vocab_size), dataclasses.replace(target, num_layers=1))
+        # a Llama block whatever the target's (Gemma's options are its own model's, not the head's)
+        return cls(layers, min(draft_vocab_size, target.vocab_size), dataclasses.replace(target.plain(), num_layers=1))
 
     def to_json(self) -> str:
         return json.dumps({"target_layers": self.target_layers, "draft_vocab_size": self.draft_vocab_size,
@@ -69,9 +70,11 @@ class EagleHead(nn.Module):
         return self.lm_head.weight.device
 
     def init_from_target(self, target: Transformer, vocab: torch.Tensor) -> None:
-        """Start from the target: its last layer's weights for the block, its output rows for `vocab`."""
+        """Start from the target: its last layer's weights for the block (those a Llama block has), its output rows
+        for `vocab`."""
         with torch.no_grad():
-            self.block.load_state_dict(target.layers[-1].state_dict())
+            mine = self.block.state_dict()
+            self.block.load_state_dict({k: v for k, v in target.layers[-1].state_dict().items() if k in mine})
             self.norm.load_state_dict(target.norm.state_dict())
             self.lm_head.weight.copy_(target.lm_head.weight[vocab])
             self.d2t.copy_(vocab)

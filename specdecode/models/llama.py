@@ -1,4 +1,5 @@
-"""A Llama-family transformer (Llama, Mistral, Qwen2, SmolLM2) in plain PyTorch.
+"""A Llama-family transformer (Llama, Mistral, Qwen2, SmolLM2) in plain PyTorch, and Gemma 3 through the options
+of ModelConfig (per-layer sliding windows and RoPE bases, QK-norm, sandwich norms, GeGLU, scaled embeddings).
 
 Built for speculative decoding: the forward takes a batch of new tokens that may form a token tree
 (tree attention mask, explicit positions), writes their keys/values into a preallocated cache,
@@ -35,10 +36,13 @@ class BatchForwardOutput:
     hidden: list[list[torch.Tensor]]  # per row: one [sizes[b], H] per requested layer
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
+    """RoPE frequencies; with per-layer types (Gemma 3), the sliding layers' own base and no scaling."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling
+    local = sliding and cfg.layer_types is not None
+    theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = None if local else cfg.rope_scaling
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -76,6 +80,12 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
         self.wo = Linear(q_dim, cfg.hidden_size, bias=False)
         self.split = (q_dim, kv_dim, kv_dim)
+        self.scale = cfg.query_scale  # None: SDPA's head_dim ** -0.5
+        if cfg.qk_norm:  # Gemma 3: each head's queries and keys normalized before RoPE
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         b, n, _ = x.shape
@@ -83,11 +93,39 @@ class Attention(nn.Module):
         q = q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, start)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        lib = kernels.native() if native_attention(q, cache) else None
+        if lib is not None:  # a query's numbers independent of the forward's size: trees verify bit for bit
+            return self.wo(self._native(lib, q, cache, layer, start, mask).view(b, n, -1))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.n_kv != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _native(self, lib, q: torch.Tensor, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+        """kernels/block.c's attention over the cache (keys and values written): [n, heads * head_dim]."""
+        n = q.shape[2]
+        rows = q.transpose(1, 2).reshape(n, -1).contiguous()
+        out = torch.empty_like(rows)
+        full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]; None: causal
+        kv = cache.kv[layer]
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        if lib.specdecode_attention(rows.data_ptr(), rows.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(),
+                                    kv[1].data_ptr(), cache.max_len, start, n, None,
+                                    None if full is None else full.data_ptr(), self.n_heads, self.n_kv,
+                                    self.head_dim, scale):
+            raise MemoryError("the native attention could not allocate its scratch memory")
+        return out
+
+
+def native_attention(q: torch.Tensor, cache) -> bool:
+    """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32 (the
+    Llama block's native path runs its own; SDPA's numbers for a query depend on the others in the call)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and type(cache) is KVCache
+            and cache.kv.dtype == torch.float32 and cache.kv.is_contiguous() and not torch.is_grad_enabled())
 
 
 class MLP(nn.Module):
@@ -95,23 +133,33 @@ class MLP(nn.Module):
         super().__init__()
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate | up
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # Gemma's GeGLU; otherwise SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+        """index: the layer's place in the model (its attention type: sliding window or full)."""
         super().__init__()
+        self.sliding = cfg.sliding(index)  # the block keeps it: a layer-skipped view drops blocks, not types
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.sandwich_norm:  # Gemma: the attention's and the MLP's outputs normalized before the residual add
+            self.post_attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.post_mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        else:
+            self.post_attn_norm = self.post_mlp_norm = None
 
     def forward(self, x, cos, sin, cache, layer, start, mask) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        h = self.attn(self.attn_norm(x), cos, sin, cache, layer, start, mask)
+        x = x + (h if self.post_attn_norm is None else self.post_attn_norm(h))
+        h = self.mlp(self.mlp_norm(x))
+        return x + (h if self.post_mlp_norm is None else self.post_mlp_norm(h))
 
 
 class Transformer(nn.Module):
@@ -119,12 +167,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None  # by `sliding`
 
     @property
     def dtype(self) -> torch.dtype:  # the final norm's: the embedding may be a quantized table
@@ -149,17 +197,31 @@ class Transformer(nn.Module):
             batch_size=batch_size, dtype=self.dtype, device=self.device,
         )
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the given positions, from a table built once in float64 then cast."""
+    def rope(self, positions: torch.Tensor, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the given positions (of the sliding or the full layers), from a table built once in float64
+        then cast."""
         need = int(positions.max()) + 1
-        table = self._rope_cache
+        tables = self._rope_cache if self._rope_cache is not None else {}
+        table = tables.get(sliding)
         if table is None or table[0].shape[0] < need or table[0].dtype != self.dtype:
             size = max(need, self.config.max_position_embeddings)
-            freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(self.config))
+            freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(self.config, sliding))
             emb = torch.cat((freqs, freqs), dim=-1)
             table = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
-            self._rope_cache = table
+            self._rope_cache = {**tables, sliding: table}
         return table[0][positions], table[1][positions]
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The blocks' input: embeddings, times Gemma's scale (rounded to float32, then the dtype, as Gemma does)."""
+        x = self.embed(tokens)
+        scale = self.config.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=torch.float32).to(x.dtype)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from the last block's output: final norm, output layer, Gemma 2's softcap where set."""
+        logits = self.lm_head(self.norm(x))
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def forward(
@@ -184,21 +246,22 @@ class Transformer(nn.Module):
         start = cache.length
         if positions is None:
             positions = torch.arange(start, start + n, device=tokens.device)
-        cos, sin = self.rope(positions)
         num_layers = len(self.layers)
         if any(not -num_layers <= i < num_layers for i in hidden_layers):
             raise IndexError(f"hidden_layers {list(hidden_layers)} out of range for {num_layers} layers")
         wanted = [i % num_layers for i in hidden_layers]  # negative indices count from the last layer
-        x = self.embed(tokens)
+        x = self.embed_tokens(tokens)
         states = {}
         native = self._native_blocks(tokens, cache)
-        if native is not None:  # the same blocks, one native call each
+        if native is not None:  # the same blocks, one native call each (Llama blocks: one attention type)
             lib, blocks = native
+            cos, sin = self.rope(positions)
             flat = x.reshape(n, -1).float().contiguous()
             window = self.config.sliding_window
             windowed = window is not None and int(positions.max()) >= window
             # the kernel reads the tree mask [n, n] itself; only a sliding window needs the full [n, start + n] one
-            full = self._attention_mask(start, positions, tree_mask).to(torch.uint8).contiguous() if windowed else None
+            full = self._attention_mask(start, positions, tree_mask, window).to(torch.uint8).contiguous() \
+                if windowed else None
             tree = None if windowed or tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
             if start + n > cache.max_len:
                 raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
@@ -208,15 +271,20 @@ class Transformer(nn.Module):
                     states[i] = flat.clone().view(1, n, -1)
             x = flat.view(1, n, -1)
         else:
-            mask = self._attention_mask(start, positions, tree_mask)
+            window = self.config.sliding_window
+            # per attention type (all one type but in Gemma): RoPE and mask, a sliding layer's mask with its window
+            views = {sliding: (*self.rope(positions, sliding),
+                               self._attention_mask(start, positions, tree_mask, window if sliding else None))
+                     for sliding in {layer.sliding for layer in self.layers}}
             for i, layer in enumerate(self.layers):
+                cos, sin, mask = views[layer.sliding]
                 x = layer(x, cos, sin, cache, i, start, mask)
                 if i in wanted:
                     states[i] = x
         cache.length = start + n
         logits = None
         if logits_at is not None:
-            logits = self.lm_head(self.norm(x[:, logits_at]))
+            logits = self.output_logits(x[:, logits_at])
         return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
 
     def _native_blocks(self, tokens: torch.Tensor, cache):
@@ -235,9 +303,12 @@ class Transformer(nn.Module):
             self.__dict__["_native"] = cached
         return None if cached[1] is None else (lib, cached[1])
 
-    def _attention_mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None):
-        """[n, start + n] bool (True = attend), or None when every query may see every cached key."""
-        n, window = positions.shape[-1], self.config.sliding_window
+    def _attention_mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+                        window: int | None):
+        """[n, start + n] bool (True = attend), or None when every query may see every cached key. A query at
+        position p sees keys at positions > p - window: the cache holds the accepted prefix at positions
+        0..start-1 and tree nodes sit at prefix_len + depth, so a node sees exactly what the target would."""
+        n = positions.shape[-1]
         windowed = window is not None and int(positions.max()) >= window
         if n == 1 and not windowed:
             return None
@@ -289,13 +360,18 @@ class Transformer(nn.Module):
         positions = positions.to(device)
         visible = cache.begin_step(starts, n)
         try:
-            cos, sin = self.rope(positions)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, n, D]: broadcast over heads
-            mask = self._ragged_mask(starts, sizes_t, positions, tree_masks, visible)
+            window = self.config.sliding_window
+            views = {}
+            for sliding in {layer.sliding for layer in self.layers}:
+                cos, sin = self.rope(positions, sliding)
+                views[sliding] = (cos.unsqueeze(1), sin.unsqueeze(1),  # [B, 1, n, D]: broadcast over heads
+                                  self._ragged_mask(starts, sizes_t, positions, tree_masks, visible,
+                                                    window if sliding else None))
             wanted = [i % len(self.layers) for i in hidden_layers]
             states = {}
-            x = self.embed(tokens.to(device))
+            x = self.embed_tokens(tokens.to(device))
             for i, layer in enumerate(self.layers):
+                cos, sin, mask = views[layer.sliding]
                 x = layer(x, cos, sin, cache, i, None, mask)
                 if i in wanted:
                     states[i] = x
@@ -304,11 +380,11 @@ class Transformer(nn.Module):
         for row, size in enumerate(sizes):
             cache.lengths[row] += size
         real = torch.arange(n, device=device)[None, :] < sizes_t[:, None]
-        logits = self.lm_head(self.norm(x[real]))  # [sum(sizes), V]: padding gets no logits
+        logits = self.output_logits(x[real])  # [sum(sizes), V]: padding gets no logits
         hidden = [[states[i][row, :size] for i in wanted] for row, size in enumerate(sizes)]
         return BatchForwardOutput(list(logits.split(sizes)), hidden)
 
-    def _ragged_mask(self, starts, sizes, positions, tree_masks, visible: int) -> torch.Tensor:
+    def _ragged_mask(self, starts, sizes, positions, tree_masks, visible: int, window: int | None) -> torch.Tensor:
         """[B, 1, n, visible] bool: row b's query i sees its cached keys [0, starts[b]) and, among its new
         keys, the real ones its tree mask allows; padding queries see their own key (no empty row)."""
         b, n = positions.shape
@@ -322,7 +398,6 @@ class Transformer(nn.Module):
         mask = (rel < 0)[:, None, :] | (block & real_key[:, None, :])
         padding_query = torch.arange(n, device=device)[None, :] >= sizes[:, None]  # [B, n]
         mask |= padding_query[:, :, None] & (rel[:, None, :] == torch.arange(n, device=device)[None, :, None])
-        window = self.config.sliding_window
         if window is not None and int(positions.max()) >= window:
             key_pos = torch.where(rel < 0, torch.arange(visible, device=device)[None, :],
                                   torch.gather(positions, 1, rel.clamp(0, n - 1)))  # [B, L]

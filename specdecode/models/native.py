@@ -1,8 +1,9 @@
 """The model's blocks run by the native kernel (kernels/block.c): one call per layer instead of ~30 PyTorch
 operators, for one sequence on the CPU in float32, with int4, int8 or float32 weights.
 
-`NativeBlocks.for_model` returns None where the kernel does not apply (another device or dtype, gradients,
-a batch, layers it does not know, or no native library: see kernels.native), and the PyTorch blocks run.
+`applies` and `NativeBlocks.build` say no where the kernel does not apply (another device or dtype, gradients,
+a batch, a block other than Llama's, layers it does not know, or no native library: see kernels.native), and the
+PyTorch blocks run.
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ class NativeBlocks:
 
 
 def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
-    """Whether this forward can take the native path (before looking at the layers)."""
+    """Whether this forward can take the native path (before looking at the layers). The kernel runs the Llama
+    block: Gemma's (QK-norm, sandwich norms, GeGLU, per-layer windows) runs in PyTorch, its matmuls still native."""
     # the kernel reads each layer's keys (and values) of the sequence as one [kv_heads, max_len, head_dim] block
-    return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and isinstance(cache, KVCache)
+    return (model.config.llama_block and tokens.device.type == "cpu" and tokens.shape[0] == 1
+            and isinstance(cache, KVCache)
             and cache.kv.dtype == torch.float32 and model.dtype == torch.float32 and not torch.is_grad_enabled()
             and cache.kv[0, 0, 0].is_contiguous())

@@ -1,7 +1,8 @@
 """Weight-only quantized linear layers: int4 and int8 in GGUF's blocks of 32, activations in float32.
 
-int4 is GGUF's Q4_1 (w = d * q + m, q in 0..15; Q4_0 loads as m = -8 d) and int8 its Q8_0 (w = d * q), with
-d and m in float16, so a GGUF file's Q4_0 / Q4_1 / Q8_0 tensors load as they are, never through float32, and
+int4 is GGUF's Q4_1 (w = d * q + m, q in 0..15; Q4_0 loads as m = -8 d) and int8 its Q8_0 (w = d * q; Q5_0 loads
+as q - 16), with d and m in float16, so a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors load as they are, never
+through float32, and
 a float checkpoint quantizes into the same form. On the CPU the matmul runs in the native kernels
 (specdecode/kernels), which stream these bytes and widen them to float32 in registers; elsewhere, or where
 the kernels cannot be built, the weights are dequantized once into the activations' dtype.
@@ -17,7 +18,8 @@ from torch import nn
 from .. import kernels
 
 QK = 32  # weights per block
-GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34)}  # kind, bytes per block
+# kind, bytes per block; Q5_0 (w = d * (q - 16), q of 5 bits) is exactly an int8 block, so it loads as one
+GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q8_0": ("int8", 34)}
 KINDS = ("int4", "int8")
 # weight-only (float32 activations: dequantize-then-matmul up to rounding) and with int8 activations (per block
 # of 32, llama.cpp's arithmetic for GGUF models: a model of its own, several times less arithmetic per weight)
@@ -118,7 +120,7 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, ggml_type: str) -> QuantLinear:
-        """A GGUF tensor's bytes [out, blocks * block_bytes] in Q4_0, Q4_1 or Q8_0, as stored."""
+        """A GGUF tensor's bytes [out, blocks * block_bytes] in Q4_0, Q4_1, Q5_0 or Q8_0, as stored."""
         if ggml_type not in GGUF_BLOCKS:
             raise ValueError(f"GGUF type {ggml_type} has no quantized path here (supported: {', '.join(GGUF_BLOCKS)})")
         kind, size = GGUF_BLOCKS[ggml_type]
@@ -131,6 +133,13 @@ class QuantLinear(nn.Module):
         elif ggml_type == "Q4_0":  # w = d * (q - 8)
             m = -8 * d.float()
             qs = torch.from_numpy(blocks[..., 2:].copy()).reshape(n, -1)
+        elif ggml_type == "Q5_0":  # d, 32 high bits (bit j: weight j's), 16 bytes of low nibbles (j, then j + 16)
+            m = None
+            high = blocks[..., 2:6].copy().view("<u4")  # [n, blocks, 1]
+            high = ((high >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+            low = blocks[..., 6:]
+            q = np.concatenate((low & 0x0F, low >> 4), axis=-1) | high
+            qs = torch.from_numpy(q.astype(np.int8) - 16).reshape(n, -1)
         else:
             m = None
             qs = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, -1)

@@ -60,7 +60,9 @@ def skip_layers(model: Transformer, skipped: Sequence[int]) -> Transformer:
     view._parameters = model._parameters.copy()
     view._buffers = model._buffers.copy()
     view.layers = nn.ModuleList(block for i, block in enumerate(model.layers) if i not in skip)
-    view.config = dataclasses.replace(model.config, num_layers=len(view.layers))
+    types = model.config.layer_types  # Gemma: each kept block keeps its attention type
+    view.config = dataclasses.replace(model.config, num_layers=len(view.layers), layer_types=types and [
+        kind for i, kind in enumerate(types) if i not in skip])
     return view
 
 
