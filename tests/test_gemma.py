@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from specdecode.acceptance import AcceptanceStats
+from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer, load_transformer
 from specdecode.models.config import FULL, SLIDING, ModelConfig
 from specdecode.models.eagle import EagleConfig, EagleHead
 from specdecode.models.loading import load_gguf
 from specdecode.models.native import applies
-from specdecode.policy import AcceptanceStats, AdaptiveK, CostModel
+from specdecode.policy import AdaptiveK
 from specdecode.proposers import (
     DraftModelProposer,
     EagleProposer,
@@ -325,7 +327,7 @@ def test_greedy_speculative_equals_plain_on_gemma(target, reference, method: str
     drafted = accepted = 0
     shared = AcceptanceStats()
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        policy = AdaptiveK(COST, shared, cheap=proposer.cheap) if k == "auto" else k
+        policy = AdaptiveK(COST, shared, cheap=proposer.capabilities.cheap) if k == "auto" else k
         out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=40)
         assert out == expected, f"{method}: prompt {prompt}"
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
