@@ -36,6 +36,10 @@ class Metrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_seconds = Histogram(p + "step_seconds", "Seconds per batched step (propose, forward, verify)",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.estimated_speedup = Histogram(
+            p + "estimated_speedup", "Per finished request, the policy's estimate of its speedup: plain-step seconds "
+            "its tokens would have cost (at the load of each step) over the seconds its steps took",
+            buckets=(0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2, 3), registry=r)
         self._steps = self._committed = self._drafted = self._accepted = 0
 
     def observe_row_step(self, drafted: int, accepted: int, committed: int) -> None:

@@ -77,6 +77,8 @@ class Job:
             # extensions: how speculation went for this request
             "drafted": s.drafted, "accepted": s.accepted, "tau": round(s.tau, 4),
             "acceptance_rate": round(s.acceptance_rate, 4), "target_forwards": s.target_forwards,
+            # the policy's own estimate of its speedup over plain steps (None where steps are not priced)
+            "estimated_speedup": None if s.estimated_speedup is None else round(s.estimated_speedup, 4),
         }
 
 
@@ -220,6 +222,8 @@ class Scheduler:
         if finish:
             self._leave(job)
             self.metrics.e2e.observe(now - job.arrived)
+            if (speedup := job.row.stats.estimated_speedup) is not None:
+                self.metrics.estimated_speedup.observe(speedup)
             self._close(job, finish, Done(finish, job.usage()))
 
     def _leave(self, job: Job) -> None:
