@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cost import CostModel, ForwardCost, machine_key
+from .cost import CostModel, ForwardCost, machine_key, nondecreasing
 from .models import BatchKVCache, Transformer
 from .paths import default_cache_dir
 from .progress import progress_bar
@@ -171,17 +171,3 @@ class RowCost:
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         """Rows do not time their share of a batched forward; the decoder corrects the table per step."""
-
-
-def nondecreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence (pool adjacent violators): the batch table takes the fastest of a few
-    unpaired runs, so its dips are mostly noise, averaged away with their neighbours (the single-request table is
-    paired and kept as measured: there, some sizes really are cheaper than smaller ones)."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]

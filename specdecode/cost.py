@@ -227,12 +227,12 @@ class CostModel:
     def calibrate(cls, model: Transformer, rounds: int = CALIBRATION_ROUNDS) -> CostModel:
         """A table good enough to start, in seconds: CALIBRATION_SIZES after a short and a 512-token context,
         `rounds` paired timings each (the engine's steps refine it)."""
-        return cls.measure(model, rounds, sizes=CALIBRATION_SIZES, long=512, sparse_above=None,
+        return cls.measure(model, rounds, sizes=CALIBRATION_SIZES, long=512, sparse_above=None, bounded=True,
                            description="timing target forwards (once per model and machine)")
 
     @classmethod
     def measure(cls, model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: tuple[int, ...] = COST_SIZES,
-                long: int = 1024, sparse_above: int | None = 16,
+                long: int = 1024, sparse_above: int | None = 16, bounded: bool = False,
                 description: str = "timing target forwards") -> CostModel:
         """Time forwards of each size after a short and a long cached context, each next to a 1-token forward.
 
@@ -245,6 +245,12 @@ class CostModel:
         2-core EPYC with oneDNN, 2 tokens cost 1.15x of one and 3-6 tokens 0.95x at a short context (the same in
         a direct paired timing), so a guess of one token is dear and guesses two to five deep are cheaper than a
         plain step. One forward per size warms up first (allocations, kernel choice).
+
+        bounded: a size's price is kept within what physics allows: at least a smaller size's (pooled where the
+        medians say otherwise) and at most n plain forwards (which do the same work). A few rounds on a loaded
+        machine priced 16 tokens at 0.4 of 6 (all of them at 1-3x of a plain step's 0.5 s, 80x slower than on an
+        idle machine). Each size's weight is its paired timings, scaled by how much more (or less) they strayed
+        than SPREAD: a noisy calibration is doubted (a margin on guesses) and soon outweighed by real steps.
         """
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -293,9 +299,14 @@ class CostModel:
         seconds = []
         for ci in range(len(contexts)):
             plain = statistics.median(single[ci])
-            seconds.append([plain] + [plain * statistics.median(r) for r in ratios[ci][1:]])
-        weight = [float(repeats)] + [float(len(ratios[0][si])) for si in range(1, len(sizes))]
-        return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION, weight=weight)
+            relative = [1.0] + [statistics.median(r) for r in ratios[ci][1:]]
+            if bounded:
+                relative = [min(max(x, 1.0), n) for x, n in zip(nondecreasing(relative), sizes, strict=True)]
+            seconds.append([plain * x for x in relative])
+        scale = (SPREAD / max(spread(ratios), 0.01)) ** 2
+        weight = [float(repeats)] + [len(ratios[0][si]) * scale for si in range(1, len(sizes))]
+        return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION,
+                   weight=[min(w, WEIGHT_CAP) for w in weight])
 
     @classmethod
     def for_model(cls, model: Transformer, cache_dir: Path | None = None) -> CostModel:
@@ -330,6 +341,29 @@ class CostModel:
         tmp.write_text(json.dumps(cost.table(), indent=1))
         os.replace(tmp, path)
         cost.learned = 0
+
+
+def spread(ratios: list[list[list[float]]]) -> float:
+    """How far one paired ratio strays (relative): the robust standard deviation (1.4826 x the median absolute
+    deviation) of the log ratios around their size's median, pooled over sizes with 3 or more; SPREAD if none."""
+    deviations = [abs(math.log(x) - math.log(statistics.median(cell))) for per_size in ratios for cell in per_size
+                  if len(cell) >= 3 for x in cell]
+    return 1.4826 * statistics.median(deviations) if deviations else SPREAD
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): the batch table takes the fastest of a few
+    unpaired runs and the calibration the medians of a few pairs, so their dips are mostly noise, averaged away
+    with their neighbours (the thorough single-request table is kept as measured: there, some sizes really are
+    cheaper than smaller ones)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def machine_key(model: Transformer) -> str:
