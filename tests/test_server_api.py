@@ -160,7 +160,7 @@ def test_models_health_and_auth(server):
     assert {"specdecode_requests_total", "specdecode_generation_tokens_total", "specdecode_drafted_tokens_total",
             "specdecode_accepted_tokens_total", "specdecode_acceptance_rate", "specdecode_mean_accepted_length",
             "specdecode_time_to_first_token_seconds", "specdecode_inter_token_latency_seconds",
-            "specdecode_queue_depth", "specdecode_batch_size"} <= names
+            "specdecode_queue_depth", "specdecode_batch_size", "specdecode_estimated_speedup"} <= names
     with pytest.raises(openai.AuthenticationError) as e:
         server.client("wrong").models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
@@ -174,7 +174,9 @@ def test_chat_stream_and_not_equal_the_library(server, llm):
     assert streamed == text
     assert stream_usage.completion_tokens == 40 and stream_usage.prompt_tokens == usage.prompt_tokens
     for u in (usage, stream_usage):  # per-response speculation stats (usage extension)
-        assert {"drafted", "accepted", "tau"} <= set(u.model_extra) and u.model_extra["tau"] >= 1.0
+        assert {"drafted", "accepted", "tau", "estimated_speedup"} <= set(u.model_extra) and u.model_extra["tau"] >= 1.0
+        speedup = u.model_extra["estimated_speedup"]  # the policy's own estimate (None where steps are not priced)
+        assert speedup is None or speedup > 0
     llm.stop_token_ids = frozenset()  # as the server with ignore_eos
     plain = llm.generate([{"role": "user", "content": PROMPTS[0]}], chat=True, max_new_tokens=40)
     assert text == plain.text

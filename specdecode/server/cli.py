@@ -52,11 +52,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("loading %s", args.model)
     llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     llm.proposer(args.method, args.draft)  # load and check the draft (model, head, layer search) now, not later
-    log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
+    log.info("batched forward cost (timed once per model, machine and --max-batch, seconds; then cached)")
     cost = BatchCost.for_model(llm.model, args.max_batch, llm.cost_model())
     config = ServerConfig(model_name=args.served_model_name or args.model, method=args.method,
                           k=args.k if args.k == "auto" else int(args.k), draft=args.draft, max_batch=args.max_batch,
                           max_queue=args.max_queue, api_key=args.api_key)
     serve(llm, config, host=args.host, port=args.port, cost=cost, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level)
+    llm.save_cost_model()  # what the requests taught the single-request table, for the next start
     return 0
