@@ -77,9 +77,10 @@ class CostModel:
       PAIR_WITHIN steps), and its price relative to theirs moves towards what the pair shows, as a running
       mean of up to WEIGHT_CAP pairs per size (one pair strays by up to 2x; one burst must not reprice a size).
 
-    `weight` counts the paired timings behind each size's price (None: a table given as exact). Where a
-    size is known from few of them, guessing is priced higher by its standard error beyond the thorough
-    table's (`forward_seconds`): a calibration of a few rounds must not make guesses look cheap.
+    `weight`: how many paired timings of SPREAD's precision each size's price is worth (None: a table given
+    as exact). Where a size is known from few of them (a calibration of a few rounds, or of noisy ones), guessing
+    is priced higher by its standard error beyond the thorough table's (`forward_seconds`, up to 14%): a quick
+    calibration must not make guesses look cheap.
     """
 
     sizes: list[int]
@@ -103,6 +104,7 @@ class CostModel:
     def _refresh(self) -> None:
         """Interpolate once per change (priced several times a step): seconds at 0..sizes[-1] tokens for each
         context, as measured (`_rows`: what steps are compared with) and with the uncertainty margin (`_upper`)."""
+        self._unpriced = 0.0  # how far the prices moved since (relative)
         margin = [self.margin(i) for i in range(len(self.sizes))]
         upper = [[t * (1 + m) for t, m in zip(row, margin, strict=True)] for row in self.seconds]
         self._dense, self._beyond = self._interpolate(self.seconds)
@@ -191,13 +193,15 @@ class CostModel:
         for i, share in cells:
             if sizes[i] == 1 or share <= 0:
                 continue  # the plain step is the anchor
-            step = math.exp(share * x / (weight[i] + share))
+            step = share * x / (weight[i] + share)
             for row in self.seconds:
-                row[i] *= step
+                row[i] *= math.exp(step)
             weight[i] = min(weight[i] + share, WEIGHT_CAP)
+            self._unpriced += abs(step) + share / (weight[i] * THOROUGH_ROUNDS)  # the price's and the margin's change
         self.weight = weight
         self.learned += 1
-        self._refresh()
+        if self._unpriced > 0.002:  # re-interpolating costs 25 us: not for every change of a tenth of a percent
+            self._refresh()
 
     def table(self) -> dict:
         """The measured part, as saved: the online corrections (the fields outside comparison) are per process."""
