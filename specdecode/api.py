@@ -267,10 +267,17 @@ class LLM:
         return llm
 
     def cost_model(self) -> CostModel:
-        """The target's forward cost on this machine (measured once, then read from the cache dir)."""
+        """The target's forward cost on this machine: calibrated in seconds on first use, then read from the cache
+        dir; the steps every request runs refine it (saved after requests that taught it something)."""
         if self._cost is None:
             self._cost = CostModel.for_model(self.model)
         return self._cost
+
+    def save_cost_model(self, min_learned: int = 16) -> None:
+        """Save what the requests so far taught the cost table (once it learned from `min_learned` steps), so the
+        next process starts from it."""
+        if self._cost is not None and self._cost.learned >= min_learned:
+            CostModel.save(self.model, self._cost)
 
     def acceptance(self, key: str) -> Callable[[str], AcceptanceStats]:
         """The long-run acceptance statistics of a method and its options (and of named parts of its proposer),
@@ -350,6 +357,7 @@ class LLM:
                     break
         finally:
             gen.close()
+            self.save_cost_model()
         return GenerationOutput(text=text.text, token_ids=text.token_ids, finish_reason=text.finish or "length",
                                 method=method, prompt_tokens=gen.stats.prompt_tokens, stats=gen.stats)
 

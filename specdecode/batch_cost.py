@@ -15,11 +15,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cost import CostModel, ForwardCost, machine_key
+from .cost import CostModel, ForwardCost, machine_key, nondecreasing
 from .models import BatchKVCache, Transformer
 from .paths import default_cache_dir
+from .progress import progress_bar
 
-STEP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row in a measured batched forward
+# tokens per row in a measured batched forward: few, so that a server starts in seconds (a full batch backs off to
+# shallow guesses anyway; deeper ones are extrapolated and every batched step refines its batch size's table)
+STEP_SIZES = (1, 2, 4, 8)
 
 
 @dataclass
@@ -32,6 +35,11 @@ class BatchCost:
 
     batch_sizes: list[int]
     tables: list[ForwardCost]  # measured ones are CostModels; a lone request's may be any cost
+
+    @property
+    def priced(self) -> bool:
+        """Do these tables price forwards (False: `CostModel.flat`, for runs whose guesses are not priced)?"""
+        return any(not isinstance(t, CostModel) or t.machine != "flat" for t in self.tables)
 
     @classmethod
     def single(cls, cost: ForwardCost) -> BatchCost:
@@ -75,11 +83,13 @@ class BatchCost:
         return [*sizes, max_batch]
 
     @classmethod
-    def measure(cls, model: Transformer, max_batch: int, repeats: int = 3,
+    def measure(cls, model: Transformer, max_batch: int, repeats: int = 2,
                 sizes: tuple[int, ...] = STEP_SIZES, smallest: int = 1) -> BatchCost:
         """Time batched forwards (every row n tokens after the same context), interleaved; the fastest of the
         repeats (the cost without another process in the way: bursts of load are what the online correction
-        is for, and a burst during the one-off measurement would otherwise stay in the table)."""
+        is for, and a burst during the one-off measurement would otherwise stay in the table). One forward of the
+        largest shape warms up. Each table's weight is `repeats`: guesses are priced with a margin until the
+        batched steps the server runs have timed them (CostModel.margin)."""
         limit = model.config.max_position_embeddings
         contexts = [min(64, limit // 8), min(512, limit - sizes[-1])]
         batch_sizes = [b for b in cls.sizes_up_to(max_batch) if b >= smallest]
@@ -90,19 +100,27 @@ class BatchCost:
         cfg = model.config
         cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, contexts[-1] + sizes[-1],
                              batch_size=batch_sizes[-1], dtype=model.dtype, device=model.device)
-        for rep in range(repeats + 1):  # the first round warms up
-            for (b, c, n), got in times.items():
-                cache.lengths = [c] * cache.batch_size
-                tokens = torch.randint(0, vocab, (b, n), generator=g)
-                positions = (c + torch.arange(n)).expand(b, n)
-                started = time.perf_counter()
-                model.forward_batch(tokens, cache, positions=positions, sizes=[n] * b)
-                if rep:
-                    got.append(time.perf_counter() - started)
+
+        def timed(b: int, c: int, n: int) -> float:
+            cache.lengths = [c] * cache.batch_size
+            tokens = torch.randint(0, vocab, (b, n), generator=g)
+            positions = (c + torch.arange(n)).expand(b, n)
+            started = time.perf_counter()
+            model.forward_batch(tokens, cache, positions=positions, sizes=[n] * b)
+            return time.perf_counter() - started
+
+        with progress_bar(f"timing batched forwards (once per model, machine and max batch {max_batch})",
+                          1 + repeats * len(times)) as advance:
+            timed(batch_sizes[-1], contexts[-1], sizes[-1])
+            advance()
+            for _ in range(repeats):
+                for (b, c, n), got in times.items():
+                    got.append(timed(b, c, n))
+                    advance()
         tables = [
             CostModel(list(sizes), contexts,
                       [nondecreasing([min(times[b, c, n]) for n in sizes]) for c in contexts],
-                      machine=machine_key(model))
+                      machine=machine_key(model), weight=[float(repeats)] * len(sizes))
             for b in batch_sizes
         ]
         return cls(batch_sizes, list(tables))
@@ -153,17 +171,3 @@ class RowCost:
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         """Rows do not time their share of a batched forward; the decoder corrects the table per step."""
-
-
-def nondecreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence (pool adjacent violators): the batch table takes the fastest of a few
-    unpaired runs, so its dips are mostly noise, averaged away with their neighbours (the single-request table is
-    paired and kept as measured: there, some sizes really are cheaper than smaller ones)."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]

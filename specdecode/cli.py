@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="measure and cache what the adaptive policy and layer-skip use")
     t.add_argument("what", choices=["cost", "layer-skip"],
-                   help="cost: time target forwards by size (the cost model); layer-skip: search layers to skip")
+                   help="cost: time target forwards by size, thoroughly (32 paired rounds of 14 sizes: minutes; "
+                        "first use calibrates in seconds and refines online); layer-skip: search layers to skip")
     t.add_argument("--model", default="smollm2-135m-instruct")
     add_precision_args(t)
     t.add_argument("--texts", type=int, default=6, help="layer-skip: calibration texts (training data)")
@@ -109,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with err.status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.k == "auto" and args.method != "none":
-        measure_costs_once(llm)
+        llm.cost_model()  # on a new machine, timed first (seconds, with a progress bar), not during the stream
     options = dict(
         method=args.method, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -136,24 +137,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_costs_once(llm: LLM) -> None:
-    """`--k auto` prices guesses with the target's forward costs, timed on the first run on a machine:
-    say so rather than look hung."""
-    from .cost import CostModel
-
-    if CostModel.cached(llm.model) is None:
-        with err.status("timing target forwards (once per model and machine, about a minute)..."):
-            llm.cost_model()
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     with err.status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.what == "cost":
         from .cost import CostModel
 
-        with err.status("timing target forwards..."):
-            cost = CostModel.measure(llm.model)
+        cost = CostModel.measure(llm.model)  # the thorough table (minutes; first use calibrates in seconds)
         CostModel.save(llm.model, cost)
         table = Table(title=f"target forward ms ({cost.machine})", title_justify="left")
         table.add_column("tokens", justify="right")
@@ -252,13 +242,15 @@ def output_record(out: GenerationOutput) -> dict:
 
 def show_stats(outputs: list[GenerationOutput]) -> None:
     table = Table(title="generation stats", title_justify="left")
-    for col in ("method", "tokens", "tokens/s", "accept rate", "tau", "target fwd", "target s", "draft s", "prefill s"):
+    for col in ("method", "tokens", "tokens/s", "accept rate", "tau", "target fwd", "target s", "draft s", "prefill s",
+                "est. speedup"):
         table.add_column(col, justify="right")
     for o in outputs:
         s = o.stats
+        speedup = "–" if s.estimated_speedup is None else f"{s.estimated_speedup:.2f}x"
         table.add_row(o.method, str(s.new_tokens), f"{s.tokens_per_second:.1f}", f"{s.acceptance_rate:.2f}",
                       f"{s.tau:.2f}", str(s.target_forwards), f"{s.target_seconds:.2f}", f"{s.draft_seconds:.3f}",
-                      f"{s.prefill_seconds:.2f}")
+                      f"{s.prefill_seconds:.2f}", speedup)
     err.print(table)
 
 

@@ -1,14 +1,18 @@
 """What a target forward costs: seconds per forward as a function of its tokens and the cached context.
 
-`CostModel` is one sequence's table, measured once per model, precision and machine (cached on disk) and
-scaled online by the load the machine is under; `batch_cost.BatchCost` holds one table per batch size.
-Both answer `ForwardCost`, the one interface policies and self-sizing proposers price steps with.
+`CostModel` is one sequence's table: calibrated in seconds on first use (a few paired timings per size),
+refined online from the steps the engine runs anyway, and saved per model, precision and machine;
+`batch_cost.BatchCost` holds one table per batch size. Both answer `ForwardCost`, the one interface
+policies and self-sizing proposers price steps with.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import math
+import os
 import platform
 import random
 import statistics
@@ -22,15 +26,29 @@ import torch
 
 from .models import Transformer
 from .paths import default_cache_dir
+from .progress import progress_bar
 
-# every size up to 8: small forwards are not monotone in size (oneDNN picks its kernels by row count), so an
-# interpolated size would be priced wrong
+# `specdecode tune cost`: every size up to 8 (a size between two measured ones is priced by interpolation, and
+# small forwards need not be linear in size: oneDNN picks its kernels by row count), 32 paired rounds
 COST_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+THOROUGH_ROUNDS = 32
+# first use: fewer sizes and rounds (seconds, not minutes: the thorough table took 15 minutes on a loaded
+# 2-core machine); the steps the engine runs refine it (CostModel.observe)
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+CALIBRATION_ROUNDS = 4
+# how far one paired ratio strays (relative): the thorough table's 32 rounds know a small size to +-3%
+SPREAD = 0.17
+WEIGHT_CAP = 64  # a size's price is the mean of at most this many paired timings: it follows slow changes
+PAIR_WITHIN = 4  # a step is paired with the plain steps at most this many steps before it
+REGIME = 1.5  # REGIME_STEPS steps in a row this far off the load, on one side: the machine changed speed
+REGIME_STEPS = 3
 # tables saved by another version of `measure` are measured again (version 1 timed 5 rounds in a fixed order:
 # one burst of load could flatten the small sizes, which then looked free to verify; version 2 took unpaired
 # medians, up to 10% optimistic for small sizes at long context; version 3 forced the table non-decreasing,
-# pricing 2 tokens 14% under and 3-6 tokens 5% over what they cost)
-TABLE_VERSION = 4
+# pricing 2 tokens 14% under and 3-6 tokens 5% over what they cost); version 5 adds each size's weight
+# (version 4 tables are thorough ones, read as they are)
+TABLE_VERSION = 5
+READABLE_VERSIONS = (4, 5)
 
 
 class ForwardCost(Protocol):
@@ -49,12 +67,20 @@ class ForwardCost(Protocol):
 class CostModel:
     """Seconds per target forward as a function of tokens in the forward and cached context.
 
-    The measured table is scaled online by the `load`: what steps really cost over the table's price, the
-    machine running slower or faster than when the table was measured. It is common to every size, so
-    every step teaches it and a burst moves every size alike and leaves with the burst. The table's
-    shape (how the price grows with tokens) stands: on Spec-Bench prompts the median real step of each size
-    (prompt lookup, Medusa and lookahead, 2 to 17 tokens) cost 0.85-1.05 of the table's price relative to
-    plain steps, while one step's timing strays by up to 2x.
+    Two things are learned online from the steps the engine times (`observe`):
+
+    - the `load`: what steps cost now over the table's price, common to every size (the machine running
+      slower or faster than when the table was made), smoothed over about five steps. A step REGIME times
+      off the load is a burst and does not move it; REGIME_STEPS of them in a row are a change of regime
+      (the machine got 2x slower or faster) and re-anchor it at once.
+    - the table's shape: a step of n tokens is paired with the plain steps timed just before it (within
+      PAIR_WITHIN steps), and its price relative to theirs moves towards what the pair shows, as a running
+      mean of up to WEIGHT_CAP pairs per size (one pair strays by up to 2x; one burst must not reprice a size).
+
+    `weight`: how many paired timings of SPREAD's precision each size's price is worth (None: a table given
+    as exact). Where a size is known from few of them (a calibration of a few rounds, or of noisy ones), guessing
+    is priced higher by its standard error beyond the thorough table's (`forward_seconds`, up to 14%): a quick
+    calibration must not make guesses look cheap.
     """
 
     sizes: list[int]
@@ -62,13 +88,42 @@ class CostModel:
     seconds: list[list[float]]  # [context][size], medians
     machine: str = ""
     version: int = 1
+    weight: list[float] | None = None  # per size
     load: float = field(default=1.0, compare=False, repr=False)
+    learned: int = field(default=0, compare=False, repr=False)  # shape updates since made or read from disk
 
     def __post_init__(self) -> None:
-        # priced several times a step, so interpolated once: seconds at 0..sizes[-1] tokens for each context
-        self._dense = np.array([np.interp(np.arange(self.sizes[-1] + 1), self.sizes, row) for row in self.seconds])
-        self._beyond = np.array([(row[-1] - row[-2]) / (self.sizes[-1] - self.sizes[-2]) for row in self.seconds])
+        if self.weight is not None and len(self.weight) != len(self.sizes):
+            raise ValueError(f"a cost table needs one weight per size: {len(self.weight)} for {len(self.sizes)}")
+        self.seconds = [list(row) for row in self.seconds]  # learned in place: rows must not be shared
+        self._plain: float | None = None  # recent plain steps' seconds over the table's price
+        self._since_plain = PAIR_WITHIN + 1  # steps since the last plain one
+        self._recent: list[float] = []  # the last steps far off the load, on one side (a change of regime?)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Interpolate once per change (priced several times a step): seconds at 0..sizes[-1] tokens for each
+        context, as measured (`_rows`: what steps are compared with) and with the uncertainty margin (`_upper`)."""
+        self._unpriced = 0.0  # how far the prices moved since (relative)
+        margin = [self.margin(i) for i in range(len(self.sizes))]
+        upper = [[t * (1 + m) for t, m in zip(row, margin, strict=True)] for row in self.seconds]
+        self._dense, self._beyond = self._interpolate(self.seconds)
+        self._upper_dense, self._upper_beyond = self._interpolate(upper)
         self._rows = list(zip(self._dense.tolist(), self._beyond.tolist(), strict=True))  # one size, in Python
+        self._upper_rows = list(zip(self._upper_dense.tolist(), self._upper_beyond.tolist(), strict=True))
+
+    def _interpolate(self, seconds: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+        s = self.sizes
+        dense = np.array([np.interp(np.arange(s[-1] + 1), s, row) for row in seconds])
+        beyond = np.array([(row[-1] - row[-2]) / (s[-1] - s[-2]) for row in seconds])
+        return dense, beyond
+
+    def margin(self, i: int) -> float:
+        """How much dearer size i is priced for guessing: the standard error of its price beyond the thorough
+        table's (0 for a plain step: the anchor every other size is timed against)."""
+        if self.weight is None or self.sizes[i] == 1:
+            return 0.0
+        return SPREAD * max(0.0, 1 / math.sqrt(max(self.weight[i], 1.0)) - 1 / math.sqrt(THOROUGH_ROUNDS))
 
     @classmethod
     def flat(cls) -> CostModel:
@@ -76,21 +131,77 @@ class CostModel:
         return cls([1, 2], [0, 1], [[1.0, 1.0], [1.0, 1.0]], machine="flat")
 
     def forward_seconds(self, tokens: int, context: int) -> float:
-        return self.table_seconds(tokens, context) * self.load
+        """What a forward is priced at for a decision: now (the load), and dearer where its size is uncertain."""
+        return self._price(self._upper_rows, tokens, context) * self.load
 
     def forward_seconds_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
         """forward_seconds for an array of sizes at once: policies price every depth each step."""
         return self._table_many(tokens, context) * self.load
 
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
-        """A step of `tokens` took `seconds`: the load follows within a few steps.
+    def plain_seconds(self, context: int) -> float:
+        """What a plain step costs now (the measure of what speculation saves)."""
+        return self.table_seconds(1, context) * self.load
 
-        Only the load is learned. Each size's own deviation from the table (a `shape`) was learned against
-        the plain steps timed just before, and on Spec-Bench that contrast was noise: one burst on plain
-        steps priced 3-token steps at 0.85 of a plain one, and Medusa then guessed at 3% acceptance for
-        100 steps, each 13% dearer than a plain step (the table's price)."""
-        ratio = seconds / max(self.table_seconds(tokens, context), 1e-9)
-        self.load = 0.8 * self.load + 0.2 * min(max(ratio, 0.25), 4.0)
+    def observe(self, tokens: int, context: int, seconds: float) -> None:
+        """A step of `tokens` took `seconds`: the load follows within a few steps, the shape slowly."""
+        ratio = seconds / max(self.table_seconds(tokens, context), 1e-12)
+        if tokens > 1:
+            self._since_plain += 1
+            if self._plain is not None and self._since_plain <= PAIR_WITHIN:
+                self._learn_shape(tokens, ratio / self._plain)
+        if self._off_load(ratio):
+            return
+        if tokens == 1:
+            fresh = self._plain is None or self._since_plain > PAIR_WITHIN
+            self._plain = ratio if fresh else 0.5 * (self._plain + ratio)  # type: ignore[operator]
+            self._since_plain = 0
+        self.load = 0.8 * self.load + 0.2 * ratio
+
+    def _off_load(self, ratio: float) -> bool:
+        """Is this step REGIME times dearer (or cheaper) than the load? Such a step does not move the load: alone it
+        is a burst. REGIME_STEPS of them in a row, on one side, are a change of regime (another process took a
+        core, or left): the load re-anchors at their median, and the plain steps timed before no longer pair
+        with what follows."""
+        off = ratio / self.load
+        recent = self._recent
+        if 1 / REGIME < off < REGIME:
+            recent.clear()
+            return False
+        if recent and (recent[-1] > self.load) != (ratio > self.load):
+            recent.clear()
+        recent.append(ratio)
+        if len(recent) >= REGIME_STEPS:
+            self.load = statistics.median(recent)
+            self._plain, self._since_plain = None, PAIR_WITHIN + 1
+            recent.clear()
+        return True
+
+    def _learn_shape(self, tokens: int, paired: float) -> None:
+        """A step of `tokens` cost `paired` times what the table says relative to the plain steps just before:
+        the sizes around it move towards that, as a running mean of their paired timings (each pair clipped to
+        +-25%: a burst that hit one side of the pair moves a size by little, a table that is wrong by more
+        is corrected within a few steps)."""
+        sizes = self.sizes
+        if tokens >= sizes[-1]:
+            cells = [(len(sizes) - 1, 1.0)]
+        else:
+            i = bisect.bisect_right(sizes, tokens) - 1
+            f = (tokens - sizes[i]) / (sizes[i + 1] - sizes[i])
+            cells = [(i, 1 - f), (i + 1, f)]
+        weight = self.weight if self.weight is not None else [float(THOROUGH_ROUNDS)] * len(sizes)
+        x = math.log(min(max(paired, 0.8), 1.25))
+        for i, share in cells:
+            if sizes[i] == 1 or share <= 0:
+                continue  # the plain step is the anchor
+            step = share * x / (weight[i] + share)
+            for row in self.seconds:
+                row[i] *= math.exp(step)
+            weight[i] = min(weight[i] + share, WEIGHT_CAP)
+            self._unpriced += abs(step) + share / (weight[i] * THOROUGH_ROUNDS)  # the price's and the margin's change
+        self.weight = weight
+        self.learned += 1
+        if self._unpriced > 0.002:  # re-interpolating costs 25 us: not for every change of a tenth of a percent
+            self._refresh()
 
     def table(self) -> dict:
         """The measured part, as saved: the online corrections (the fields outside comparison) are per process."""
@@ -98,83 +209,115 @@ class CostModel:
         return {k: v for k, v in asdict(self).items() if k not in online}
 
     def table_seconds(self, tokens: int, context: int) -> float:
+        """The table's price (no load, no margin)."""
+        return self._price(self._rows, tokens, context)
+
+    def _price(self, rows: list[tuple[list[float], float]], tokens: int, context: int) -> float:
         """_table_many for one size, in plain Python: numpy's few-element operations cost 120 us here right after a
         forward (every step prices its own size: 0.35% of a step, what draft@auto lost to plain decoding)."""
         inside = min(tokens, self.sizes[-1])
-        t0, t1 = (row[inside] + beyond * (tokens - inside) for row, beyond in self._rows)
+        t0, t1 = (row[inside] + beyond * (tokens - inside) for row, beyond in rows)
         c0, c1 = self.contexts
         return max(t0 + (t1 - t0) / (c1 - c0) * (context - c0), 0.2 * t0)
 
     def _table_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
         inside = np.minimum(tokens, self.sizes[-1])  # past the largest size measured: linear
-        t0, t1 = self._dense[:, inside] + self._beyond[:, None] * (tokens - inside)
+        t0, t1 = self._upper_dense[:, inside] + self._upper_beyond[:, None] * (tokens - inside)
         c0, c1 = self.contexts
         slope = (t1 - t0) / (c1 - c0)  # attention grows with the context; extrapolate linearly
         return np.maximum(t0 + slope * (context - c0), 0.2 * t0)
 
     @classmethod
-    def measure(cls, model: Transformer, repeats: int = 32) -> CostModel:
+    def calibrate(cls, model: Transformer, rounds: int = CALIBRATION_ROUNDS) -> CostModel:
+        """A table good enough to start, in seconds: CALIBRATION_SIZES after a short and a 512-token context,
+        `rounds` paired timings each (the engine's steps refine it)."""
+        return cls.measure(model, rounds, sizes=CALIBRATION_SIZES, long=512, sparse_above=None, bounded=True,
+                           description="timing target forwards (once per model and machine)")
+
+    @classmethod
+    def measure(cls, model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: tuple[int, ...] = COST_SIZES,
+                long: int = 1024, sparse_above: int | None = 16, bounded: bool = False,
+                description: str = "timing target forwards") -> CostModel:
         """Time forwards of each size after a short and a long cached context, each next to a 1-token forward.
 
         A size's price is the 1-token median times the median of its paired ratios: the machine's speed drifts
         within seconds, and unpaired medians of 10 rounds were off by up to 10% for 3-4 tokens at long context
-        (pricing Medusa's small trees as paying when they cost more than they saved). Sizes past 16 tokens are
-        timed every fourth round: they cost as much as all the small ones and are far from any decision's margin.
-        Still, one forward's time strays by +-15% on a 2-core machine, so a small size's price is known to +-3%.
-        The medians are kept as measured, not forced non-decreasing: on a 2-core EPYC with oneDNN, 2 tokens cost
-        1.15x of one and 3-6 tokens 0.95x at a short context (the same in a direct paired timing), so a guess of
-        one token is dear and guesses two to five deep are cheaper than a plain step.
+        (pricing Medusa's small trees as paying when they cost more than they saved). Sizes past `sparse_above`
+        tokens are timed every fourth round: they cost as much as all the small ones and are far from any
+        decision's margin. Still, one forward's time strays by +-15% on a 2-core machine, so a small size's price
+        is known to +-3% after 32 rounds. The medians are kept as measured, not forced non-decreasing: on a
+        2-core EPYC with oneDNN, 2 tokens cost 1.15x of one and 3-6 tokens 0.95x at a short context (the same in
+        a direct paired timing), so a guess of one token is dear and guesses two to five deep are cheaper than a
+        plain step. One forward per size warms up first (allocations, kernel choice).
+
+        bounded: a size's price is kept within what physics allows: at least a smaller size's (pooled where the
+        medians say otherwise) and at most n plain forwards (which do the same work). A few rounds on a loaded
+        machine priced 16 tokens at 0.4 of 6 (all of them at 1-3x of a plain step's 0.5 s, 80x slower than on an
+        idle machine). Each size's weight is its paired timings, scaled by how much more (or less) they strayed
+        than SPREAD: a noisy calibration is doubted (a margin on guesses) and soon outweighed by real steps.
         """
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
-        sizes = COST_SIZES
         limit = model.config.max_position_embeddings
-        long = min(1024, limit - sizes[-1])
+        long = min(long, limit - sizes[-1])
         if long < 8:
             raise ValueError(f"context of {limit} tokens is too short to measure forward costs")
         contexts = [min(64, long // 4), long]
         g = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
-        caches = []
-        for c in contexts:
-            cache = model.new_cache(c + sizes[-1])
-            model.forward(torch.randint(0, vocab, (1, c), generator=g), cache, logits_at=None)
-            caches.append(cache)
 
-        def timed(ci: int, n: int) -> float:
-            tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
-            started = time.perf_counter()
-            model.forward(tokens, caches[ci])  # logits for every token, as a verification does
-            elapsed = time.perf_counter() - started
-            caches[ci].rollback(contexts[ci])
-            return elapsed
+        def sparse(n: int) -> bool:
+            return sparse_above is not None and n > sparse_above
 
+        rounds = [[(ci, si) for ci in range(len(contexts)) for si, n in enumerate(sizes)
+                   if n > 1 and (not sparse(n) or rep % 4 == 0)] for rep in range(repeats)]
+        total = len(contexts) + len(sizes) + 2 * sum(len(cells) for cells in rounds)
         order = random.Random(0)
         single: list[list[float]] = [[] for _ in contexts]
         ratios: list[list[list[float]]] = [[[] for _ in sizes] for _ in contexts]
-        for rep in range(repeats + 1):  # the first round warms up
-            large = rep % 4 == 1 or rep == 0
-            cells = [(ci, si) for ci in range(len(contexts)) for si, n in enumerate(sizes)
-                     if n > 1 and (n <= 16 or large)]
-            for ci, si in order.sample(cells, len(cells)):
-                n = sizes[si]
-                took = {m: timed(ci, m) for m in order.sample([1, n], 2)}  # either may run first
-                if rep:
+        with progress_bar(description, total) as advance:
+            caches = []
+            for c in contexts:
+                cache = model.new_cache(c + sizes[-1])
+                model.forward(torch.randint(0, vocab, (1, c), generator=g), cache, logits_at=None)
+                caches.append(cache)
+                advance()
+
+            def timed(ci: int, n: int) -> float:
+                tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
+                started = time.perf_counter()
+                model.forward(tokens, caches[ci])  # logits for every token, as a verification does
+                elapsed = time.perf_counter() - started
+                caches[ci].rollback(contexts[ci])
+                advance()
+                return elapsed
+
+            for n in sizes:  # warm-up
+                timed(len(contexts) - 1, n)
+            for cells in rounds:
+                for ci, si in order.sample(cells, len(cells)):
+                    n = sizes[si]
+                    took = {m: timed(ci, m) for m in order.sample([1, n], 2)}  # either may run first
                     single[ci].append(took[1])
                     ratios[ci][si].append(took[n] / took[1])
         seconds = []
         for ci in range(len(contexts)):
             plain = statistics.median(single[ci])
-            seconds.append([plain] + [plain * statistics.median(r) for r in ratios[ci][1:]])
-        return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION)
+            relative = [1.0] + [statistics.median(r) for r in ratios[ci][1:]]
+            if bounded:
+                relative = [min(max(x, 1.0), n) for x, n in zip(nondecreasing(relative), sizes, strict=True)]
+            seconds.append([plain * x for x in relative])
+        scale = (SPREAD / max(spread(ratios), 0.01)) ** 2
+        weight = [float(repeats)] + [len(ratios[0][si]) * scale for si in range(1, len(sizes))]
+        return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION,
+                   weight=[min(w, WEIGHT_CAP) for w in weight])
 
     @classmethod
     def for_model(cls, model: Transformer, cache_dir: Path | None = None) -> CostModel:
-        """The model's cost table for this machine: read from disk, or measured once (about a minute for
-        SmolLM2-135M on 2 CPU cores) and saved."""
+        """The model's cost table for this machine: read from disk, or calibrated (seconds) and saved."""
         cost = cls.cached(model, cache_dir)
         if cost is None:
-            cost = cls.measure(model)
+            cost = cls.calibrate(model)
             cls.save(model, cost, cache_dir)
         return cost
 
@@ -186,7 +329,7 @@ class CostModel:
             cost = cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             return None  # none yet, or a damaged file: measure again
-        return cost if cost.version == TABLE_VERSION else None
+        return cost if cost.version in READABLE_VERSIONS else None
 
     @staticmethod
     def path(model: Transformer, cache_dir: Path | None = None) -> Path:
@@ -195,9 +338,36 @@ class CostModel:
 
     @classmethod
     def save(cls, model: Transformer, cost: CostModel, cache_dir: Path | None = None) -> None:
+        """Write the table (atomically: another process may be reading it); what it learned is now on disk."""
         path = cls.path(model, cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cost.table(), indent=1))
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cost.table(), indent=1))
+        os.replace(tmp, path)
+        cost.learned = 0
+
+
+def spread(ratios: list[list[list[float]]]) -> float:
+    """How far one paired ratio strays (relative): the robust standard deviation (1.4826 x the median absolute
+    deviation) of the log ratios around their size's median, pooled over sizes with 3 or more; SPREAD if none."""
+    deviations = [abs(math.log(x) - math.log(statistics.median(cell))) for per_size in ratios for cell in per_size
+                  if len(cell) >= 3 for x in cell]
+    return 1.4826 * statistics.median(deviations) if deviations else SPREAD
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): the batch table takes the fastest of a few
+    unpaired runs and the calibration the medians of a few pairs, so their dips are mostly noise, averaged away
+    with their neighbours (the thorough single-request table is kept as measured: there, some sizes really are
+    cheaper than smaller ones)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def machine_key(model: Transformer) -> str:

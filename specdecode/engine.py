@@ -115,6 +115,7 @@ class Engine:
             return results
         seconds = time.perf_counter() - started
         self.cost.observe(b, n, max(contexts), seconds)
+        plain = self.cost.seconds(b, 1, max(contexts)) if self.cost.priced else 0.0  # the speedup's measure
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
             try:
                 logits = out.logits[i]
@@ -124,7 +125,7 @@ class Engine:
                     path = torch.tensor(verdict.path, device=logits.device)
                     row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
                                                               for layer in row.hidden_layers])
-                results.append((row, row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, b)))
+                results.append((row, row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, b, plain)))
             except Exception as e:  # noqa: BLE001
                 results.append((row, e))
         for row, result in results:  # failed rows leave now (their cache rows may be half-updated)

@@ -33,6 +33,9 @@ class GenerationStats:
     target_seconds: float = 0.0  # decoding forwards and verification (in a batch: the batch's, shared)
     draft_seconds: float = 0.0
     seconds: float = 0.0  # wall time of the whole request, prefill included
+    # what the same tokens would have cost in plain steps, priced by the cost model at the load of each step
+    # (0 where steps are not priced: a fixed k, plain decoding)
+    plain_seconds_estimate: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -48,9 +51,17 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        out = asdict(self)
-        out.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second)
+    @property
+    def estimated_speedup(self) -> float | None:
+        """The policy's own measure of what speculation won: the decoding steps' estimated plain-step seconds over
+        what they took (forward and drafting). None where steps are not priced."""
+        spent = self.target_seconds + self.draft_seconds
+        return self.plain_seconds_estimate / spent if self.plain_seconds_estimate and spent else None
+
+    def as_dict(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = dict(asdict(self))
+        out.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second,
+                   estimated_speedup=self.estimated_speedup)
         return out
 
 
@@ -120,9 +131,10 @@ class Request:
         return proposal
 
     def commit(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor, context: int,
-               forward_seconds: float, rows: int) -> list[int]:
+               forward_seconds: float, rows: int, plain_seconds: float = 0.0) -> list[int]:
         """Count a verified step and commit its tokens, cut exactly at a stop token or max_new_tokens.
-        forward_seconds: the step's forward, shared by `rows` requests (only a lone request's own is its cost)."""
+        forward_seconds: the step's forward, shared by `rows` requests (only a lone request's own is its cost);
+        plain_seconds: what a plain step of the same batch costs now (0: not priced)."""
         self.proposer.observe(tree, verdict, extra_logits)
         stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
         stats.draft_seconds += self.draft_seconds
@@ -147,6 +159,7 @@ class Request:
         self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, self.draft_seconds,
                                        forward_seconds if rows == 1 else None, per_guess))
         stats.new_tokens += len(new)
+        stats.plain_seconds_estimate += len(new) * plain_seconds
         stats.seconds = time.perf_counter() - self.started
         return new
 

@@ -291,30 +291,34 @@ def test_a_request_starts_from_what_earlier_requests_found() -> None:
 
 
 def test_observe_learns_real_step_costs_and_draft_cost() -> None:
+    """The engine teaches the cost model each step's timing; the policy learns the draft's own cost."""
     cost = linear_cost(0.0)
     policy = AdaptiveK(cost, AcceptanceStats(), cheap=False)
     tree = DraftTree.chain(5, [6, 7])
     for _ in range(60):  # 3-token steps really cost twice the table
+        cost.observe(3, 10, 2.0)
         policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, draft_seconds=0.2, target_seconds=2.0))
     assert cost.forward_seconds(3, 10) == pytest.approx(2.0, rel=0.01)
-    assert cost.table_seconds(3, 10) == pytest.approx(1.0)
+    assert cost.table_seconds(3, 10) == pytest.approx(1.0)  # no plain step to pair with: the load, not the shape
     assert policy.draft_per_guess == pytest.approx(0.1)
     fresh = AdaptiveK(cost, AcceptanceStats(), cheap=False)  # a draft's own per-guess timing wins over the average
     fresh.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, 1.0, None, seconds_per_guess=0.01))
     assert fresh.draft_per_guess == pytest.approx(0.01)
-    root = DraftTree.root_only(5)
     for _ in range(30):  # then plain steps at the table's cost: the 2x was load, which every size follows
-        policy.observe(StepRecord(root, root, 3, [1, 2, 5, 6], 10, draft_seconds=0.0, target_seconds=1.0))
+        cost.observe(1, 10, 1.0)
     assert cost.forward_seconds(1, 10) == pytest.approx(1.0, rel=0.01)
     assert cost.forward_seconds(3, 10) == pytest.approx(1.0, rel=0.01)
 
 
-def test_a_spike_in_one_step_leaves_with_the_next_steps() -> None:
+def test_a_spike_in_one_step_leaves_no_trace() -> None:
     """Seen with Medusa on SmolLM2: its first tree met a spike (1.7x), every step after sent 4 tokens at the
-    table's cost. The spike must not stay in the price of any size."""
+    table's cost. The spike must not stay in the price of any size: a step REGIME times off the load is a burst
+    and moves nothing."""
     cost = linear_cost(0.1)
     cost.observe(3, 10, 1.72 * cost.table_seconds(3, 10))
-    assert cost.load == pytest.approx(1.144)
+    assert cost.load == 1.0
+    cost.observe(3, 10, 1.3 * cost.table_seconds(3, 10))  # within REGIME: the load follows a fifth of the way
+    assert cost.load == pytest.approx(1.06)
     for _ in range(30):
         cost.observe(4, 10, cost.table_seconds(4, 10))
     assert cost.forward_seconds(1, 10) == pytest.approx(cost.table_seconds(1, 10), rel=0.01)
@@ -325,17 +329,21 @@ def test_noisy_steps_never_make_guesses_cheaper_than_the_table_says() -> None:
     """Seen with Medusa on SmolLM2 (q163): a burst on plain steps, then 3-token steps timed at the table's
     price. When each size learned its own deviation against the plain steps just before, 3-token steps came
     out at 0.85 of a plain step and Medusa guessed at 3% acceptance for 100 steps, each 13% dearer than
-    a plain step. Every size must stay at the table's price relative to the plain step, whatever the timings."""
+    a plain step. Each size now learns as a running mean of its paired timings, each pair clipped, weighted
+    against the table's own timings (a measured table: 32), so noise moves a size's price relative to a plain
+    step by a few percent at most, and never far below the table's."""
+    original = linear_cost(0.1)
     cost = linear_cost(0.1)
     rng = random.Random(0)
     for burst in (1.85, 1.5, 1.6):
         cost.observe(1, 10, burst * cost.table_seconds(1, 10))
-    for _ in range(200):
+    for _ in range(400):
         n = rng.choice([1, 3, 3, 12])
         cost.observe(n, 10, rng.uniform(0.7, 1.9) * cost.table_seconds(n, 10))
         for size in (3, 12):
             relative = cost.forward_seconds(size, 10) / cost.forward_seconds(1, 10)
-            assert relative == pytest.approx(cost.table_seconds(size, 10) / cost.table_seconds(1, 10))
+            assert relative == pytest.approx(original.table_seconds(size, 10) / original.table_seconds(1, 10),
+                                             rel=0.05)
 
 
 def test_load_moves_every_size_alike() -> None:

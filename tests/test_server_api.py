@@ -145,7 +145,7 @@ def test_models_health_and_auth(server):
             "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
             "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:time_to_first_token_seconds",
             "vllm:inter_token_latency_seconds", "vllm:num_requests_waiting", "vllm:num_requests_running",
-            "vllm:kv_cache_usage_perc"} <= names
+            "vllm:kv_cache_usage_perc", "specdecode_estimated_speedup"} <= names
     with pytest.raises(openai.AuthenticationError) as e:
         server.client("wrong").models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
@@ -159,7 +159,9 @@ def test_chat_stream_and_not_equal_the_library(server, llm):
     assert streamed == text
     assert stream_usage.completion_tokens == 40 and stream_usage.prompt_tokens == usage.prompt_tokens
     for u in (usage, stream_usage):  # per-response speculation stats (usage extension)
-        assert {"drafted", "accepted", "tau"} <= set(u.model_extra) and u.model_extra["tau"] >= 1.0
+        assert {"drafted", "accepted", "tau", "estimated_speedup"} <= set(u.model_extra) and u.model_extra["tau"] >= 1.0
+        speedup = u.model_extra["estimated_speedup"]  # the policy's own estimate (None where steps are not priced)
+        assert speedup is None or speedup > 0
     llm.stop_token_ids = frozenset()  # as the server with ignore_eos
     plain = llm.generate([{"role": "user", "content": PROMPTS[0]}], chat=True, max_new_tokens=40)
     assert text == plain.text

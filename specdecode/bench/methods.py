@@ -118,7 +118,7 @@ class Runners:
         s = gen.stats
         return {"new_tokens": s.new_tokens, "seconds": seconds, "prefill_seconds": prefill_seconds,
                 "drafted": s.drafted, "accepted": s.accepted, "target_forwards": s.target_forwards, "tau": s.tau,
-                "output_hash": output_hash(gen.new_tokens)}
+                "estimated_speedup": s.estimated_speedup, "output_hash": output_hash(gen.new_tokens)}
 
     def ours(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         gen = self.start(m, prompt_ids, max_new_tokens, temperature, seed)

@@ -80,4 +80,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm, config, cost = build(options)
     serve(llm, config, host=args.host, port=args.port, cost=cost, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level)
+    llm.save_cost_model()  # what the requests taught the single-request table, for the next start
     return 0

@@ -93,6 +93,10 @@ class Metrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_seconds = Histogram("specdecode_step_seconds", "Seconds per batched step (propose, forward, "
                                       "verify)", buckets=STEP_BUCKETS, registry=r)
+        self.estimated_speedup = Histogram(
+            "specdecode_estimated_speedup", "Per finished request, the policy's estimate of its speedup: plain-step "
+            "seconds its tokens would have cost (at the load of each step) over the seconds its steps took", mm,
+            buckets=(0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2, 3), registry=r)
 
     def labels(self, job: Timed) -> tuple[str, str]:
         return self.model_name, job.method

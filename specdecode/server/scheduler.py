@@ -78,6 +78,8 @@ class Job:
             # extensions: how speculation went for this request
             "drafted": s.drafted, "accepted": s.accepted, "tau": round(s.tau, 4),
             "acceptance_rate": round(s.acceptance_rate, 4), "target_forwards": s.target_forwards,
+            # the policy's own estimate of its speedup over plain steps (None where steps are not priced)
+            "estimated_speedup": None if s.estimated_speedup is None else round(s.estimated_speedup, 4),
         }
 
 
@@ -226,6 +228,8 @@ class Scheduler:
         if finish:
             self._leave(job)
             self.metrics.finished(job, finish, now, job.row.stats.new_tokens)
+            if (speedup := job.row.stats.estimated_speedup) is not None:
+                self.metrics.estimated_speedup.labels(self.metrics.model_name, job.method).observe(speedup)
             self._close(job, finish, Done(finish, job.usage()))
 
     def _leave(self, job: Job) -> None:

@@ -1,0 +1,247 @@
+"""The cost model on a new machine and under changing load: a calibration of a bounded number of forwards, online
+refinement from the engine's steps, regime changes, the uncertainty margin, and the policy's estimated speedup."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+import specdecode.engine as engine_module
+from specdecode.acceptance import AcceptanceStats
+from specdecode.batch_cost import STEP_SIZES, BatchCost
+from specdecode.cost import (
+    CALIBRATION_ROUNDS,
+    CALIBRATION_SIZES,
+    REGIME_STEPS,
+    SPREAD,
+    THOROUGH_ROUNDS,
+    CostModel,
+)
+from specdecode.engine import generate_ids
+from specdecode.policy import AdaptiveK, FixedK
+from specdecode.proposers import Proposer
+from specdecode.tree import DraftTree
+
+from .helpers import tiny_model
+
+
+def shaped(per_token: float, weight: float | None = None) -> CostModel:
+    """T(n) = 1 + per_token * (n - 1) at every context, as a calibration would give it (weight: its rounds)."""
+    sizes = list(CALIBRATION_SIZES)
+    row = [1.0 + per_token * (n - 1) for n in sizes]
+    return CostModel(sizes, [64, 512], [row, row], weight=None if weight is None else [weight] * len(sizes))
+
+
+def relative(cost: CostModel, n: int, context: int = 100) -> float:
+    return cost.table_seconds(n, context) / cost.table_seconds(1, context)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+# ------------------------------------------------------------------------------------------- first use
+def test_first_use_calibrates_in_a_bounded_number_of_forwards(tmp_path, monkeypatch) -> None:
+    model = tiny_model(0, vocab_size=40)
+    tokens: list[int] = []
+    real = model.forward
+
+    def counted(ids, cache, **kwargs):
+        tokens.append(ids.shape[1])
+        return real(ids, cache, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    cost = CostModel.for_model(model, tmp_path)
+    sizes = CALIBRATION_SIZES
+    pairs = CALIBRATION_ROUNDS * 2 * (len(sizes) - 1)  # every size but 1, at two contexts, next to a plain forward
+    assert len(tokens) == 2 + len(sizes) + 2 * pairs  # the two contexts' prefills, a warm-up per size, the pairs
+    assert len(tokens) < 150 and sum(tokens) < 2000  # the thorough table: 560 forwards, 5300 tokens
+    assert cost.sizes == list(sizes) and len(cost.seconds) == 2
+    assert all(s > 0 for row in cost.seconds for s in row)
+    assert cost.weight is not None and cost.weight[0] == CALIBRATION_ROUNDS and min(cost.weight) > 0
+    tokens.clear()
+    again = CostModel.for_model(model, tmp_path)  # saved: the next process reads it
+    assert tokens == [] and again == cost
+
+
+@pytest.mark.parametrize("noise", [0.02, 0.8])
+def test_a_calibration_under_heavy_load_is_physical_and_doubted(monkeypatch, noise) -> None:
+    """Forwards cost 1 + 0.3 (n - 1), each timing off by a log-normal factor: a quiet machine (2%) or one shared
+    with a dozen busy threads (80%: seen here, 16 tokens priced at 0.4 of 6). The table never prices a forward
+    below a smaller one's or above n plain ones, and its weights say how far to trust it."""
+    import specdecode.cost as cost_module
+
+    model = tiny_model(0, vocab_size=40)
+    clock, rng = FakeClock(), random.Random(1)
+
+    def forward(tokens, cache, **kwargs) -> None:
+        cache.length += tokens.shape[1]
+        clock.now += (1.0 + 0.3 * (tokens.shape[1] - 1)) * math.exp(rng.gauss(0.0, noise))
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(cost_module, "time", clock)
+    cost = CostModel.calibrate(model)
+    for row in cost.seconds:
+        assert row == sorted(row) and all(t <= n * row[0] * (1 + 1e-12) for t, n in zip(row, cost.sizes, strict=True))
+    assert cost.weight is not None
+    if noise < 0.1:
+        assert [t / row[0] for row in cost.seconds for t in row] == pytest.approx(
+            [1.0 + 0.3 * (n - 1) for _ in cost.seconds for n in cost.sizes], rel=0.05)
+        assert min(cost.weight[1:]) >= THOROUGH_ROUNDS and cost.margin(4) == 0.0  # known as well as thoroughly
+    else:
+        assert max(cost.weight[1:]) < 1 and cost.margin(4) > 0.1  # doubted: the first real steps outweigh it
+
+
+def test_a_thorough_table_from_an_earlier_version_is_read_as_exact(tmp_path) -> None:
+    model = tiny_model(0, vocab_size=40)
+    table = shaped(0.1)
+    table.version = 4
+    CostModel.save(model, table, tmp_path)
+    read = CostModel.cached(model, tmp_path)
+    assert read is not None and read.weight is None and read.forward_seconds(4, 100) == table.table_seconds(4, 100)
+
+
+def test_server_batch_tables_take_a_bounded_number_of_forwards(monkeypatch) -> None:
+    model = tiny_model(5, vocab_size=24, max_position_embeddings=64)
+    calls: list[tuple[int, int]] = []
+    real = model.forward_batch
+
+    def counted(tokens, cache, **kwargs):
+        calls.append(tuple(tokens.shape))
+        return real(tokens, cache, **kwargs)
+
+    monkeypatch.setattr(model, "forward_batch", counted)
+    cost = BatchCost.measure(model, 16, smallest=2)
+    assert cost.batch_sizes == [2, 4, 8, 16]
+    assert len(calls) == 1 + 2 * 4 * 2 * len(STEP_SIZES)  # warm-up; 2 repeats of 4 batch sizes x 2 contexts x sizes
+    assert all(t.weight == [2.0] * len(STEP_SIZES) for t in cost.tables)  # priced with a margin until refined
+
+
+# ----------------------------------------------------------------------------------- the margin of doubt
+def test_guesses_cost_a_margin_while_their_price_is_known_from_few_timings() -> None:
+    calibrated, exact = shaped(0.1, weight=CALIBRATION_ROUNDS), shaped(0.1)
+    margin = SPREAD * (1 / math.sqrt(CALIBRATION_ROUNDS) - 1 / math.sqrt(THOROUGH_ROUNDS))
+    assert calibrated.forward_seconds(1, 100) == exact.forward_seconds(1, 100)  # the plain step is the anchor
+    for n in (2, 4, 16, 40):
+        assert calibrated.forward_seconds(n, 100) == pytest.approx(exact.forward_seconds(n, 100) * (1 + margin))
+        assert calibrated.table_seconds(n, 100) == pytest.approx(exact.table_seconds(n, 100))
+    many = calibrated.forward_seconds_many(__import__("numpy").arange(1, 40), 100)
+    assert many.tolist() == pytest.approx([calibrated.forward_seconds(n, 100) for n in range(1, 40)])
+    for _ in range(40):  # steps at the table's own prices, each after a plain one: the doubt goes, the price stays
+        calibrated.observe(1, 100, calibrated.table_seconds(1, 100))
+        calibrated.observe(4, 100, calibrated.table_seconds(4, 100))
+    assert calibrated.forward_seconds(4, 100) == pytest.approx(exact.forward_seconds(4, 100))
+
+
+# ------------------------------------------------------------------------------------- online refinement
+def test_online_refinement_converges_to_the_machines_shape_on_a_synthetic_clock() -> None:
+    """The calibration priced guesses 30% too cheap relative to a plain step (a burst during it, say). Steps of
+    every size, interleaved with plain ones as a policy runs them, timed by a synthetic clock with +-10% noise
+    and the machine's speed drifting 1.5x: each size's price relative to a plain step converges to the truth."""
+    cost = shaped(0.1, weight=CALIBRATION_ROUNDS)
+
+    def truth(n: int) -> float:
+        return 1.0 if n == 1 else 1.3 * (1.0 + 0.1 * (n - 1))
+
+    rng = random.Random(0)
+    sizes = (2, 3, 4, 6, 8, 12, 16)
+    assert all(relative(cost, n) < 0.8 * truth(n) for n in sizes)
+    for step in range(1000):
+        speed = 1.0 + 0.5 * (step // 100 % 2)  # the machine slows 1.5x every other 100 steps
+        n = 1 if rng.random() < 0.4 else rng.choice(sizes)
+        cost.observe(n, 100, truth(n) * speed * math.exp(rng.uniform(-0.1, 0.1)))
+        if step == 200:  # about 20 pairs per size: more than half-way there
+            assert all(relative(cost, n) > 0.88 * truth(n) for n in sizes)
+    for n in sizes:
+        assert relative(cost, n) == pytest.approx(truth(n), rel=0.03)
+    assert cost.forward_seconds(8, 100) / cost.forward_seconds(1, 100) == pytest.approx(truth(8), rel=0.03)
+    assert cost.learned > 500
+
+
+def test_without_plain_steps_the_shape_stands() -> None:
+    """Guess steps with no plain step nearby carry no news about the shape: only the load follows them."""
+    cost = shaped(0.1, weight=CALIBRATION_ROUNDS)
+    before = [relative(cost, n) for n in (2, 4, 8)]
+    for _ in range(50):
+        cost.observe(4, 100, 3.0 * cost.table_seconds(4, 100))
+    assert [relative(cost, n) for n in (2, 4, 8)] == pytest.approx(before)
+    assert cost.load == pytest.approx(3.0, rel=0.01)
+
+
+# ------------------------------------------------------------------------------------- changes of regime
+class Oracle(Proposer):
+    """Guesses the target's own next tokens (right) or tokens it never picks (wrong)."""
+
+    cheap = True
+
+    def __init__(self, full: list[int], right: bool, vocab: int) -> None:
+        self.full, self.right, self.vocab = full, right, vocab
+
+    def propose(self, tokens, k, params, generator) -> DraftTree:
+        truth = self.full[len(tokens) : len(tokens) + k]
+        return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])
+
+
+def clocked(monkeypatch, model, seconds) -> FakeClock:
+    """The engine's clock advances by seconds(n) on every forward of n tokens per row, and by nothing else."""
+    clock = FakeClock()
+    real = model.forward_batch
+
+    def forward_batch(tokens, cache, **kwargs):
+        clock.now += seconds(tokens.shape[1])
+        return real(tokens, cache, **kwargs)
+
+    monkeypatch.setattr(model, "forward_batch", forward_batch)
+    monkeypatch.setattr(engine_module, "time", clock)
+    return clock
+
+
+def test_a_change_of_regime_reanchors_the_load_within_a_few_steps(monkeypatch) -> None:
+    """The machine gets 2x slower mid-request (another process took a core), then 2x faster again: the price of
+    a plain step follows within REGIME_STEPS steps each time, and the shape is not disturbed."""
+    model = tiny_model(0, vocab_size=56)
+    slow = [1.0]
+    clocked(monkeypatch, model, lambda n: slow[0] * (1.0 + 0.1 * (n - 1)))
+    cost = shaped(0.1)
+    prices: list[float] = []
+
+    class Watch(FixedK):
+        def observe(self, step) -> None:
+            prices.append(cost.forward_seconds(1, step.context))
+            if len(prices) == 10:
+                slow[0] = 2.0
+            if len(prices) == 30:
+                slow[0] = 1.0
+
+    generate_ids(model, [1, 2, 3], k=Watch(0), max_new_tokens=50, cost=cost)
+    assert prices[9] == pytest.approx(1.0, rel=0.01)
+    assert prices[10 + REGIME_STEPS - 1] == pytest.approx(2.0, rel=0.02)  # re-anchored on the third slow step
+    assert all(p == pytest.approx(2.0, rel=0.02) for p in prices[10 + REGIME_STEPS : 30])
+    assert prices[30 + REGIME_STEPS - 1] == pytest.approx(1.0, rel=0.02)
+    assert relative(cost, 4) == pytest.approx(1.3)
+
+
+# --------------------------------------------------------------------------------- the policy's own metric
+def test_the_estimated_speedup_is_what_plain_steps_would_have_cost_over_what_the_steps_took(monkeypatch) -> None:
+    model = tiny_model(0, vocab_size=56)
+    prompt = [random.Random(0).randrange(56) for _ in range(20)]
+    expected = generate_ids(model, prompt, max_new_tokens=40)[0]
+    clocked(monkeypatch, model, lambda n: 1.0 + 0.1 * (n - 1))
+    policy = AdaptiveK(shaped(0.1), AcceptanceStats(), cheap=True)
+    out, stats = generate_ids(model, prompt, proposer=Oracle(prompt + expected, True, 56), k=policy,
+                              max_new_tokens=40)
+    assert out == expected and stats.target_forwards < 15
+    # 40 tokens at 1 s each in plain steps, over the forwards' fake seconds (drafting takes real microseconds)
+    assert stats.estimated_speedup == pytest.approx(40 / stats.target_seconds, rel=0.01)
+    assert stats.estimated_speedup > 2
+    wrong = AdaptiveK(shaped(0.1), AcceptanceStats(), cheap=True)  # guesses that never match: about plain speed
+    _, stats = generate_ids(model, prompt, proposer=Oracle(prompt + expected, False, 56), k=wrong, max_new_tokens=40)
+    assert 0.85 < stats.estimated_speedup < 1.01
+    _, plain = generate_ids(model, prompt, max_new_tokens=10)  # not priced: no estimate
+    assert plain.estimated_speedup is None and plain.as_dict()["estimated_speedup"] is None
