@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf")
-    p.add_argument("--data", default=str(DEFAULT_TRAIN_DIR), help="training prompts (shared/data/train layout)")
+    p.add_argument("--data", default=str(DEFAULT_TRAIN_DIR), help="folder of training prompts: sharegpt/, gpteacher/, gsm8k/, flan_cot/ (optional data: see README)")
     p.add_argument("--out", required=True, help="output folder (weights, config, report; work/ holds caches)")
     p.add_argument("--samples", type=int, default=2000, help="prompts the target answers (self-distillation)")
     p.add_argument("--samples-file", help="reuse the target's answers from this samples.jsonl")
