@@ -11,6 +11,7 @@ from typing import Any
 
 from .detokenize import IncrementalText
 from .engine import Generation, GenerationStats
+from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.eagle import EagleHead
 from .models.loading import DTYPES, load_model
@@ -34,6 +35,9 @@ from .sampling import SamplingParams
 from .training.medusa import MedusaHeads
 
 METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized")
+# the default of generate() and of the CLI: the fastest lossless method that needs nothing trained or loaded besides
+# the target (with k='auto' it never costs more than a few probes where guessing does not pay)
+DEFAULT_METHOD = "prompt-lookup"
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
 # it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
 # 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
@@ -44,6 +48,8 @@ SHIPPED_EAGLE = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "dra
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+PROMPT_KINDS = ("a prompt is a string, a list of token ids or a list of chat messages ({'role': ..., 'content': ...}); "
+                "several prompts: a list of those")
 
 
 @dataclass
@@ -100,10 +106,14 @@ class LLM:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if prompt and isinstance(prompt[0], dict):
+            if not all(isinstance(m, dict) for m in prompt):
+                raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")
             if not self.tokenizer.chat_template:
                 raise ValueError(f"{self.name}'s tokenizer has no chat template: pass a plain string without chat")
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
             return list(ids)
+        if not all(isinstance(t, int) or hasattr(t, "__index__") for t in prompt):
+            raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < self.model.config.vocab_size for t in ids):
             raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
@@ -264,9 +274,9 @@ class LLM:
     # -------------------------------------------------------------------------------- generation
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Sequence[Prompt],
         *,
-        method: str = "none",
+        method: str = DEFAULT_METHOD,
         draft: str | os.PathLike | LLM | None = None,
         k: int | str = "auto",
         max_new_tokens: int = 256,
@@ -278,7 +288,17 @@ class LLM:
         chat: bool = False,
         stream: bool = False,
         **proposer_options: Any,
-    ) -> GenerationOutput | TextStream:
+    ) -> GenerationOutput | TextStream | list[GenerationOutput]:
+        """Text for `prompt` (a string, token ids or chat messages), by default with prompt lookup and k='auto'
+        (method='none': plain decoding). Several prompts (a list of those): a list of outputs, in order.
+        Method options (max_ngram, window, skip_layers, ...): see `proposer`."""
+        check_keywords("generate", proposer_options, keyword_names(self.generate) | self.proposer_options())
+        if many_prompts(prompt):
+            if stream:
+                raise ValueError("stream=True takes one prompt: stream them one at a time")
+            return self._generate_many(list(prompt), method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                                       chat=chat, **proposer_options)
         gen = self.start(prompt, method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, **proposer_options)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
@@ -289,11 +309,19 @@ class LLM:
             pass
         return result.output
 
+    def _generate_many(self, prompts: list[Prompt], **options: Any) -> list[GenerationOutput]:
+        """generate() of several prompts: for now one after another (outputs as generate gives them one by one)."""
+        return [self.generate(prompt, **options) for prompt in prompts]
+
+    def proposer_options(self) -> set[str]:
+        """The method options generate() and start() pass on to `proposer`."""
+        return keyword_names(self.proposer) - {"method", "draft", "k"}
+
     def start(
         self,
         prompt: Prompt,
         *,
-        method: str = "none",
+        method: str = DEFAULT_METHOD,
         draft: str | os.PathLike | LLM | None = None,
         k: int | str = "auto",
         max_new_tokens: int = 256,
@@ -306,6 +334,7 @@ class LLM:
     ) -> Generation:
         """A request on token ids, ready to run: each iteration runs one step and yields its new token ids
         (the benchmark steps several requests in turn). `generate` adds text, stop strings and streaming."""
+        check_keywords("start", proposer_options, keyword_names(self.start) | self.proposer_options())
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         proposer = self.proposer(method, draft, k=k, **proposer_options)
         ids = self.encode(prompt, chat=chat)
@@ -344,6 +373,15 @@ class LLM:
             prompt_tokens=gen.stats.prompt_tokens,
             stats=gen.stats,
         )
+
+
+def kinds(items) -> str:
+    return "/".join(sorted({type(t).__name__ for t in items}))
+
+
+def many_prompts(prompt: Prompt | Sequence[Prompt]) -> bool:
+    """A list of prompts (strings, token-id lists or message lists), rather than one prompt."""
+    return isinstance(prompt, list | tuple) and len(prompt) > 0 and isinstance(prompt[0], str | list | tuple)
 
 
 def stop_token_ids(tokenizer) -> frozenset[int]:

@@ -70,7 +70,7 @@ def test_train_draft_end_to_end(setup, trained) -> None:
     torch.testing.assert_close(ours.forward(ids, ours.new_cache(6)).logits, expected, rtol=1e-5, atol=1e-6)
     # and `--method draft` takes it: lossless as ever (its tokenizer is the target's)
     llm = specdecode.load(target, dtype="float64")
-    plain = llm.generate("the quick brown fox", max_new_tokens=20)
+    plain = llm.generate("the quick brown fox", method="none", max_new_tokens=20)
     spec = llm.generate("the quick brown fox", max_new_tokens=20, method="draft", draft=trained, k=3)
     assert spec.token_ids == plain.token_ids and spec.stats.drafted > 0
 

@@ -176,7 +176,7 @@ def test_chat_stream_and_not_equal_the_library(server, llm):
     for u in (usage, stream_usage):  # per-response speculation stats (usage extension)
         assert {"drafted", "accepted", "tau"} <= set(u.model_extra) and u.model_extra["tau"] >= 1.0
     llm.stop_token_ids = frozenset()  # as the server with ignore_eos
-    plain = llm.generate([{"role": "user", "content": PROMPTS[0]}], chat=True, max_new_tokens=40)
+    plain = llm.generate([{"role": "user", "content": PROMPTS[0]}], method="none", chat=True, max_new_tokens=40)
     assert text == plain.text
 
 
@@ -189,7 +189,7 @@ def test_completions_stream_and_not(server, llm):
         extra_body={"ignore_eos": True, "speculation": False}) if c.choices]
     assert "".join(pieces) == r.choices[0].text
     llm.stop_token_ids = frozenset()
-    assert r.choices[0].text == llm.generate(PROMPTS[1], max_new_tokens=24).text
+    assert r.choices[0].text == llm.generate(PROMPTS[1], method="none", max_new_tokens=24).text
     assert r.usage.model_extra["drafted"] >= 0
 
 

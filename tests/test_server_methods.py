@@ -126,3 +126,27 @@ def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -
         monkeypatch.setattr(server.decoder, "step", original)
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200  # and the server goes on serving
+
+
+def test_layer_skip_on_a_fresh_machine_searches_on_the_shipped_text(world, tmp_path, monkeypatch) -> None:
+    """No cached search, no data folder: the request runs the search on the calibration text the package ships."""
+    llm, _, draft_dir, _ = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECDECODE_DATA", str(tmp_path / "no-data"))
+    expected = plain(llm, PROMPTS[0])
+    with client_for(llm, draft_dir) as client:
+        assert ask(client, PROMPTS[0], "layer-skip", 2, stream=False)[0] == expected
+    assert list((tmp_path / "cache" / "layer_skip").glob("*.json"))  # searched once, cached for the next
+
+
+def test_a_method_whose_files_are_missing_is_a_400_that_says_so(world, tmp_path, monkeypatch) -> None:
+    llm, _, draft_dir, _ = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("specdecode.proposers.layer_skip.DEFAULT_CALIBRATION", tmp_path / "gone.jsonl")
+    with client_for(llm, draft_dir) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4,
+                                                 "speculation": {"method": "layer-skip"}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "speculation" and "'layer-skip' is not available on this server" in error["message"]
+    assert "gone.jsonl" in error["message"]

@@ -231,11 +231,11 @@ def load_skip_layers(model: Transformer, cache_dir: Path | None = None) -> list[
 
 # ----------------------------------------------------------------------------------- calibration
 def calibration_tokens(
-    tokenizer, n_texts: int = 8, max_tokens: int = 256, path: Path | str = DEFAULT_CALIBRATION
+    tokenizer, n_texts: int = 8, max_tokens: int = 256, path: Path | str | None = None
 ) -> list[list[int]]:
     """Token ids of `n_texts` exchanges in ShareGPT's layout (a user turn and the answer after it, in the chat
     template when the tokenizer has one), each cut to `max_tokens`. Training data only: never the benchmark set."""
-    path = Path(path)
+    path = Path(DEFAULT_CALIBRATION if path is None else path)
     if not path.exists():
         raise FileNotFoundError(f"calibration data {path} not found: a ShareGPT-layout .jsonl of exchanges")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
