@@ -197,8 +197,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
-    from .bench.data import is_sample
-    from .data import SPEC_BENCH_SOURCE
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
@@ -206,9 +204,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             or args.repeats < 1:
         raise ValueError("--k values (or auto), --prompts-per-category and --repeats must be >= 1, temperatures >= 0")
     categories = "all" if args.categories == "all" else args.categories.split(",")
-    if is_sample(args.questions):
-        err.print(f"[yellow]Spec-Bench's full question set is not here: using the shipped sample (2 questions per "
-                  f"category); for all of it, {SPEC_BENCH_SOURCE}[/yellow]")
     questions = load_questions(args.questions, categories, args.prompts_per_category)
     cfg = BenchConfig(
         model=args.model, methods=parse_methods(args.methods, ks, peers=[] if args.peers == "none" else

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,10 @@ def load_questions(
 ) -> list[Question]:
     """Questions in file order, the first `per_category` of each selected category. path None: the full
     Spec-Bench where it is (see specdecode.data), else the 2 per category shipped with the package."""
+    if path is None and is_sample(None):  # asked for the full set, which is not here
+        logging.getLogger("specdecode").warning(
+            "Spec-Bench's full question set is not here: using the shipped sample (2 questions per category); "
+            "for all of it, %s", SPEC_BENCH_SOURCE)
     path = spec_bench_questions() if path is None else Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Spec-Bench questions not found at {path}: {SPEC_BENCH_SOURCE}")
