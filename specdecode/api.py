@@ -247,6 +247,9 @@ class LLM:
     def cost_model(self) -> CostModel:
         """The target's forward cost on this machine (measured once, then read from the cache dir)."""
         if self._cost is None:
+            if CostModel.cached(self.model) is None:  # k='auto' (the default) prices guesses with these
+                logging.getLogger("specdecode").warning(
+                    "timing %s's forwards on this machine for k='auto' (once, about a minute; cached)", self.name)
             self._cost = CostModel.for_model(self.model)
         return self._cost
 

@@ -158,7 +158,7 @@ def measure_costs_once(llm: LLM) -> None:
     from .policy import CostModel
 
     if CostModel.cached(llm.model) is None:
-        with err.status("timing target forwards (once per model and machine, about a minute)..."):
+        with err.status("timing target forwards..."):  # the library logs a line saying why and for how long
             llm.cost_model()
 
 

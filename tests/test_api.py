@@ -15,7 +15,7 @@ import specdecode
 from specdecode.api import check_same_tokenizer, stop_token_ids
 from specdecode.cli import main as cli_main
 from specdecode.models import loading
-from specdecode.policy import CostModel
+from specdecode.policy import TABLE_VERSION, CostModel
 
 from .helpers import make_tokenizer, write_checkpoint
 
@@ -201,6 +201,20 @@ def test_the_default_method_is_the_clis_fastest_lossless_one(llm, plain):
     out = llm.generate(PROMPT, max_new_tokens=60)
     assert out.method == specdecode.api.DEFAULT_METHOD == "prompt-lookup" == cli_parser_default("method")
     assert cli_parser_default("k") == "auto" and out.token_ids == plain.token_ids
+
+
+def test_the_first_auto_call_says_it_times_the_forwards(checkpoint, tmp_path, monkeypatch, caplog):
+    """The default method prices its guesses with forward costs timed once per model and machine: a line says so
+    (about a minute for SmolLM2) rather than a silent wait; the second time they come from the cache."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    flat = CostModel([1, 2, 4, 8, 16], [64, 512], [[1e-3] * 5] * 2, version=TABLE_VERSION)
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, model, **kw: flat))
+    with caplog.at_level("WARNING", logger="specdecode"):
+        specdecode.load(checkpoint, dtype="float64").generate(PROMPT, max_new_tokens=4)
+        assert "forwards on this machine for k='auto' (once, about a minute; cached)" in caplog.text
+        caplog.clear()
+        specdecode.load(checkpoint, dtype="float64").generate(PROMPT, max_new_tokens=4)
+        assert "timing" not in caplog.text
 
 
 def cli_parser_default(option: str):
