@@ -14,6 +14,7 @@ from .batch_cost import BatchCost
 from .cost import CostModel
 from .detokenize import RequestText
 from .engine import Engine, Generation, policy_for
+from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.eagle import EagleHead
 from .models.loading import DTYPES, load_model
@@ -41,6 +42,9 @@ from .sampling import SamplingParams
 
 METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized",
            "suffix")
+# the default of generate() and of the CLI: the fastest lossless method that needs nothing trained or loaded besides
+# the target (with k='auto' it never costs more than a few probes where guessing does not pay)
+DEFAULT_METHOD = "prompt-lookup"
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
 # it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
 # 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
@@ -51,6 +55,8 @@ SHIPPED_EAGLE = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "dra
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+PROMPT_KINDS = ("a prompt is a string, a list of token ids or a list of chat messages ({'role': ..., 'content': ...}); "
+                "several prompts: a list of those")
 
 
 @dataclass
@@ -108,10 +114,14 @@ class LLM:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if prompt and isinstance(prompt[0], dict):
+            if not all(isinstance(m, dict) for m in prompt):
+                raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")
             if not self.tokenizer.chat_template:
                 raise ValueError(f"{self.name}'s tokenizer has no chat template: pass a plain string without chat")
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
             return list(ids)
+        if not all(isinstance(t, int) or hasattr(t, "__index__") for t in prompt):
+            raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")
         ids = [int(t) for t in cast(Sequence[int], prompt)]
         if any(not 0 <= t < self.model.config.vocab_size for t in ids):
             raise ValueError(f"token ids must be in [0, {self.model.config.vocab_size})")
@@ -270,6 +280,9 @@ class LLM:
         """The target's forward cost on this machine: calibrated in seconds on first use, then read from the cache
         dir; the steps every request runs refine it (saved after requests that taught it something)."""
         if self._cost is None:
+            if CostModel.cached(self.model) is None:  # k='auto' (the default) prices guesses with these
+                logging.getLogger("specdecode").warning(
+                    "timing %s's forwards on this machine for k='auto' (once, about a minute; cached)", self.name)
             self._cost = CostModel.for_model(self.model)
         return self._cost
 
@@ -286,6 +299,10 @@ class LLM:
 
     # -------------------------------------------------------------------------------- generation
     @overload
+    def generate(self, prompt: list[str], *, stream: Literal[False] = False, **options: Any) -> list[GenerationOutput]:
+        ...
+
+    @overload
     def generate(self, prompt: Prompt, *, stream: Literal[False] = False, **options: Any) -> GenerationOutput: ...
 
     @overload
@@ -293,9 +310,9 @@ class LLM:
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Sequence[Prompt],
         *,
-        method: str = "none",
+        method: str = DEFAULT_METHOD,
         draft: str | os.PathLike | LLM | None = None,
         k: int | str = "auto",
         max_new_tokens: int = 256,
@@ -307,8 +324,18 @@ class LLM:
         chat: bool = False,
         stream: bool = False,
         **proposer_options: Any,
-    ) -> GenerationOutput | TextStream:
-        gen = self.start(prompt, method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
+    ) -> GenerationOutput | TextStream | list[GenerationOutput]:
+        """Text for `prompt` (a string, token ids or chat messages), by default with prompt lookup and k='auto'
+        (method='none': plain decoding). Several prompts (a list of those): a list of outputs, in order.
+        Method options (max_ngram, window, skip_layers, ...): see `proposer`."""
+        check_keywords("generate", proposer_options, keyword_names(self.generate) | self.proposer_options())
+        if many_prompts(prompt):
+            if stream:
+                raise ValueError("stream=True takes one prompt: stream them one at a time")
+            return self._generate_many(list(cast(Sequence[Prompt], prompt)), stop, method=method, draft=draft, k=k,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, seed=seed, chat=chat, **proposer_options)
+        gen = self.start(cast(Prompt, prompt), method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, **proposer_options)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         result = TextStream(self._pieces(gen, stops, method))
@@ -319,11 +346,43 @@ class LLM:
         assert result.output is not None
         return result.output
 
+    def _generate_many(self, prompts: list[Prompt], stop: str | Sequence[str] | None, **options: Any
+                       ) -> list[GenerationOutput]:
+        """generate() of several prompts as one batch through the engine: each step verifies every row in one
+        forward (the server's continuous batching, without a server); a row leaves when its text ends."""
+        engine, first = self._request(prompts[0], **options)
+        requests = [first, *(self._request(p, engine=engine, **options)[1] for p in prompts[1:])]
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        texts = [RequestText(self.tokenizer, stops, self.stop_token_ids) for _ in requests]
+        row_text = {id(r): t for r, t in zip(requests, texts, strict=True)}
+        try:
+            for request in requests:
+                engine.add(request)
+            while engine.rows:
+                for request, result in engine.step():
+                    if isinstance(result, Exception):
+                        raise result
+                    text = row_text[id(request)]
+                    text.step(result, request.finish_reason)
+                    if text.finish and request in engine.rows:
+                        engine.remove(request)
+        finally:
+            for request in list(engine.rows):
+                engine.remove(request)
+        method = options.get("method", DEFAULT_METHOD)
+        return [GenerationOutput(text=t.text, token_ids=t.token_ids, finish_reason=t.finish or "length", method=method,
+                                 prompt_tokens=r.stats.prompt_tokens, stats=r.stats)
+                for r, t in zip(requests, texts, strict=True)]
+
+    def proposer_options(self) -> set[str]:
+        """The method options generate() and start() pass on to `proposer`."""
+        return keyword_names(self.proposer) - {"method", "draft", "k"}
+
     def start(
         self,
         prompt: Prompt,
         *,
-        method: str = "none",
+        method: str = DEFAULT_METHOD,
         draft: str | os.PathLike | LLM | None = None,
         k: int | str = "auto",
         max_new_tokens: int = 256,
@@ -336,16 +395,28 @@ class LLM:
     ) -> Generation:
         """A request on token ids, ready to run: each iteration runs one step and yields its new token ids
         (the benchmark steps several requests in turn). `generate` adds text, stop strings and streaming."""
+        check_keywords("start", proposer_options, keyword_names(self.start) | self.proposer_options())
+        engine, request = self._request(prompt, method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
+                                        **proposer_options)
+        return Generation(engine, request)
+
+    def _request(self, prompt: Prompt, *, method: str = DEFAULT_METHOD, draft: str | os.PathLike | LLM | None = None,
+                 k: int | str = "auto", max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, chat: bool = False, engine: Engine | None = None,
+                 **proposer_options: Any) -> tuple[Engine, Request]:
+        """A request, and the engine it will run in (`engine`, else a new one priced for a request alone)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         proposer = self.proposer(method, draft, k=k, **proposer_options)
         ids = self.encode(prompt, chat=chat)
-        priced = k == "auto" and proposer.capabilities.guesses
-        engine = Engine(self.model, BatchCost.single(self.cost_model() if priced else CostModel.flat()))
+        if engine is None:
+            priced = k == "auto" and proposer.capabilities.guesses
+            engine = Engine(self.model, BatchCost.single(self.cost_model() if priced else CostModel.flat()))
         key = f"{method}|{draft}|{sorted(proposer_options.items())}"
         policy = policy_for(k, proposer, engine.view, self.acceptance(key))
         request = Request(self.model.config.max_position_embeddings, proposer, ids, max_new_tokens=max_new_tokens,
                           params=params, k=policy, stop_token_ids=self.stop_token_ids, seed=seed)
-        return Generation(engine, request)
+        return engine, request
 
     def _pieces(self, gen: Generation, stops: list[str], method: str) -> Generator[str, None, GenerationOutput]:
         text = RequestText(self.tokenizer, stops, self.stop_token_ids)
@@ -360,6 +431,15 @@ class LLM:
             self.save_cost_model()
         return GenerationOutput(text=text.text, token_ids=text.token_ids, finish_reason=text.finish or "length",
                                 method=method, prompt_tokens=gen.stats.prompt_tokens, stats=gen.stats)
+
+
+def kinds(items) -> str:
+    return "/".join(sorted({type(t).__name__ for t in items}))
+
+
+def many_prompts(prompt: Prompt | Sequence[Prompt]) -> bool:
+    """A list of prompts (strings, token-id lists or message lists), rather than one prompt."""
+    return isinstance(prompt, list | tuple) and len(prompt) > 0 and isinstance(prompt[0], str | list | tuple)
 
 
 def stop_token_ids(tokenizer) -> frozenset[int]:

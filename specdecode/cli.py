@@ -4,30 +4,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
-from .api import LLM, METHODS, GenerationOutput
+from . import __version__
+from .api import DEFAULT_METHOD, LLM, METHODS, GenerationOutput
+from .cli_args import Parser, positive
 from .cli_precision import add_precision_args, quantization
+from .cli_report import Comparison, show_comparison, show_stats
 from .models.quant import QUANTIZATIONS
 from .server.cli import add_parser as add_serve_parser
 from .server.cli import cmd_serve
 from .training.cli import add_train_parser, cmd_train
 
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+# a log or pipe gets 120 columns unless $COLUMNS says otherwise; a terminal, its own width
+err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 120)
+INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
+    parser = Parser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
-    g.add_argument("--method", choices=METHODS, default="prompt-lookup")
+    g.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
+                   help="speculation method ('none': plain decoding); see README, 'Which method should I use?'")
     g.add_argument("--draft", help="--method draft: the draft model (registry name, HF dir or .gguf); "
                    "--method eagle: a trained head's folder (default: the one shipped for the model); "
                    "--method medusa: trained heads' folder")
@@ -45,16 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nodes", type=int, default=24,
                    help="eagle, suffix: most guessed tokens a step (the cost model picks how many are worth verifying)")
     g.add_argument("--low-bit", default="int4-a8", choices=list(QUANTIZATIONS),
-                   help="quantized: the precision of the target's copy that drafts (default: %(default)s)")
+                   help="quantized: the precision of the target's copy that drafts")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    g.add_argument("--seed", type=int, help="sampling seed (default: a fresh one each run)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens generated")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding, interleaved, and compare")
-    g.add_argument("--repeats", type=int, default=3, help="--compare: runs of each method (median reported)")
+    g.add_argument("--repeats", type=positive, default=3,
+                   help="--compare: runs of each method (the table shows the median tokens/s)")
+    g.add_argument("--threads", type=positive, help="CPU threads for the forwards (default: torch's choice)")
     add_precision_args(g)
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
 
@@ -62,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("what", choices=["cost", "layer-skip"],
                    help="cost: time target forwards by size, thoroughly (32 paired rounds of 14 sizes: minutes; "
                         "first use calibrates in seconds and refines online); layer-skip: search layers to skip")
-    t.add_argument("--model", default="smollm2-135m-instruct")
+    t.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
     add_precision_args(t)
-    t.add_argument("--texts", type=int, default=6, help="layer-skip: calibration texts (training data)")
+    t.add_argument("--texts", type=positive, default=6,
+                   help="layer-skip: calibration texts (training-set exchanges shipped with the package, up to 48)")
     t.add_argument("--max-tokens", type=int, default=128, help="layer-skip: tokens per calibration text")
 
     add_train_parser(sub)
@@ -72,21 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
 
     b = sub.add_parser("bench", help="Spec-Bench: speedup and tau per category, with transformers as peers")
-    b.add_argument("--model", default="smollm2-135m-instruct")
-    b.add_argument("--methods", default="none,prompt-lookup", help="comma list: none, prompt-lookup, draft:PATH")
+    b.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
+    b.add_argument("--methods", default="none,prompt-lookup",
+                   help=f"comma list of name[:draft][@K]: name one of {', '.join(METHODS)}; :PATH for draft, "
+                   "medusa (required), hybrid and eagle; @K runs that method at K only (e.g. prompt-lookup@4, "
+                   "none@0 for a second plain run as a noise control)")
     b.add_argument("--workload", default="spec-bench",
                    help="spec-bench (default), or a repetitive workload built from the training data: repetitive "
                         "(= revise, code-edit, tool-loop), revise, code-edit, tool-loop")
     b.add_argument("--categories", default="all", help="'all' or a comma list of the workload's categories")
-    b.add_argument("--prompts-per-category", type=int, default=10)
-    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--prompts-per-category", type=int, default=10, help="the first N questions of each category")
+    b.add_argument("--max-new-tokens", type=int, default=256, help="most tokens generated per prompt")
     b.add_argument("--k", default="auto", help="tokens guessed per step or 'auto'; a comma list sweeps K (auto,2,4)")
     b.add_argument("--temperature", default="0", help="a comma list sweeps temperatures")
     b.add_argument("--peers", default="none", help="comma list: transformers (its generate on the same weights), "
                    "llama.cpp (llama-cpp-python on the same GGUF file: `pip install llama-cpp-python`)")
     add_precision_args(b)
-    b.add_argument("--questions", help="Spec-Bench question.jsonl (default: ../shared/data/eval/spec_bench)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--questions", help="Spec-Bench question.jsonl (default: $SPECDECODE_DATA/eval/spec_bench/, else "
+                   "shared/data beside the checkout, else the 2 per category shipped with the package)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the run order and of sampling")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs of each prompt and method, in interleaved rounds; the fastest prefill and the "
                         "fastest decode are kept (timeit's rule)")
@@ -101,12 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         commands["serve"] = cmd_serve
         return commands[args.command](args)
     except (ValueError, FileNotFoundError) as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what was streamed stays on the screen)
+        print(flush=True)
+        err.print(f"interrupted: specdecode {args.command} stopped (Ctrl-C)")
+        return INTERRUPTED
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     with err.status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.k == "auto" and args.method != "none":
@@ -133,8 +155,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(piece, end="", flush=True)
     print()
     assert stream.output is not None  # set once the stream is read to its end
-    show_stats([stream.output])
+    show_stats(err, stream.output)
     return 0
+
+
+def measure_costs_once(llm: LLM) -> None:
+    """`--k auto` prices guesses with the target's forward costs, timed on the first run on a machine:
+    say so rather than look hung."""
+    from .cost import CostModel
+
+    if CostModel.cached(llm.model) is None:
+        with err.status("timing target forwards..."):  # the library logs a line saying why and for how long
+            llm.cost_model()
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -171,7 +203,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
-    from .bench.data import DEFAULT_QUESTIONS
     from .bench.workloads import load_workload
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
@@ -181,7 +212,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--k values (or auto), --prompts-per-category and --repeats must be >= 1, temperatures >= 0")
     categories = "all" if args.categories == "all" else args.categories.split(",")
     if args.workload == "spec-bench":
-        questions = load_questions(args.questions or DEFAULT_QUESTIONS, categories, args.prompts_per_category)
+        questions = load_questions(args.questions, categories, args.prompts_per_category)
     else:
         questions = load_workload(args.workload, categories, args.prompts_per_category, seed=args.seed)
     cfg = BenchConfig(
@@ -205,8 +236,9 @@ def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     plain_options = {**options, "method": "none"}
-    llm.generate(prompt, **{**options, "max_new_tokens": 8})  # warm-up: first calls pay one-off costs
-    llm.generate(prompt, **{**plain_options, "max_new_tokens": 8})
+    with err.status("warming up (first calls pay one-off costs)..."):
+        llm.generate(prompt, **{**options, "max_new_tokens": 8})
+        llm.generate(prompt, **{**plain_options, "max_new_tokens": 8})
     spec_runs: list[GenerationOutput] = []
     plain_runs: list[GenerationOutput] = []
     for r in range(repeats):
@@ -214,44 +246,19 @@ def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -
         for opts, runs in order if r % 2 == 0 else order[::-1]:
             with err.status(f"run {r + 1}/{repeats}: {opts['method']}..."):
                 runs.append(llm.generate(prompt, **opts))
-    pairs = zip(spec_runs, plain_runs, strict=True)
-    speedups = [s.stats.tokens_per_second / p.stats.tokens_per_second for s, p in pairs]
-    same = all(s.token_ids == plain_runs[0].token_ids for s in spec_runs + plain_runs)
-    greedy = options["temperature"] == 0
+    result = Comparison(spec_runs, plain_runs, greedy=options["temperature"] == 0)
     if as_json:
-        print(json.dumps({
-            "speculative": [output_record(o) for o in spec_runs], "plain": [output_record(o) for o in plain_runs],
-            "speedup_median": statistics.median(speedups), "speedups": speedups,
-            "outputs_match": same if greedy else None,
-        }, indent=2))
+        print(json.dumps({"speculative": [output_record(o) for o in spec_runs],
+                          "plain": [output_record(o) for o in plain_runs], **result.record()}, indent=2))
         return 0
     print(spec_runs[-1].text)
-    show_stats([spec_runs[-1], plain_runs[-1]])
-    match = ("[green]yes[/green]" if same else "[red]NO[/red]") if greedy else "n/a (sampling)"
-    err.print(
-        f"speedup over plain decoding: [bold]{statistics.median(speedups):.2f}x[/bold] "
-        f"(median of {repeats}, min {min(speedups):.2f}x, max {max(speedups):.2f}x); outputs identical: {match}"
-    )
-    return 0 if same or not greedy else 1
+    show_comparison(err, result)
+    return 0 if result.outputs_match or not result.greedy else 1
 
 
 def output_record(out: GenerationOutput) -> dict:
     return {"text": out.text, "finish_reason": out.finish_reason, "method": out.method,
             "token_ids": out.token_ids, "stats": out.stats.as_dict()}
-
-
-def show_stats(outputs: list[GenerationOutput]) -> None:
-    table = Table(title="generation stats", title_justify="left")
-    for col in ("method", "tokens", "tokens/s", "accept rate", "tau", "target fwd", "target s", "draft s", "prefill s",
-                "est. speedup"):
-        table.add_column(col, justify="right")
-    for o in outputs:
-        s = o.stats
-        speedup = "–" if s.estimated_speedup is None else f"{s.estimated_speedup:.2f}x"
-        table.add_row(o.method, str(s.new_tokens), f"{s.tokens_per_second:.1f}", f"{s.acceptance_rate:.2f}",
-                      f"{s.tau:.2f}", str(s.target_forwards), f"{s.target_seconds:.2f}", f"{s.draft_seconds:.3f}",
-                      f"{s.prefill_seconds:.2f}", speedup)
-    err.print(table)
 
 
 if __name__ == "__main__":

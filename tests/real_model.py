@@ -6,13 +6,12 @@ The test setup (`make test`) installs it; outside CI a missing package skips the
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-from pathlib import Path
 
 import pytest
 
-SPEC_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval" / "spec_bench" / "question.jsonl"
+from specdecode.bench.data import load_questions
+from specdecode.data import SPEC_BENCH_SAMPLE
 
 
 def require_smollm2() -> None:
@@ -32,13 +31,6 @@ def require_gemma() -> None:
 
 
 def spec_bench_prompts(n: int) -> list[str]:
-    """First turns of n Spec-Bench questions, one per category in file order."""
-    if not SPEC_BENCH.is_file():
-        pytest.fail(f"{SPEC_BENCH} is missing: the shared data folder must sit beside the checkout")
-    seen, prompts = set(), []
-    for line in SPEC_BENCH.read_text().splitlines():
-        row = json.loads(line)
-        if row["category"] not in seen:
-            seen.add(row["category"])
-            prompts.append(row["turns"][0])
-    return prompts[:n]
+    """First turns of n Spec-Bench questions, one per category in file order (from the sample that ships with the
+    package: the same questions as the full set's first ones)."""
+    return [q.prompt for q in load_questions(SPEC_BENCH_SAMPLE, per_category=1)][:n]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import specdecode
 from specdecode.api import check_same_tokenizer, stop_token_ids
 from specdecode.batch_cost import BatchCost, RowCost
 from specdecode.cli import main as cli_main
-from specdecode.cost import CostModel
+from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import policy_for
 from specdecode.models import loading
 
@@ -50,7 +51,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown"
 
 @pytest.fixture(scope="module")
 def plain(llm) -> specdecode.GenerationOutput:
-    return llm.generate(PROMPT, max_new_tokens=60)
+    return llm.generate(PROMPT, method="none", max_new_tokens=60)
 
 
 def test_methods_agree(llm, plain, checkpoint):
@@ -108,7 +109,7 @@ def test_layer_skip_search_runs_once_and_is_reused(tmp_path, capsys, monkeypatch
         raise AssertionError("searched again instead of reading the cache")
 
     monkeypatch.setattr(specdecode.LLM, "tune_layer_skip", no_search)
-    plain = llm.generate(PROMPT, max_new_tokens=30)
+    plain = llm.generate(PROMPT, method="none", max_new_tokens=30)
     assert llm.generate(PROMPT, max_new_tokens=30, method="layer-skip", k=2).token_ids == plain.token_ids
 
 
@@ -122,7 +123,7 @@ def test_layer_skip_that_cannot_pay_never_drafts_under_auto(checkpoint, tmp_path
     llm.stop_token_ids = frozenset()
     losing = SkipStep([1], agreement=0.5, speedup=0.8, k=1)
     save_skip_layers(llm.model, SkipSearchResult([], 1.0, 1.0, 0, 2, [SkipStep([], 1.0, 1.0, 0), losing]))
-    plain = llm.generate(PROMPT, max_new_tokens=40)
+    plain = llm.generate(PROMPT, method="none", max_new_tokens=40)
     for _ in range(3):  # across requests too: the long-run probe interval would otherwise let some through
         auto = llm.generate(PROMPT, max_new_tokens=40, method="layer-skip", k="auto")
         assert auto.token_ids == plain.token_ids and auto.stats.drafted == 0
@@ -197,6 +198,67 @@ def test_sampling_is_reproducible_with_a_seed(llm):
     assert a.token_ids != c.token_ids
 
 
+def test_the_default_method_is_the_clis_fastest_lossless_one(llm, plain):
+    """generate() without a method speculates as `specdecode generate` does: prompt lookup, k='auto'."""
+    out = llm.generate(PROMPT, max_new_tokens=60)
+    assert out.method == specdecode.api.DEFAULT_METHOD == "prompt-lookup" == cli_parser_default("method")
+    assert cli_parser_default("k") == "auto" and out.token_ids == plain.token_ids
+
+
+def test_the_first_auto_call_says_it_times_the_forwards(checkpoint, tmp_path, monkeypatch, caplog):
+    """The default method prices its guesses with forward costs timed once per model and machine: a line says so
+    (about a minute for SmolLM2) rather than a silent wait; the second time they come from the cache."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    flat = CostModel([1, 2, 4, 8, 16], [64, 512], [[1e-3] * 5] * 2, version=TABLE_VERSION)
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, model, **kw: flat))
+    with caplog.at_level("WARNING", logger="specdecode"):
+        specdecode.load(checkpoint, dtype="float64").generate(PROMPT, max_new_tokens=4)
+        assert "forwards on this machine for k='auto' (once, about a minute; cached)" in caplog.text
+        caplog.clear()
+        specdecode.load(checkpoint, dtype="float64").generate(PROMPT, max_new_tokens=4)
+        assert "timing" not in caplog.text
+
+
+def cli_parser_default(option: str):
+    from specdecode.cli import build_parser
+
+    return build_parser().parse_args(["generate", "x"]).__dict__[option]
+
+
+def test_a_list_of_prompts_gives_a_list_of_outputs(llm):
+    prompts = [PROMPT, "one two three one two three", "a b c"]
+    outs = llm.generate(prompts, method="none", max_new_tokens=12)
+    assert isinstance(outs, list) and [o.token_ids for o in outs] == [
+        llm.generate(p, method="none", max_new_tokens=12).token_ids for p in prompts]
+    ids = [llm.encode(p) for p in prompts]
+    assert [o.token_ids for o in llm.generate(ids, method="prompt-lookup", k=2, max_new_tokens=12)] == \
+        [o.token_ids for o in outs]
+    chats = [[{"role": "user", "content": p}] for p in prompts[:2]]
+    assert [o.text for o in llm.generate(chats, chat=True, max_new_tokens=8)] == \
+        [llm.generate(c, chat=True, max_new_tokens=8).text for c in chats]
+    assert llm.generate(tuple(prompts[:1]), max_new_tokens=4)[0].token_ids == outs[0].token_ids[:4]
+    with pytest.raises(ValueError, match="stream=True takes one prompt"):
+        llm.generate(prompts, stream=True)
+
+
+@pytest.mark.parametrize("prompt", [[1.5, 2.5], [1, "two"], [{"role": "user", "content": "hi"}, 3]])
+def test_a_malformed_prompt_says_what_a_prompt_is(llm, prompt):
+    with pytest.raises(ValueError, match="a prompt is a string, a list of token ids or a list of chat messages"):
+        llm.generate([prompt], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("typo,suggestion", [("max_tokens", "max_new_tokens"), ("windw", "window"),
+                                              ("temprature", "temperature"), ("skip_layer", "skip_layers")])
+def test_a_mistyped_keyword_is_reported_against_generate(llm, typo, suggestion):
+    message = f"generate() got an unexpected keyword argument '{typo}'; did you mean '{suggestion}'?"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        llm.generate(PROMPT, **{typo: 4})
+    with pytest.raises(TypeError, match=r"start\(\) got an unexpected keyword argument"):
+        llm.start(llm.encode(PROMPT), **{typo: 4})
+    with pytest.raises(TypeError, match="it takes .*max_new_tokens"):
+        llm.generate(PROMPT, zzz=1)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -261,7 +323,7 @@ def test_cli_compare_reports_identical_outputs(checkpoint, capsys):
     code = cli_main(["generate", PROMPT, "--model", str(checkpoint), "--max-new-tokens", "16", "--compare",
                      "--repeats", "2", "--json"])
     result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["outputs_match"] is True and len(result["speedups"]) == 2
+    assert code == 0 and result["outputs_match"] is True and len(result["speedups_by_run"]) == 2
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):

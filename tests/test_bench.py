@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from specdecode.bench import aggregate, load_questions, parse_methods
+from specdecode.bench.data import is_sample
 from specdecode.bench.methods import Method
 from specdecode.bench.runner import fastest, run_round
 from specdecode.cli import main as cli_main
+from specdecode.data import SPEC_BENCH_SAMPLE, spec_bench_questions
 from specdecode.engine import GenerationStats
 
 from .helpers import make_tokenizer, write_checkpoint
@@ -162,13 +164,32 @@ def test_questions_and_methods_are_checked(questions: Path) -> None:
         ("lookahead@k=4", 4, None), ("hybrid@k=auto", "auto", "d")]
 
 
-def test_default_questions_are_spec_bench() -> None:
-    questions = load_questions(per_category=1)
-    assert len(questions) == 13 and {q.category for q in questions} >= {"translation", "rag", "math_reasoning"}
+def test_default_questions_are_spec_bench_or_its_shipped_sample(tmp_path, monkeypatch) -> None:
+    """The full set where $SPECDECODE_DATA (else shared/data beside the checkout) has it, else the 2 questions per
+    category that ship with the package: the same first questions, so a fresh clone benchmarks what CI does."""
+    full = load_questions(per_category=1)
+    assert len(full) == 13 and {q.category for q in full} >= {"translation", "rag", "math_reasoning"}
+    monkeypatch.setenv("SPECDECODE_DATA", str(tmp_path))  # an empty data folder: only the package's sample
+    assert is_sample(None) and spec_bench_questions() == SPEC_BENCH_SAMPLE
+    sample = load_questions(per_category=5)
+    assert len(sample) == 26 and [q.question_id for q in sample][::2] == [q.question_id for q in full]
+    (tmp_path / "eval" / "spec_bench").mkdir(parents=True)
+    (tmp_path / "eval" / "spec_bench" / "question.jsonl").write_text(SPEC_BENCH_SAMPLE.read_text())
+    assert not is_sample(None)
+
+
+def test_bench_without_the_full_spec_bench_says_where_to_get_it(tmp_path, monkeypatch, capsys, caplog) -> None:
+    with pytest.raises(FileNotFoundError, match="github.com/hemingkx/Spec-Bench"):
+        load_questions(tmp_path / "question.jsonl")
+    monkeypatch.setenv("SPECDECODE_DATA", str(tmp_path))
+    monkeypatch.setattr("specdecode.bench.run_benchmark", lambda cfg: pytest.fail("should stop before running"))
+    assert cli_main(["bench", "--categories", "poetry", "--out", str(tmp_path / "out")]) == 2
+    assert "unknown Spec-Bench categories" in capsys.readouterr().err
+    warning = " ".join(r.getMessage() for r in caplog.records if r.name == "specdecode")
+    assert "shipped sample" in warning and "github.com/hemingkx/Spec-Bench" in warning
 
 
 def test_repetitive_workload_is_built_from_training_data() -> None:
-    from specdecode.bench.data import DEFAULT_QUESTIONS
     from specdecode.bench.workloads import TRAIN, load_workload
 
     if not TRAIN.is_dir():
@@ -181,7 +202,7 @@ def test_repetitive_workload_is_built_from_training_data() -> None:
     assert [m["role"] for m in revise] == ["user", "assistant", "user"] and "Revise" in revise[-1]["content"]
     tools = questions[-1].prompt
     assert tools[0]["role"] == "system" and '"tool"' in tools[2]["content"]  # earlier calls in the fixed schema
-    spec_bench = DEFAULT_QUESTIONS.read_text()
+    spec_bench = spec_bench_questions().read_text()
     assert all(m["content"][:200] not in spec_bench for q in questions for m in q.prompt)  # never eval prompts
     with pytest.raises(ValueError, match="unknown workload"):
         load_workload("nope")

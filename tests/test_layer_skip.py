@@ -197,9 +197,15 @@ def test_save_and_load_round_trip(target: Transformer, tmp_path: Path) -> None:
     assert load_skip_layers(model, tmp_path) is None
 
 
-@pytest.mark.skipif(not DEFAULT_CALIBRATION.exists(), reason="shared training data not present")
-def test_calibration_tokens() -> None:
+def test_calibration_tokens_ship_with_the_package(tmp_path: Path) -> None:
+    """The search's calibration text is part of the package (a fresh clone needs nothing else)."""
+    assert DEFAULT_CALIBRATION.is_file() and DEFAULT_CALIBRATION.parent.name == "data"
     tokenizer = make_tokenizer()
     texts = calibration_tokens(tokenizer, n_texts=3, max_tokens=64)
     assert len(texts) == 3 and all(32 <= len(t) <= 64 for t in texts)
     assert texts == calibration_tokens(tokenizer, n_texts=3, max_tokens=64)  # deterministic
+    assert len(calibration_tokens(tokenizer, n_texts=40, max_tokens=64)) == 40
+    with pytest.raises(ValueError, match="at most that many calibration texts"):
+        calibration_tokens(tokenizer, n_texts=1000, max_tokens=64)
+    with pytest.raises(FileNotFoundError, match="calibration data"):
+        calibration_tokens(tokenizer, path=tmp_path / "missing.jsonl")

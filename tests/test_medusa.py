@@ -297,7 +297,7 @@ def test_train_medusa_end_to_end(tmp_path, capsys, monkeypatch) -> None:
     assert [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()] == [2, 3]
     # through the API, greedy output is the target's own
     llm = specdecode.load(target, dtype="float64")
-    plain = llm.generate("the quick brown fox", max_new_tokens=20)
+    plain = llm.generate("the quick brown fox", method="none", max_new_tokens=20)
     assert llm.generate("the quick brown fox", max_new_tokens=20, method="medusa", draft=out, k=2).token_ids == \
         plain.token_ids
     # bad input is refused with a message that says what to do

@@ -93,7 +93,8 @@ def test_converted_dir_loads_fast_from_cache():
 
 @pytest.fixture(scope="module")
 def plain_runs(llm) -> dict[str, specdecode.GenerationOutput]:
-    return {prompt: llm.generate(prompt, chat=True, max_new_tokens=40) for prompt in spec_bench_prompts(5)}
+    return {prompt: llm.generate(prompt, method="none", chat=True, max_new_tokens=40)
+            for prompt in spec_bench_prompts(5)}
 
 
 @pytest.mark.parametrize("method,options", [

@@ -163,8 +163,25 @@ def test_chat_stream_and_not_equal_the_library(server, llm):
         speedup = u.model_extra["estimated_speedup"]  # the policy's own estimate (None where steps are not priced)
         assert speedup is None or speedup > 0
     llm.stop_token_ids = frozenset()  # as the server with ignore_eos
-    plain = llm.generate([{"role": "user", "content": PROMPTS[0]}], chat=True, max_new_tokens=40)
+    plain = llm.generate([{"role": "user", "content": PROMPTS[0]}], method="none", chat=True, max_new_tokens=40)
     assert text == plain.text
+
+
+def test_the_readme_client_snippet_prints_the_text_then_the_usage(server, capsys):
+    """The README's OpenAI example, run as written against this server: text pieces, then usage on its own line."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "stream_options" in block)
+    snippet = (snippet.replace("http://127.0.0.1:8000/v1", server.url + "/v1")
+               .replace('api_key="KEY"', f'api_key="{KEY}"').replace('"smollm2-135m-instruct"', f'"{MODEL}"'))
+    exec(compile(snippet, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    whole = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Explain speculative decoding."}], max_tokens=128,
+        temperature=0)
+    *text, usage_line, extra = out.rstrip("\n").split("\n")
+    assert "\n".join(text) == whole.choices[0].message.content and "None" not in out
+    assert re.fullmatch(rf"{whole.usage.completion_tokens} tokens, tau \d+\.\d\d", usage_line), usage_line
+    assert extra.startswith("{") and "'tau'" in extra  # the completions example's per-response stats
 
 
 def test_completions_stream_and_not(server, llm):
@@ -176,7 +193,7 @@ def test_completions_stream_and_not(server, llm):
         extra_body={"ignore_eos": True, "speculation": False}) if c.choices]
     assert "".join(pieces) == r.choices[0].text
     llm.stop_token_ids = frozenset()
-    assert r.choices[0].text == llm.generate(PROMPTS[1], max_new_tokens=24).text
+    assert r.choices[0].text == llm.generate(PROMPTS[1], method="none", max_new_tokens=24).text
     assert r.usage.model_extra["drafted"] >= 0
 
 

@@ -157,3 +157,24 @@ def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monke
                 assert s.drafted > 0, method
     finally:
         llm._cost = saved
+
+
+def test_layer_skip_on_a_fresh_machine_searches_on_the_shipped_text(world, tmp_path, monkeypatch) -> None:
+    """No cached search, no data folder: the request runs the search on the calibration text the package ships."""
+    llm, _, draft_dir, _ = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECDECODE_DATA", str(tmp_path / "no-data"))
+    expected = plain(llm, PROMPTS[0])
+    with client_for(llm, draft_dir, methods=("layer-skip",)) as client:  # the search runs at start
+        assert ask(client, PROMPTS[0], "layer-skip", 2, stream=False)[0] == expected
+    assert list((tmp_path / "cache" / "layer_skip").glob("*.json"))  # searched once, cached for the next
+
+
+def test_a_method_whose_files_are_missing_stops_the_start_saying_so(world, tmp_path, monkeypatch) -> None:
+    """Set-up runs at start (--methods): a method that cannot run there is a start-up error naming what is missing,
+    never a 500 inside a request."""
+    llm, _, draft_dir, _ = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("specdecode.proposers.layer_skip.DEFAULT_CALIBRATION", tmp_path / "gone.jsonl")
+    with pytest.raises(ValueError, match="gone.jsonl"):
+        client_for(llm, draft_dir, methods=("layer-skip",))

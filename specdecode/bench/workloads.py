@@ -17,9 +17,10 @@ import random
 import re
 from pathlib import Path
 
-from .data import DEFAULT_QUESTIONS, Question
+from ..data import train_dir
+from .data import Question
 
-TRAIN = DEFAULT_QUESTIONS.parents[2] / "train"
+TRAIN = train_dir()
 WORKLOADS = {"repetitive": ("revise", "code-edit", "tool-loop"), "revise": ("revise",),
              "code-edit": ("code-edit",), "tool-loop": ("tool-loop",)}
 REVISIONS = ("make it more formal", "make it friendlier", "use shorter sentences", "fix any mistakes you find",

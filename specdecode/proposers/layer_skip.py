@@ -23,15 +23,14 @@ import torch
 from torch import nn
 
 from ..cost import CostModel
+from ..data import CALIBRATION
 from ..models import Transformer
 from ..paths import default_cache_dir
 from .base import Capabilities
 from .draft_model import DraftModelProposer
 
 MAX_K = 8  # draft depths the search considers
-DEFAULT_CALIBRATION = Path(__file__).resolve().parents[3] / "shared" / "data" / "train" / "sharegpt" / (
-    "sharegpt_sample_1000.jsonl"
-)
+DEFAULT_CALIBRATION = CALIBRATION  # training-set exchanges shipped with the package (never the benchmark)
 
 
 def check_skipped(skipped: Sequence[int], num_layers: int) -> list[int]:
@@ -234,13 +233,13 @@ def load_skip_layers(model: Transformer, cache_dir: Path | None = None) -> list[
 
 # ----------------------------------------------------------------------------------- calibration
 def calibration_tokens(
-    tokenizer, n_texts: int = 8, max_tokens: int = 256, path: Path | str = DEFAULT_CALIBRATION
+    tokenizer, n_texts: int = 8, max_tokens: int = 256, path: Path | str | None = None
 ) -> list[list[int]]:
-    """Token ids of `n_texts` ShareGPT exchanges (a user turn and the answer after it, in the chat template
-    when the tokenizer has one), each cut to `max_tokens`. Training data only: never the benchmark set."""
-    path = Path(path)
+    """Token ids of `n_texts` exchanges in ShareGPT's layout (a user turn and the answer after it, in the chat
+    template when the tokenizer has one), each cut to `max_tokens`. Training data only: never the benchmark set."""
+    path = Path(DEFAULT_CALIBRATION if path is None else path)
     if not path.exists():
-        raise FileNotFoundError(f"calibration data {path} not found (expected ../shared/data/train from the repo)")
+        raise FileNotFoundError(f"calibration data {path} not found: a ShareGPT-layout .jsonl of exchanges")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     random.Random(0).shuffle(rows)  # a spread of topics, the same every time
     out: list[list[int]] = []
@@ -261,4 +260,7 @@ def calibration_tokens(
             out.append(ids)
         if len(out) == n_texts:
             break
+    if len(out) < n_texts:
+        raise ValueError(f"{path} holds {len(out)} exchanges of at least {min(32, max_tokens)} tokens; "
+                         f"ask for at most that many calibration texts (--texts)")
     return out

@@ -137,6 +137,9 @@ class Server:
                 stop_token_ids=() if req.ignore_eos else self.llm.stop_token_ids, seed=req.seed)
         except ValueError as e:
             raise bad_request(str(e)) from None
+        except FileNotFoundError as e:  # what the method needs is missing here (e.g. layer-skip's calibration text)
+            raise bad_request(f"speculation method {method!r} is not available on this server: {e}",
+                              param="speculation") from None
 
     def encode(self, req: schemas.GenerationRequest | schemas.TokenizeChat | schemas.TokenizeCompletion) -> list[int]:
         try:

@@ -7,17 +7,18 @@ import logging
 import os
 import sys
 
+from ..cli_args import int_in, port, positive
 from ..cli_precision import add_precision_args, quantization
 from .body import MAX_REQUEST_BYTES
 
 
 def add_parser(sub) -> None:
-    from ..api import METHODS
+    from ..api import DEFAULT_METHOD, METHODS
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and speculation")
     s.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
     s.add_argument("--served-model-name", help="the model id clients send (default: --model)")
-    s.add_argument("--method", choices=METHODS, default="prompt-lookup",
+    s.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
                    help="default speculation method (a request may pick another, or `speculation: false`)")
     s.add_argument("--methods", default="",
                    help="comma list of the methods requests may pick; each is set up at start (cost "
@@ -30,10 +31,12 @@ def add_parser(sub) -> None:
     s.add_argument("--suffix-cache-tokens", type=int, default=1_000_000,
                    help="method suffix: tokens of earlier outputs kept for all requests to match (oldest evicted "
                         "first; about 36 bytes a token)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch slot before 503")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    s.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
+    s.add_argument("--max-batch", type=positive, default=16, help="requests decoded together")
+    s.add_argument("--max-queue", type=int_in(0, what="a queue length"), default=64,
+                   help="requests waiting for a batch slot before 503")
     s.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="larger request bodies get 413 (default 2 MiB)")
     s.add_argument("--replicas", type=int,
@@ -44,10 +47,11 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY, else none)")
     add_precision_args(s)
-    s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    s.add_argument("--threads", type=positive, help="CPU threads for the forwards (default: torch's choice)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log verbosity")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

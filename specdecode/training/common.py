@@ -22,25 +22,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf")
-    p.add_argument("--data", default=str(DEFAULT_TRAIN_DIR), help="training prompts (shared/data/train layout)")
+    p.add_argument("--data", default=str(DEFAULT_TRAIN_DIR),
+                   help="folder of training prompts: sharegpt/, gpteacher/, gsm8k/, flan_cot/ (README: Train a draft)")
     p.add_argument("--out", required=True, help="output folder (weights, config, report; work/ holds caches)")
     p.add_argument("--samples", type=int, default=2000, help="prompts the target answers (self-distillation)")
     p.add_argument("--samples-file", help="reuse the target's answers from this samples.jsonl")
     p.add_argument("--heldout", type=int, default=64, help="samples kept out of training for evaluation")
     p.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     p.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generate call")
     p.add_argument("--temperature", type=float, default=0.0, help="the target's sampling when answering (0: greedy)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=100, help="learning-rate warm-up steps")
+    p.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (and saves)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where training runs")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's dtype for data and features")
     p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (GPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order and initialisation")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:

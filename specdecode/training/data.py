@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_TRAIN_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "train"
+from ..data import TRAIN_SOURCE, train_dir
+
+DEFAULT_TRAIN_DIR = train_dir()  # $SPECDECODE_DATA/train, else shared/data/train beside the checkout: optional
 
 
 @dataclass
@@ -69,7 +71,7 @@ def prompt_texts(data_dir: Path | str = DEFAULT_TRAIN_DIR, limit: int | None = N
     still covers chat, code, role play, maths and reasoning), deduplicated, in a seeded order."""
     root = Path(data_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"training data folder {root} not found: pass --data pointing at shared/data/train")
+        raise FileNotFoundError(f"training data folder {root} not found: {TRAIN_SOURCE}")
     rng = random.Random(seed)
     pools = []
     for pattern, reader in SOURCES.values():
@@ -78,7 +80,7 @@ def prompt_texts(data_dir: Path | str = DEFAULT_TRAIN_DIR, limit: int | None = N
         if texts:
             pools.append(texts)
     if not pools:
-        raise FileNotFoundError(f"no prompts under {root}: expected {', '.join(p for p, _ in SOURCES.values())}")
+        raise FileNotFoundError(f"no prompts under {root}: {TRAIN_SOURCE}")
     seen, out = set(), []
     for i in range(max(map(len, pools))):
         for pool in pools:

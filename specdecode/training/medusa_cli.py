@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..data import TRAIN_SOURCE
 from .common import add_common, err, prepare, train_config, write_report
 from .guards import check_samples_file, claim
 from .heldout import append_decoding_report
@@ -40,8 +41,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--steps and --batch-size must be >= 1, --samples >= 2 (some are held out)")
     answered = args.samples_file or (Path(args.out) / "work" / "samples.jsonl").exists()  # no prompts needed
     if not Path(args.data).is_dir() and not answered:
-        raise FileNotFoundError(f"training data folder {args.data} not found: pass --data pointing at "
-                                "shared/data/train (or --samples-file with the target's answers)")
+        raise FileNotFoundError(f"training data folder {args.data} not found: {TRAIN_SOURCE}")
 
 
 def target_vocab(target: str) -> int:

@@ -1,0 +1,153 @@
+"""The command line as a newcomer meets it: --version, --help with defaults, argparse-level checks, --threads,
+Ctrl-C without a traceback, and --compare output whose numbers agree with each other within 80 columns."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import specdecode
+from specdecode import cli
+from specdecode.api import METHODS, TextStream
+from specdecode.cli import main as cli_main
+
+from .helpers import make_tokenizer, write_checkpoint
+
+PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache_dir(tmp_path_factory) -> Iterator[None]:
+    old = os.environ.get("SPECDECODE_CACHE")
+    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["SPECDECODE_CACHE"]
+    else:
+        os.environ["SPECDECODE_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), make_tokenizer())
+
+
+@pytest.fixture
+def console(monkeypatch) -> io.StringIO:
+    """What `specdecode` writes to stderr, on an 80-column terminal."""
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=out, width=80, color_system=None))
+    return out
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"specdecode {specdecode.__version__}"
+
+
+def test_help_shows_defaults_and_every_method(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # one line per option, for the matching below
+    for command, expected in [
+        ("generate", ["--method {none,prompt-lookup,", "(default: prompt-lookup)", "(default: 256)",
+                      "(default: auto)", "(default: torch's choice)"]),
+        ("serve", ["(default: 8000)", "(default: 127.0.0.1)", "(default: 16)", "(default: prompt-lookup)"]),
+        ("bench", ["(default: none,prompt-lookup)", *METHODS, "name[:draft][@K]"]),
+        ("tune", ["(default: 6)", "up to 48"]),
+    ]:
+        with pytest.raises(SystemExit):
+            cli_main([command, "--help"])
+        text = capsys.readouterr().out
+        assert all(e in text for e in expected), (command, [e for e in expected if e not in text])
+        assert "(default: None)" not in text and "(default: False)" not in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--port", "99999"], "argument --port: a TCP port must be from 1 to 65535, got 99999"),
+    (["serve", "--port", "http"], "argument --port: 'http' is not an integer"),
+    (["serve", "--max-batch", "0"], "argument --max-batch: a count must be >= 1, got 0"),
+    (["generate", "hi", "--threads", "0"], "argument --threads: a count must be >= 1, got 0"),
+    (["generate", "hi", "--repeats", "-1"], "argument --repeats: a count must be >= 1, got -1"),
+])
+def test_bad_numbers_are_refused_before_anything_loads(args, message, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_generate_threads(checkpoint, capsys, monkeypatch) -> None:
+    import torch
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    assert cli_main(["generate", PROMPT, "--model", str(checkpoint), "--max-new-tokens", "4", "--json",
+                     "--threads", "1"]) == 0
+    assert threads == [1] and json.loads(capsys.readouterr().out)["stats"]["new_tokens"] >= 1
+
+
+def test_ctrl_c_during_generate_exits_130_with_a_line(checkpoint, capsys, console, monkeypatch) -> None:
+    def interrupted(self, prompt, **options) -> TextStream:
+        def pieces() -> Iterator[str]:
+            yield "Once upon"
+            signal.raise_signal(signal.SIGINT)  # what Ctrl-C does: Python raises KeyboardInterrupt here
+            yield " a time"
+
+        return TextStream(pieces())
+
+    monkeypatch.setattr(specdecode.LLM, "generate", interrupted)
+    assert cli_main(["generate", PROMPT, "--model", str(checkpoint), "--k", "2"]) == cli.INTERRUPTED == 130
+    assert capsys.readouterr().out == "Once upon\n"  # what was streamed stays, on a line of its own
+    assert console.getvalue() == "interrupted: specdecode generate stopped (Ctrl-C)\n"
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The stats table's rows by method: the lines after the header's rule, up to the legend."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if set(line) == {"─"}) + 1
+    rows = {}
+    for line in lines[start:]:
+        if line.startswith("tokens/s:"):
+            break
+        method, rest = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        rows[method] = rest.split()
+    return rows
+
+
+def test_compare_numbers_agree_with_each_other_in_80_columns(checkpoint, capsys, console) -> None:
+    """The draft is the target itself, so every guess is kept and tau, guess/fwd and kept can be checked too."""
+    args = ["generate", PROMPT, "--model", str(checkpoint), "--dtype", "float64", "--max-new-tokens", "24",
+            "--compare", "--repeats", "3", "--method", "draft", "--draft", str(checkpoint), "--k", "3"]
+    assert cli_main(args) == 0
+    text = console.getvalue()
+    assert all(len(line) <= 80 for line in text.splitlines()) and "…" not in text  # nothing cut
+    rows = table_rows(text)
+    assert list(rows) == ["draft", "none (plain)"]
+    (tokens, tps, speedup, tau, guessed, kept), plain = rows["draft"], rows["none (plain)"]
+    assert plain[2:] == ["1.00x", "1.00", "0.0", "-"] and tokens == plain[0]
+    assert speedup == f"{float(tps) / float(plain[1]):.2f}x"  # the speedup column is the tokens/s columns' ratio
+    assert kept == "100%" and guessed == "3.0"
+    assert abs(float(tau) - (1 + float(guessed) * float(kept[:-1]) / 100)) < 0.35  # the legend's identity
+    headline = re.search(r"speedup over plain decoding: ([\d.]+)x \(median tokens/s: ([\d.]+) vs ([\d.]+)\)", text)
+    assert headline and headline.group(1) + "x" == speedup and headline.groups()[1:] == (tps, plain[1])
+    low, high = re.search(r"runs paired one by one: ([\d.]+)x to ([\d.]+)x", text).groups()
+    assert float(low) <= float(headline.group(1)) <= float(high)  # the median's ratio lies within the runs'
+    assert "greedy outputs identical: yes" in text and "median of 3 runs" in text
+
+    capsys.readouterr()
+    assert cli_main([*args, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    medians = record["tokens_per_second_median"]
+    assert record["speedup"] == pytest.approx(medians["speculative"] / medians["plain"])
+    assert len(record["speedups_by_run"]) == 3 and record["outputs_match"] is True
+    assert min(record["speedups_by_run"]) <= record["speedup"] <= max(record["speedups_by_run"])
+    spec = sorted(o["stats"]["tokens_per_second"] for o in record["speculative"])
+    assert medians["speculative"] == spec[1]
