@@ -189,14 +189,29 @@ def test_bench_without_the_full_spec_bench_says_where_to_get_it(tmp_path, monkey
     assert "shipped sample" in warning and "github.com/hemingkx/Spec-Bench" in warning
 
 
-def test_repetitive_workload_is_built_from_training_data() -> None:
+def training_folder(root: Path) -> Path:
+    """A few made-up rows in the training data's layout (sharegpt, GPTeacher codegen and toolformer)."""
+    (root / "sharegpt").mkdir(parents=True)
+    (root / "gpteacher").mkdir()
+    chats = [{"conversations": [{"from": "human", "value": f"Question {i}?"},
+                                {"from": "gpt", "value": f"Answer {i}. " + "Some words. " * 40}]} for i in range(6)]
+    (root / "sharegpt" / "sharegpt_sample_1000.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
+    code = [{"instruction": "Write code", "input": "", "response": f"def f{i}(x):\n" + "    x += 1\n" * 40}
+            for i in range(6)]
+    (root / "gpteacher" / "codegen-instruct.json").write_text(json.dumps(code))
+    tools = [{"instruction": f"toolformer: enabled\nFind fact {i}.", "input": f"topic {i}",
+              "response": f"wikipedia('topic {i}')"} for i in range(12)]
+    (root / "gpteacher" / "toolformer-dedupe-only-dataset.json").write_text(json.dumps(tools))
+    return root
+
+
+def test_repetitive_workload_is_built_from_training_data(tmp_path) -> None:
     from specdecode.bench.workloads import TRAIN, load_workload
 
-    if not TRAIN.is_dir():
-        pytest.skip("no training data at ../shared/data/train")
-    questions = load_workload("repetitive", per_category=2)
+    train = TRAIN if TRAIN.is_dir() else training_folder(tmp_path / "train")  # the real data where it is
+    questions = load_workload("repetitive", per_category=2, train=train)
     assert [q.category for q in questions] == ["revise"] * 2 + ["code-edit"] * 2 + ["tool-loop"] * 2
-    assert questions == load_workload("repetitive", per_category=2)  # the same prompts every run
+    assert questions == load_workload("repetitive", per_category=2, train=train)  # the same prompts every run
     assert len({q.question_id for q in questions}) == 6
     revise = questions[0].prompt
     assert [m["role"] for m in revise] == ["user", "assistant", "user"] and "Revise" in revise[-1]["content"]
@@ -205,6 +220,6 @@ def test_repetitive_workload_is_built_from_training_data() -> None:
     spec_bench = spec_bench_questions().read_text()
     assert all(m["content"][:200] not in spec_bench for q in questions for m in q.prompt)  # never eval prompts
     with pytest.raises(ValueError, match="unknown workload"):
-        load_workload("nope")
+        load_workload("nope", train=train)
     with pytest.raises(ValueError, match="unknown categories"):
-        load_workload("revise", ["tool-loop"])
+        load_workload("revise", ["tool-loop"], train=train)
