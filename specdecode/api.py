@@ -282,7 +282,7 @@ class LLM:
         if self._cost is None:
             if CostModel.cached(self.model) is None:  # k='auto' (the default) prices guesses with these
                 logging.getLogger("specdecode").warning(
-                    "timing %s's forwards on this machine for k='auto' (once, about a minute; cached)", self.name)
+                    "timing %s's forwards on this machine for k='auto' (once, seconds; cached)", self.name)
             self._cost = CostModel.for_model(self.model)
         return self._cost
 

@@ -41,7 +41,7 @@ def warm_up(llm: LLM, methods: Iterable[str], draft: str | None) -> None:
         return
     started = time.perf_counter()
     if llm._cost is None and CostModel.cached(llm.model) is None:  # else it is in memory or on disk
-        log.info("timing the target's forward by size (once per model and machine, then cached; about a minute)")
+        log.info("timing the target's forward by size (once per model and machine, then cached; seconds)")
     llm.cost_model()
     for i, method in enumerate(methods, 1):
         log.info("setting up %s (%d/%d)%s", method, i, len(methods), what(method, llm))
