@@ -136,8 +136,12 @@ def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monke
     monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
     sizes = (1, 2, 4, 8, 16, 32, 64)
 
-    def slow() -> CostModel:  # forwards far dearer than proposing: decisions do not depend on timing noise
-        return CostModel(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
+    class Frozen(CostModel):  # learns nothing from real timings, so decisions do not depend on timing noise
+        def observe(self, tokens: int, context: int, seconds: float) -> None:
+            pass
+
+    def slow() -> CostModel:  # forwards far dearer than proposing
+        return Frozen(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
 
     saved, llm._cost = llm._cost, slow()
     try:
@@ -176,5 +180,6 @@ def test_a_method_whose_files_are_missing_stops_the_start_saying_so(world, tmp_p
     llm, _, draft_dir, _ = world
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("specdecode.proposers.layer_skip.DEFAULT_CALIBRATION", tmp_path / "gone.jsonl")
+    monkeypatch.setattr("specdecode.server.warmup._ready", {})  # as in a new process: nothing set up yet
     with pytest.raises(ValueError, match="gone.jsonl"):
         client_for(llm, draft_dir, methods=("layer-skip",))
