@@ -76,7 +76,7 @@ def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], 
         seconds += price
         start, tokens, pos = len(tokens), tokens + new, pos + len(new)
         if policy is not None:
-            policy.observe(StepRecord(proposal, tree, start, tokens, context, PROPOSE_SECONDS, price))
+            policy.observe(StepRecord(proposal, tree, start, tokens, context, PROPOSE_SECONDS))
     if policy is not None:
         policy.finish(tokens)
     return seconds

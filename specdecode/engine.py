@@ -125,7 +125,7 @@ class Engine:
                     path = torch.tensor(verdict.path, device=logits.device)
                     row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
                                                               for layer in row.hidden_layers])
-                results.append((row, row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, b, plain)))
+                results.append((row, row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, plain)))
             except Exception as e:  # noqa: BLE001
                 results.append((row, e))
         for row, result in results:  # failed rows leave now (their cache rows may be half-updated)

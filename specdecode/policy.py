@@ -82,14 +82,7 @@ class StepRecord:
     tokens: list[int]  # all tokens committed after the step
     context: int  # cached tokens before the step's forward
     draft_seconds: float
-    target_seconds: float | None  # None: not measured (the step's forward is someone else's)
     seconds_per_guess: float | None = None  # the proposer's own measure (see Proposer.seconds_per_guess)
-
-    @property
-    def forward_tokens(self) -> int:
-        """Tokens in the step's target forward: the verified tree and any extra nodes (lookahead)."""
-        extra = self.verified.extra
-        return len(self.verified.tokens) + (len(extra.tokens) if extra is not None else 0)
 
 
 class FixedK(Policy):

@@ -131,10 +131,10 @@ class Request:
         return proposal
 
     def commit(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor, context: int,
-               forward_seconds: float, rows: int, plain_seconds: float = 0.0) -> list[int]:
+               forward_seconds: float, plain_seconds: float = 0.0) -> list[int]:
         """Count a verified step and commit its tokens, cut exactly at a stop token or max_new_tokens.
-        forward_seconds: the step's forward, shared by `rows` requests (only a lone request's own is its cost);
-        plain_seconds: what a plain step of the same batch costs now (0: not priced)."""
+        forward_seconds: the step's forward (in a batch, shared with the other rows: the engine, not the policy,
+        learns costs from it); plain_seconds: what a plain step of the same batch costs now (0: not priced)."""
         self.proposer.observe(tree, verdict, extra_logits)
         stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
         stats.draft_seconds += self.draft_seconds
@@ -156,8 +156,7 @@ class Request:
         self.tokens.extend(new)
         proposal = self.proposal or tree
         per_guess = self.proposer.seconds_per_guess if proposal.num_drafted else None
-        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, self.draft_seconds,
-                                       forward_seconds if rows == 1 else None, per_guess))
+        self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, self.draft_seconds, per_guess))
         stats.new_tokens += len(new)
         stats.plain_seconds_estimate += len(new) * plain_seconds
         stats.seconds = time.perf_counter() - self.started

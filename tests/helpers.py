@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from specdecode.models import ModelConfig, Transformer
+from specdecode.proposers.base import Capabilities, Proposer
+from specdecode.tree import DraftTree
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -183,3 +188,34 @@ def write_checkpoint(path: Path, tokenizer, seed: int = 0, layers: int = 2) -> P
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return path
+
+
+def own_cache_dir() -> Callable:
+    """An autouse fixture for a test module: $SPECDECODE_CACHE points at a folder of its own while the module runs
+    (the adaptive policy's cost table and the layer-skip search are cached per model: keep modules apart)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _own_cache_dir(tmp_path_factory) -> Iterator[None]:
+        old = os.environ.get("SPECDECODE_CACHE")
+        os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+        yield
+        if old is None:
+            del os.environ["SPECDECODE_CACHE"]
+        else:
+            os.environ["SPECDECODE_CACHE"] = old
+
+    return _own_cache_dir
+
+
+class Oracle(Proposer):
+    """Knows the answer: guesses the target's own next tokens (right=True) or always a different token (right=False);
+    free to ask, as a lookup."""
+
+    capabilities = Capabilities(cheap=True)
+
+    def __init__(self, full: list[int], right: bool, vocab: int) -> None:
+        self.full, self.right, self.vocab = full, right, vocab
+
+    def propose(self, tokens, k, params, generator) -> DraftTree:
+        truth = self.full[len(tokens) : len(tokens) + k]
+        return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])

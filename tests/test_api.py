@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,19 +18,9 @@ from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import policy_for
 from specdecode.models import loading
 
-from .helpers import make_tokenizer, write_checkpoint
+from .helpers import make_tokenizer, own_cache_dir, write_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _own_cache_dir(tmp_path_factory) -> Iterator[None]:
-    """The adaptive policy's cost table and the layer-skip search are cached per model: keep these apart."""
-    old = os.environ.get("SPECDECODE_CACHE")
-    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        del os.environ["SPECDECODE_CACHE"]
-    else:
-        os.environ["SPECDECODE_CACHE"] = old
+_own_cache_dir = own_cache_dir()
 
 
 @pytest.fixture(scope="module")

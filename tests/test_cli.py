@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import signal
 from collections.abc import Iterator
@@ -19,20 +18,12 @@ from specdecode import cli
 from specdecode.api import METHODS, TextStream
 from specdecode.cli import main as cli_main
 
-from .helpers import make_tokenizer, write_checkpoint
+from .helpers import make_tokenizer, own_cache_dir, write_checkpoint
 
 PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _own_cache_dir(tmp_path_factory) -> Iterator[None]:
-    old = os.environ.get("SPECDECODE_CACHE")
-    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        del os.environ["SPECDECODE_CACHE"]
-    else:
-        os.environ["SPECDECODE_CACHE"] = old
+_own_cache_dir = own_cache_dir()
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,8 @@ from specdecode.cost import (
 )
 from specdecode.engine import generate_ids
 from specdecode.policy import AdaptiveK, FixedK
-from specdecode.proposers import Proposer
-from specdecode.tree import DraftTree
 
-from .helpers import tiny_model
+from .helpers import Oracle, tiny_model
 
 
 def shaped(per_token: float, weight: float | None = None) -> CostModel:
@@ -175,19 +173,6 @@ def test_without_plain_steps_the_shape_stands() -> None:
 
 
 # ------------------------------------------------------------------------------------- changes of regime
-class Oracle(Proposer):
-    """Guesses the target's own next tokens (right) or tokens it never picks (wrong)."""
-
-    cheap = True
-
-    def __init__(self, full: list[int], right: bool, vocab: int) -> None:
-        self.full, self.right, self.vocab = full, right, vocab
-
-    def propose(self, tokens, k, params, generator) -> DraftTree:
-        truth = self.full[len(tokens) : len(tokens) + k]
-        return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])
-
-
 def clocked(monkeypatch, model, seconds) -> FakeClock:
     """The engine's clock advances by seconds(n) on every forward of n tokens per row, and by nothing else."""
     clock = FakeClock()

@@ -13,10 +13,10 @@ from specdecode.batch_cost import nondecreasing
 from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import generate_ids
 from specdecode.policy import FIRST_PROBE_WITHIN, MARGIN, AdaptiveK, FixedK, StepRecord, best_count
-from specdecode.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.tree import DraftTree, ExtraNodes
 
-from .helpers import tiny_model
+from .helpers import Oracle, tiny_model
 
 
 class Frozen:
@@ -265,7 +265,7 @@ def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> N
     policy = AdaptiveK(linear_cost(0.05), confident(0.05), cheap=True)
     tree = DraftTree.chain(5, [6, 7])
     policy.depth_to_propose(10, 20)
-    policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 9], 10, draft_seconds=0.004, target_seconds=None))
+    policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 9], 10, draft_seconds=0.004))
     assert policy.propose_seconds == pytest.approx(0.004)  # under 1% of a plain step: still asked every step
     assert all(policy.depth_to_propose(10, 20) == 16 for _ in range(50))
     policy.propose_seconds = 0.1  # heads costing a tenth of a plain step, for ~5% acceptance: never pays
@@ -313,12 +313,12 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     tree = DraftTree.chain(5, [6, 7])
     for _ in range(60):  # 3-token steps really cost twice the table
         cost.observe(3, 10, 2.0)
-        policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, draft_seconds=0.2, target_seconds=2.0))
+        policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, draft_seconds=0.2))
     assert cost.forward_seconds(3, 10) == pytest.approx(2.0, rel=0.01)
     assert cost.table_seconds(3, 10) == pytest.approx(1.0)  # no plain step to pair with: the load, not the shape
     assert policy.draft_per_guess == pytest.approx(0.1)
     fresh = AdaptiveK(cost, AcceptanceStats(), cheap=False)  # a draft's own per-guess timing wins over the average
-    fresh.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, 1.0, None, seconds_per_guess=0.01))
+    fresh.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, 1.0, seconds_per_guess=0.01))
     assert fresh.draft_per_guess == pytest.approx(0.01)
     for _ in range(30):  # then plain steps at the table's cost: the 2x was load, which every size follows
         cost.observe(1, 10, 1.0)
@@ -385,19 +385,6 @@ def test_fixed_k_rejects_negative() -> None:
 
 
 # ---------------------------------------------------------------------------------------- in the engine
-class Oracle(Proposer):
-    """Knows the answer: guesses it (right=True) or always a different token (right=False)."""
-
-    cheap = True
-
-    def __init__(self, full: list[int], right: bool, vocab: int) -> None:
-        self.full, self.right, self.vocab = full, right, vocab
-
-    def propose(self, tokens, k, params, generator) -> DraftTree:
-        truth = self.full[len(tokens) : len(tokens) + k]
-        return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])
-
-
 def test_a_draft_that_never_guesses_holds_no_cache() -> None:
     target = tiny_model(0, vocab_size=56)
     draft = DraftModelProposer(target, 56)

@@ -70,6 +70,6 @@ class HybridProposer(Proposer):
         chain, before, seconds = self._last
         self._last = None
         committed = before + [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
-        self.draft_policy.observe(StepRecord(chain, chain, len(before), committed, len(before) - 1, seconds, None,
+        self.draft_policy.observe(StepRecord(chain, chain, len(before), committed, len(before) - 1, seconds,
                                              self.draft.seconds_per_guess))
         self.draft_policy.remember()
