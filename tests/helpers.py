@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.cost import CostModel
 from specdecode.models import ModelConfig, Transformer
 from specdecode.proposers.base import Capabilities, Proposer
 from specdecode.tree import DraftTree
@@ -219,3 +220,11 @@ class Oracle(Proposer):
     def propose(self, tokens, k, params, generator) -> DraftTree:
         truth = self.full[len(tokens) : len(tokens) + k]
         return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])
+
+
+class FrozenCost(CostModel):
+    """A made-up cost table that learns nothing from the steps the engine times: the tiny models' real timings
+    would otherwise reshape it online, and tests of what a table implies would depend on this machine's speed."""
+
+    def observe(self, tokens: int, context: int, seconds: float) -> None:
+        pass

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from specdecode.acceptance import AcceptanceStats
-from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer, load_transformer
 from specdecode.models.config import FULL, SLIDING, ModelConfig
@@ -33,7 +32,7 @@ from specdecode.proposers.quantized import low_bit_copy
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree
 
-from .helpers import noisy_copy, randomize_, tiny_model
+from .helpers import FrozenCost, noisy_copy, randomize_, tiny_model
 from .test_distribution import ALPHA, PROMPT, V, chi_square, exact_joint
 from .test_lossless import PROMPTS, VOCAB, naive_greedy
 from .test_medusa import WIDE, random_heads
@@ -304,13 +303,6 @@ def random_eagle(target: Transformer, seed: int) -> EagleHead:
     head.init_from_target(target, torch.arange(VOCAB - 8))
     randomize_(head.fuse, seed)
     return head.to(target.dtype).eval().requires_grad_(False)
-
-
-class FrozenCost(CostModel):
-    """A made-up table that learns nothing from the tiny model's real timings (which would reshape it online)."""
-
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
-        pass
 
 
 COST = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])  # made up: guessing always pays

@@ -21,7 +21,7 @@ from specdecode.policy import AdaptiveK
 from specdecode.proposers import DraftModelProposer, HybridProposer, NoProposer, PromptLookupProposer, Proposer
 from specdecode.sampling import SamplingParams
 
-from .helpers import noisy_copy, prefix_layers, resize_vocab, tiny_model
+from .helpers import FrozenCost, noisy_copy, prefix_layers, resize_vocab, tiny_model
 
 VOCAB = 56
 NEW = 40
@@ -109,12 +109,7 @@ def cost() -> CostModel:
     """A made-up cost (a forward takes a second, 64 tokens 1.5 s) next to which the tiny drafts' real
     milliseconds are free: k="auto" always guesses, so the test never depends on this machine's timings (the table
     learns nothing from them either)."""
-
-    class Frozen(CostModel):
-        def observe(self, tokens: int, context: int, seconds: float) -> None:
-            pass
-
-    return Frozen([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
+    return FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])

@@ -16,30 +16,15 @@ from specdecode.policy import FIRST_PROBE_WITHIN, MARGIN, AdaptiveK, FixedK, Ste
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.tree import DraftTree, ExtraNodes
 
-from .helpers import Oracle, tiny_model
+from .helpers import FrozenCost, Oracle, tiny_model
 
 
-class Frozen:
-    """A cost model that does not learn from the steps it is shown: tests of the policy's own decisions."""
-
-    def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
-
-    def forward_seconds(self, tokens: int, context: int) -> float:
-        return self.cost.forward_seconds(tokens, context)
-
-    def forward_seconds_many(self, tokens, context: int):
-        return self.cost.forward_seconds_many(tokens, context)
-
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
-        pass
-
-
-def linear_cost(per_token: float, per_context: float = 0.0) -> CostModel:
-    """T(n, c) = 1 + per_token * (n - 1) + per_context * c, as a measured table would give it."""
+def linear_cost(per_token: float, per_context: float = 0.0, frozen: bool = False) -> CostModel:
+    """T(n, c) = 1 + per_token * (n - 1) + per_context * c, as a measured table would give it (frozen: a table that
+    learns nothing from the steps it is shown, for tests of the policy's own decisions)."""
     sizes, contexts = [1, 2, 4, 8, 16, 32, 64], [0, 1000]
     seconds = [[1.0 + per_token * (n - 1) + per_context * c for n in sizes] for c in contexts]
-    return CostModel(sizes, contexts, seconds)
+    return (FrozenCost if frozen else CostModel)(sizes, contexts, seconds)
 
 
 # ------------------------------------------------------------------------------------------- cost model
@@ -397,25 +382,25 @@ def test_a_draft_that_never_guesses_holds_no_cache() -> None:
 
 
 def test_engine_stops_guessing_when_guesses_fail_and_guesses_deep_when_they_pay() -> None:
-    """Prices as the table says (Frozen: the tiny model's real timings would otherwise reshape it online)."""
+    """Prices as the table says (a frozen table: the tiny model's real timings would otherwise reshape it online)."""
     target = tiny_model(0, vocab_size=56)
     rng = random.Random(0)
     prompt = [rng.randrange(56) for _ in range(20)]
     expected = generate_ids(target, prompt, max_new_tokens=60)[0]
     full = prompt + expected
-    policy = AdaptiveK(Frozen(linear_cost(0.1)), AcceptanceStats(), cheap=True)
+    policy = AdaptiveK(linear_cost(0.1, frozen=True), AcceptanceStats(), cheap=True)
     out, stats = generate_ids(target, prompt, proposer=Oracle(full, False, 56), k=policy, max_new_tokens=60)
     assert out == expected
     # the first steps guess (prior 0.5), then the policy learns the guesses fail and stops sending them,
     # while still scoring every proposal for free
     assert policy.verified_depths[0] > 0 and set(policy.verified_depths[10:]) == {0}
     assert stats.target_forwards == 60
-    policy = AdaptiveK(Frozen(linear_cost(0.1)), AcceptanceStats(), cheap=True)
+    policy = AdaptiveK(linear_cost(0.1, frozen=True), AcceptanceStats(), cheap=True)
     out, stats = generate_ids(target, prompt, proposer=Oracle(full, True, 56), k=policy, max_new_tokens=60)
     assert out == expected and stats.accepted == stats.drafted
     assert policy.verified_depths[0] == 2 and max(policy.verified_depths) >= 8  # always right: learns to go deep
     # a draft identical to the target, with a measured per-guess cost, also ends up guessing deep
-    policy = AdaptiveK(Frozen(linear_cost(0.0)), AcceptanceStats(), cheap=False)
+    policy = AdaptiveK(linear_cost(0.0, frozen=True), AcceptanceStats(), cheap=False)
     out, stats = generate_ids(target, prompt, proposer=DraftModelProposer(target, 56), k=policy, max_new_tokens=60)
     assert out == expected and stats.accepted == stats.drafted and max(policy.verified_depths) >= 6
 

@@ -20,7 +20,7 @@ from specdecode.models.medusa import MedusaHeads
 from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
 from specdecode.server.app import ServerConfig, create_app
 
-from .helpers import make_tokenizer, write_checkpoint
+from .helpers import FrozenCost, make_tokenizer, write_checkpoint
 
 MAX_TOKENS = 24
 SKIP = SkipSearchResult(skipped=[1], agreement=0.5, speedup=1.2, k=3, num_layers=2,
@@ -136,12 +136,8 @@ def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monke
     monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
     sizes = (1, 2, 4, 8, 16, 32, 64)
 
-    class Frozen(CostModel):  # learns nothing from real timings, so decisions do not depend on timing noise
-        def observe(self, tokens: int, context: int, seconds: float) -> None:
-            pass
-
-    def slow() -> CostModel:  # forwards far dearer than proposing
-        return Frozen(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
+    def slow() -> CostModel:  # forwards far dearer than proposing; learns nothing, so no decision depends on timing
+        return FrozenCost(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
 
     saved, llm._cost = llm._cost, slow()
     try:

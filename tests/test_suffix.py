@@ -18,7 +18,7 @@ from specdecode.proposers import SuffixCache, SuffixProposer
 from specdecode.sampling import SamplingParams
 from specdecode.suffix_index import SEPARATOR, SuffixIndex
 
-from .helpers import tiny_model
+from .helpers import FrozenCost, tiny_model
 from .test_distribution import ALPHA, chi_square, exact_joint
 from .test_lossless import NEW, PROMPTS, VOCAB
 
@@ -186,13 +186,6 @@ def target():
 def reference(target):
     """Plain decoding through the engine (test_lossless checks it equals recomputing every step)."""
     return [generate_ids(target, prompt, max_new_tokens=NEW)[0] for prompt in PROMPTS]
-
-
-class FrozenCost(CostModel):
-    """A made-up table that learns nothing from real timings (the engine's online shape learning would reshape it)."""
-
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
-        pass
 
 
 CHEAP = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])  # guessing nearly always pays
