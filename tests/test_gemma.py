@@ -143,18 +143,23 @@ def test_token_by_token_and_tree_see_the_window_the_target_would(checkpoint) -> 
         torch.testing.assert_close(tree_logits[node], expected, atol=1e-5, rtol=1e-5, msg=f"node {node}")
 
 
-def test_float32_tree_verifies_bit_for_bit_what_single_steps_compute() -> None:
+@pytest.mark.parametrize("in_batch_row", [False, True], ids=["own-cache", "engine-batch-row"])
+def test_float32_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool) -> None:
     """On the CPU in float32 a token's numbers must not depend on how many tokens share the forward (else a near
-    tie decides differently in verification than in plain decoding, and greedy speculation is not lossless): the
-    attention runs in the native kernel, the matmuls in row-invariant ones."""
+    tie decides differently in verification than in plain decoding, and greedy speculation is not lossless; with
+    int8 activations a rounding difference flips a quantization step and the tokens part): the attention runs in
+    the native kernel, the matmuls in row-invariant ones. The engine runs a request on a row of its batch's cache."""
     from specdecode import kernels
+    from specdecode.models import BatchKVCache
 
     if kernels.native() is None:
         pytest.skip("native kernels unavailable")
     model = tiny_model(4, vocab_size=VOCAB, **GEMMA).float()
     prefix = random_ids(14, VOCAB, seed=7)[0].tolist()
     tree = DraftTree.from_paths(prefix[-1], [[5, 6, 7, 8, 9], [5, 6, 9], [5, 10], [11, 12]])
-    cache = model.new_cache(64)
+    cfg = model.config
+    cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=2).row(1) if in_batch_row \
+        else model.new_cache(64)
     model.forward(torch.tensor([prefix[:-1]]), cache, logits_at=None)
     start = cache.length
     tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),

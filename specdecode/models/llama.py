@@ -124,8 +124,9 @@ class Attention(nn.Module):
 def native_attention(q: torch.Tensor, cache) -> bool:
     """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32 (the
     Llama block's native path runs its own; SDPA's numbers for a query depend on the others in the call)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and type(cache) is KVCache
-            and cache.kv.dtype == torch.float32 and cache.kv.is_contiguous() and not torch.is_grad_enabled())
+    # a RowCache (one row of the server's batch) qualifies: the kernel reads one row's [kv_heads, max_len, head_dim]
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and isinstance(cache, KVCache)
+            and cache.kv.dtype == torch.float32 and cache.kv[0, 0, 0].is_contiguous() and not torch.is_grad_enabled())
 
 
 class MLP(nn.Module):
