@@ -68,6 +68,25 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, shape) -> Non
         assert torch.equal(layer(x[16 - rows :]), alone[16 - rows :]), rows  # the same rows at other offsets
 
 
+@pytest.mark.parametrize("shape", [(576, 96), (96, 44)])
+def test_int4_tiles_compute_bit_for_bit_what_the_stored_rows_do(shape) -> None:
+    """The int8-activation kernel reads int4 weights from tiles of 8 outputs (no shuffles to unpack them): the
+    same integers and the same float steps as from GGUF's row order, so the same bits, partial last tile included."""
+    lib = kernels.native()
+    assert lib is not None
+    k, n = shape
+    g = torch.Generator().manual_seed(2)
+    layer = QuantLinear.quantize(torch.randn(n, k, generator=g), "int4-a8")
+    kind, qs, d, m = layer.a8_operands()
+    assert kind == 3 and qs.numel() == -(-n // 8) * 8 * k // 2
+    x = torch.randn(5, k, generator=g)
+    for rows in (1, 4, 5):
+        stored = torch.empty(rows, n)
+        assert not lib.specdecode_a8_matmul(1, x.data_ptr(), rows, k, layer.qs.data_ptr(), layer.d.data_ptr(),
+                                            layer.m.data_ptr(), stored.data_ptr(), n)
+        assert torch.equal(layer(x[:rows]), stored), rows
+
+
 def test_quantization_error_is_what_the_format_allows() -> None:
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
     for kind, bound in (("int4", 0.5 / 15), ("int8", 0.5 / 127)):

@@ -60,6 +60,17 @@ static inline void unpack_q4(const uint8_t *p, int64_t stride, __m256i *out) {
     }
 }
 
+/* The same from int4 weights stored in tiles (kind 3, QuantLinear.tiles): the block's 128 bytes already in
+   raw[0..3]'s order, so unpacking is four loads and masks, no shuffles */
+static inline void unpack_q4_tiled(const uint8_t *p, __m256i *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int g = 0; g < 4; g++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
+        out[g] = _mm256_and_si256(raw, low);
+        out[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+}
+
 /* int8 weights, one block, in the same order: signed in out[0..7], their absolute values in out[8..15] */
 static inline void unpack_q8(const int8_t *p, int64_t stride, __m256i *out) {
     __m256i a[8], t[8], u[8];
@@ -111,29 +122,37 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Rows r..r+R of a tile's 8 outputs (KIND 1: int4, 2: int8; KIND and R constants at each call, so the loops
-   unroll): each block's weights unpacked once for the R rows. w: the tile's first output, stride: bytes per output. */
+/* Rows r..r+R of a tile's 8 outputs (KIND 1: int4, 2: int8, 3: int4 in tiles; KIND and R constants at each call,
+   so the loops unroll): each block's weights unpacked once for the R rows. w: the tile's first output (kind 3: the
+   tile), stride: bytes per output; kind 3 reads its float16 scales dh, mh ([block][8]) where the others read the
+   floats dw, mw unpacked for the tile. */
 static inline __attribute__((always_inline)) void a8_tile_rows(
-    const int KIND, const uint8_t *w, int64_t stride, int ncols, const float *dw, const float *mw, const int8_t *xq,
-    const float *dx, const float *sx, int K, float *y, int N, const int R) {
-    const int nb = K / QK, block_bytes = KIND == 1 ? QK / 2 : QK;
+    const int KIND, const uint8_t *w, int64_t stride, int ncols, const float *dw, const float *mw,
+    const uint16_t *dh, const uint16_t *mh, const int8_t *xq, const float *dx, const float *sx, int K, float *y,
+    int N, const int R) {
+    const int nb = K / QK, block_bytes = KIND == 2 ? QK : QK / 2;
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *p = w + (int64_t)block_bytes * b;
-        int64_t step = stride;
-        /* the next tile's weights (8 outputs, 8 lines apart: the prefetchers miss this order): as much per block */
-        for (int line = 0; line < block_bytes * COLS; line += 64)
-            _mm_prefetch((const char *)w + COLS * stride + (int64_t)block_bytes * COLS * b + line, _MM_HINT_T0);
-        uint8_t part[COLS * QK];
-        if (ncols < COLS) {  /* a last, partial tile: its outputs side by side, the last one repeated */
-            for (int c = 0; c < COLS; c++) memcpy(part + c * block_bytes, p + (c < ncols ? c : ncols - 1) * stride, block_bytes);
-            p = part;
-            step = block_bytes;
-        }
         __m256i unpacked[16] __attribute__((aligned(32))), isum[ROWS];
-        if (KIND == 1) unpack_q4(p, step, unpacked);
-        else unpack_q8((const int8_t *)p, step, unpacked);
+        if (KIND == 3) {
+            unpack_q4_tiled(w + (int64_t)block_bytes * COLS * b, unpacked);
+        } else {
+            const uint8_t *p = w + (int64_t)block_bytes * b;
+            int64_t step = stride;
+            /* the next tile's weights (8 outputs, 8 lines apart: the prefetchers miss this order) */
+            for (int line = 0; line < block_bytes * COLS; line += 64)
+                _mm_prefetch((const char *)w + COLS * stride + (int64_t)block_bytes * COLS * b + line, _MM_HINT_T0);
+            uint8_t part[COLS * QK];
+            if (ncols < COLS) {  /* a last, partial tile: its outputs side by side, the last one repeated */
+                for (int c = 0; c < COLS; c++)
+                    memcpy(part + c * block_bytes, p + (c < ncols ? c : ncols - 1) * stride, block_bytes);
+                p = part;
+                step = block_bytes;
+            }
+            if (KIND == 1) unpack_q4(p, step, unpacked);
+            else unpack_q8((const int8_t *)p, step, unpacked);
+        }
 #pragma GCC unroll 1
         for (int r = 0; r < R; r++) {  /* one row at a time (unrolled, the compiler interleaves them and spills) */
             const __m256i *v = unpacked;
@@ -142,7 +161,7 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
             __m256i sum = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 const __m256i xg = bcast4(x + 4 * g);
-                if (KIND == 1) {
+                if (KIND != 2) {
 #if SPECDECODE_VNNI
                     sum = dpbusd(sum, v[g], xg);
 #else  /* 16-bit sums: 8 products of 4 bits x 7 bits and sign, at most 8 * 3810 */
@@ -158,17 +177,19 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
                 }
             }
 #if !SPECDECODE_VNNI
-            if (KIND == 1) sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+            if (KIND != 2) sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 #endif
             isum[r] = sum;
         }
-        const __m256 d = _mm256_loadu_ps(dw + COLS * b);
+        const __m256 d = KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + COLS * b)))
+                                   : _mm256_loadu_ps(dw + COLS * b);
         for (int r = 0; r < R; r++) {
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
         }
-        if (KIND == 1) {
-            const __m256 m = _mm256_loadu_ps(mw + COLS * b);
+        if (KIND != 2) {
+            const __m256 m = KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + COLS * b)))
+                                       : _mm256_loadu_ps(mw + COLS * b);
             for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
         }
     }
@@ -183,25 +204,31 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
                      const uint16_t *d, const uint16_t *m, float *y, int N) {
     const int nb = K / QK;
-    const int64_t stride = (int64_t)nb * (kind == 1 ? QK / 2 : QK);  /* bytes per output */
+    const int64_t stride = (int64_t)nb * (kind == 2 ? QK : QK / 2);  /* bytes per output */
     const int threads = omp_get_max_threads();
     const size_t s_size = (size_t)COLS * nb;
-    float *s_all = malloc(sizeof(float) * 2 * s_size * threads);
-    if (!s_all) return 1;
+    float *s_all = kind == 3 ? NULL : malloc(sizeof(float) * 2 * s_size * threads);
+    if (kind != 3 && !s_all) return 1;
 #pragma omp parallel num_threads(threads)
     {
-        float *dw = s_all + 2 * s_size * omp_get_thread_num(), *mw = dw + s_size;
+        float *dw = s_all ? s_all + 2 * s_size * omp_get_thread_num() : NULL, *mw = dw ? dw + s_size : NULL;
 #pragma omp for schedule(static)
         for (int t = 0; t < (N + COLS - 1) / COLS; t++) {
             const int n0 = t * COLS, ncols = N - n0 < COLS ? N - n0 : COLS;
-            const uint8_t *w = (const uint8_t *)qs + n0 * stride;
-            unpack_scales(d + (int64_t)n0 * nb, nb, nb, ncols, dw);
-            if (kind == 1) unpack_scales(m + (int64_t)n0 * nb, nb, nb, ncols, mw);
+            const uint8_t *w = (const uint8_t *)qs + n0 * stride;  /* kind 3: a tile is 8 outputs' bytes too */
+            const uint16_t *dh = d + (int64_t)n0 * nb, *mh = m ? m + (int64_t)n0 * nb : NULL;
+            if (kind != 3) {
+                unpack_scales(dh, nb, nb, ncols, dw);
+                if (kind == 1) unpack_scales(mh, nb, nb, ncols, mw);
+            }
             for (int r0 = 0; r0 < M; r0 += ROWS) {
-#define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
-                                        sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
+#define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, dh, mh, xq + (int64_t)r0 * K, \
+                                        dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
                 const int rows = M - r0 < ROWS ? M - r0 : ROWS;
-                if (kind == 1) {
+                if (kind == 3) {
+                    if (rows >= 4) TILE_ROWS(3, 4); else if (rows == 3) TILE_ROWS(3, 3);
+                    else if (rows == 2) TILE_ROWS(3, 2); else TILE_ROWS(3, 1);
+                } else if (kind == 1) {
                     if (rows >= 4) TILE_ROWS(1, 4); else if (rows == 3) TILE_ROWS(1, 3);
                     else if (rows == 2) TILE_ROWS(1, 2); else TILE_ROWS(1, 1);
                 } else {
@@ -230,12 +257,20 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
                 if (kind == 1) {
                     const uint8_t *q = (const uint8_t *)qs + (int64_t)n * (K / 2) + 16 * b;
                     for (int j = 0; j < 16; j++) s += (q[j] & 0x0f) * xr[QK * b + j] + (q[j] >> 4) * xr[QK * b + j + 16];
+                } else if (kind == 3) {  /* tile n / 8, block b: byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 */
+                    const uint8_t *q = (const uint8_t *)qs + ((int64_t)(n / 8) * nb + b) * 128 + 4 * (n % 8);
+                    for (int j = 0; j < 16; j++) {
+                        const uint8_t byte = q[32 * (j / 4) + j % 4];
+                        s += (byte & 0x0f) * xr[QK * b + j] + (byte >> 4) * xr[QK * b + j + 16];
+                    }
                 } else {
                     const int8_t *q = (const int8_t *)qs + (int64_t)n * K + QK * b;
                     for (int j = 0; j < QK; j++) s += q[j] * xr[QK * b + j];
                 }
-                total += (float)s * (half_to_float(d[(int64_t)n * nb + b]) * dx[(int64_t)r * nb + b]);
-                if (kind == 1) total += half_to_float(m[(int64_t)n * nb + b]) * sx[(int64_t)r * nb + b];
+                /* kind 3's scales sit in tiles too: [tile][block][8] */
+                const int64_t at = kind == 3 ? ((int64_t)(n / 8) * nb + b) * 8 + n % 8 : (int64_t)n * nb + b;
+                total += (float)s * (half_to_float(d[at]) * dx[(int64_t)r * nb + b]);
+                if (kind != 2) total += half_to_float(m[at]) * sx[(int64_t)r * nb + b];
             }
             y[(int64_t)r * N + n] = total;
         }
@@ -243,7 +278,8 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 }
 #endif
 
-/* y[M, N] = round(x) @ dequant(W)^T; kind 1: int4 weights (qs [N, K / 2], needs m), kind 2: int8 (qs [N, K]).
+/* y[M, N] = round(x) @ dequant(W)^T; kind 1: int4 weights (qs [N, K / 2], needs m), kind 2: int8 (qs [N, K]),
+   kind 3: int4 in tiles of 8 outputs (N padded to a multiple of 8; QuantLinear.tiles).
    Returns nonzero when scratch memory is short. */
 int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d,
                          const uint16_t *m, float *y, int N) {

@@ -23,7 +23,8 @@
 #include <immintrin.h>
 #endif
 
-enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_Q4A8 = 3, W_Q8A8 = 4 };
+/* float activations: W_F32, W_Q4, W_Q8; int8 activations: W_A8 + the a8 kernel's kind (specdecode_a8_matmul) */
+enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_A8 = 10 };
 
 typedef struct {
     int kind, n_out, n_in;
@@ -40,8 +41,8 @@ int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs,
                          const uint16_t *m, float *y, int N);
 
 static void linear(const Weight *w, const float *x, int M, float *y, float *scratch) {
-    if (w->kind == W_Q4A8 || w->kind == W_Q8A8)
-        specdecode_a8_matmul(w->kind == W_Q4A8 ? 1 : 2, x, M, w->n_in, w->qs, w->d, w->m, y, w->n_out);
+    if (w->kind > W_A8)
+        specdecode_a8_matmul(w->kind - W_A8, x, M, w->n_in, w->qs, w->d, w->m, y, w->n_out);
     else if (w->kind == W_Q4)
         specdecode_q4_matmul(x, scratch, M, w->n_in, (const uint8_t *)w->qs, w->d, w->m, y, w->n_out);
     else if (w->kind == W_Q8)

@@ -24,11 +24,14 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(layer, QuantLinear) and layer.act8:  # block.c passes these to the int8-activation kernel
+        a8_kind, qs, d, m = layer.a8_operands()
+        return kernels.Weight(10 + a8_kind, layer.out_features, layer.in_features, qs.data_ptr(), d.data_ptr(),
+                              None if m is None else m.data_ptr(), bias_ptr)
     if isinstance(layer, QuantLinear):
-        kind = (1 if layer.kind == "int4" else 2) + (2 if layer.act8 else 0)
         m = None if layer.m is None else layer.m.data_ptr()
-        return kernels.Weight(kind, layer.out_features, layer.in_features, layer.qs.data_ptr(), layer.d.data_ptr(),
-                              m, bias_ptr)
+        return kernels.Weight(1 if layer.kind == "int4" else 2, layer.out_features, layer.in_features,
+                              layer.qs.data_ptr(), layer.d.data_ptr(), m, bias_ptr)
     if isinstance(layer, Linear) and layer.weight.dtype == torch.float32 and layer.weight.is_contiguous():
         w = layer.weight
         return kernels.Weight(0, w.shape[0], w.shape[1], w.data_ptr(), None, None, bias_ptr)

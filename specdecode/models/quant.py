@@ -70,9 +70,9 @@ class QuantLinear(nn.Module):
         out = torch.empty(m, n, dtype=torch.float32)
         if m:
             if self.act8:
-                failed = lib.specdecode_a8_matmul(1 if self.kind == "int4" else 2, rows.data_ptr(), m, k,
-                                                  self.qs.data_ptr(), self.d.data_ptr(),
-                                                  None if self.m is None else self.m.data_ptr(), out.data_ptr(), n)
+                kind, qs, d, mins = self.a8_operands()
+                failed = lib.specdecode_a8_matmul(kind, rows.data_ptr(), m, k, qs.data_ptr(), d.data_ptr(),
+                                                  None if mins is None else mins.data_ptr(), out.data_ptr(), n)
                 if failed:
                     raise MemoryError("the int8-activation matmul could not allocate its scratch memory")
             elif self.kind == "int4":
@@ -85,6 +85,18 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], n)
+
+    def a8_operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The int8-activation kernel's kind and weights (kernels/a8matmul.c): int4 in tiles of 8 outputs (kind 3,
+        unpacked without shuffles; built at first use, again if the weights were replaced), int8 as stored."""
+        if self.kind != "int4":
+            return 2, self.qs, self.d, None
+        key = (self.qs.data_ptr(), self.qs.device)
+        cached = self.__dict__.get("_tiles")
+        if cached is None or cached[0] != key:
+            cached = (key, tile_q4(self.qs, self.d, self.m))
+            self.__dict__["_tiles"] = cached
+        return 3, *cached[1]
 
     def extra_repr(self) -> str:
         return f"{self.quantization}, in_features={self.in_features}, out_features={self.out_features}"
@@ -175,6 +187,21 @@ def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     else:
         w = qs.float().reshape(n, k // QK, QK) * d
     return w.reshape(n, k)
+
+
+def tile_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 blocks [n, k / 2] (and their scales [n, k / 32]) in the int8-activation kernel's tiles: outputs in
+    groups of 8 (the last repeated to fill a group), each block's 128 bytes as 4 vectors holding 4 bytes of each of
+    the 8 outputs (vector g: bytes 4g..4g+3), scales as [tile][block][8]."""
+    n, nb = d.shape
+    pad = -n % 8
+    if pad:
+        last = torch.full((pad,), n - 1, dtype=torch.long)
+        qs, d, m = (torch.cat((t, t[last])) for t in (qs, d, m))
+    tiles = (n + pad) // 8
+    qs = qs.reshape(tiles, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    d, m = (t.reshape(tiles, 8, nb).permute(0, 2, 1).contiguous() for t in (d, m))
+    return qs, d, m
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
