@@ -69,22 +69,30 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, shape) -> Non
 
 
 @pytest.mark.parametrize("shape", [(576, 96), (96, 44)])
-def test_int4_tiles_compute_bit_for_bit_what_the_stored_rows_do(shape) -> None:
-    """The int8-activation kernel reads int4 weights from tiles of 8 outputs (no shuffles to unpack them): the
-    same integers and the same float steps as from GGUF's row order, so the same bits, partial last tile included."""
+def test_tiles_compute_bit_for_bit_what_the_stored_rows_do(shape) -> None:
+    """The int8-activation kernel reads its weights from tiles of 8 outputs (no shuffles to unpack them): the
+    same integers and the same float steps as from GGUF's row order, so the same bits, partial last tile included;
+    the layer tiles in place and reads back in row order (dequantize, rows, embedding lookups)."""
     lib = kernels.native()
     assert lib is not None
     k, n = shape
     g = torch.Generator().manual_seed(2)
-    layer = QuantLinear.quantize(torch.randn(n, k, generator=g), "int4-a8")
-    kind, qs, d, m = layer.a8_operands()
-    assert kind == 3 and qs.numel() == -(-n // 8) * 8 * k // 2
-    x = torch.randn(5, k, generator=g)
-    for rows in (1, 4, 5):
-        stored = torch.empty(rows, n)
-        assert not lib.specdecode_a8_matmul(1, x.data_ptr(), rows, k, layer.qs.data_ptr(), layer.d.data_ptr(),
-                                            layer.m.data_ptr(), stored.data_ptr(), n)
-        assert torch.equal(layer(x[:rows]), stored), rows
+    for kind in ("int4-a8", "int8-a8"):
+        layer = QuantLinear.quantize(torch.randn(n, k, generator=g), kind)
+        qs, d, m = (None if t is None else t.clone() for t in layer.row_order())
+        dense = layer.dequantize()
+        x = torch.randn(5, k, generator=g)
+        for rows in (1, 4, 5):
+            stored = torch.empty(rows, n)  # the row-order kernel (kinds 1, 2) on GGUF's order
+            assert not lib.specdecode_a8_matmul(1 if kind == "int4-a8" else 2, x.data_ptr(), rows, k, qs.data_ptr(),
+                                                d.data_ptr(), None if m is None else m.data_ptr(),
+                                                stored.data_ptr(), n)
+            assert torch.equal(layer(x[:rows]), stored), (kind, rows)
+        assert layer.tiled and layer.qs.shape[0] == -(-n // 8) * 8  # in place, no second copy
+        assert torch.equal(layer.dequantize(), dense)  # read back in row order
+        assert all(torch.equal(a, b) for a, b in zip(layer.row_order(torch.tensor([n - 1, 0])),
+                                                     (qs[[n - 1, 0]], d[[n - 1, 0]], None if m is None else
+                                                      m[[n - 1, 0]]), strict=True) if b is not None)
 
 
 def test_quantization_error_is_what_the_format_allows() -> None:

@@ -20,6 +20,9 @@
 
 #include "simd.h"
 
+#define INT8(KIND) ((KIND) == 2 || (KIND) == 4)
+#define TILED(KIND) ((KIND) >= 3) /* 3, 4: int4, int8 in tiles of 8 outputs */
+
 static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, float *sx) {
     const int nb = K / QK;
     for (int r = 0; r < M; r++)
@@ -42,6 +45,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, f
 #if SPECDECODE_AVX2
 #define COLS 8 /* outputs per tile: one float lane each */
 #define ROWS 4 /* rows per pass over a tile's weights */
+#define PREFETCH_BLOCKS 4 /* how far ahead a tiled stream asks for its weights */
 
 /* A tile's weights, one block (p: its first output's, stride: bytes per output): vector g (of 8) holds weights
    4g..4g+3 of each output, output c in bytes 4c..4c+3. */
@@ -68,6 +72,14 @@ static inline void unpack_q4_tiled(const uint8_t *p, __m256i *out) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
         out[g] = _mm256_and_si256(raw, low);
         out[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+}
+
+/* The same from int8 weights in tiles (kind 4): vector g holds bytes 4g..4g+3 of each output */
+static inline void unpack_q8_tiled(const int8_t *p, __m256i *out) {
+    for (int g = 0; g < 8; g++) {
+        out[g] = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
+        out[g + 8] = _mm256_abs_epi8(out[g]);
     }
 }
 
@@ -122,7 +134,7 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Rows r..r+R of a tile's 8 outputs (KIND 1: int4, 2: int8, 3: int4 in tiles; KIND and R constants at each call,
+/* Rows r..r+R of a tile's 8 outputs (KIND 1: int4, 2: int8, 3 and 4: the same in tiles; KIND and R constants at each call,
    so the loops unroll): each block's weights unpacked once for the R rows. w: the tile's first output (kind 3: the
    tile), stride: bytes per output; kind 3 reads its float16 scales dh, mh ([block][8]) where the others read the
    floats dw, mw unpacked for the tile. */
@@ -130,13 +142,17 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
     const int KIND, const uint8_t *w, int64_t stride, int ncols, const float *dw, const float *mw,
     const uint16_t *dh, const uint16_t *mh, const int8_t *xq, const float *dx, const float *sx, int K, float *y,
     int N, const int R) {
-    const int nb = K / QK, block_bytes = KIND == 2 ? QK : QK / 2;
+    const int nb = K / QK, block_bytes = INT8(KIND) ? QK : QK / 2;
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m256i unpacked[16] __attribute__((aligned(32))), isum[ROWS];
-        if (KIND == 3) {
-            unpack_q4_tiled(w + (int64_t)block_bytes * COLS * b, unpacked);
+        if (TILED(KIND)) {  /* one stream: ask for the lines a few blocks ahead (the next tile's at the end) */
+            const uint8_t *p = w + (int64_t)block_bytes * COLS * b;
+            for (int line = 0; line < block_bytes * COLS; line += 64)
+                _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
+            if (KIND == 3) unpack_q4_tiled(p, unpacked);
+            else unpack_q8_tiled((const int8_t *)p, unpacked);
         } else {
             const uint8_t *p = w + (int64_t)block_bytes * b;
             int64_t step = stride;
@@ -161,7 +177,7 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
             __m256i sum = _mm256_setzero_si256();
             for (int g = 0; g < 8; g++) {
                 const __m256i xg = bcast4(x + 4 * g);
-                if (KIND != 2) {
+                if (!INT8(KIND)) {
 #if SPECDECODE_VNNI
                     sum = dpbusd(sum, v[g], xg);
 #else  /* 16-bit sums: 8 products of 4 bits x 7 bits and sign, at most 8 * 3810 */
@@ -177,17 +193,17 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
                 }
             }
 #if !SPECDECODE_VNNI
-            if (KIND != 2) sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+            if (!INT8(KIND)) sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 #endif
             isum[r] = sum;
         }
-        const __m256 d = KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + COLS * b)))
+        const __m256 d = TILED(KIND) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + COLS * b)))
                                    : _mm256_loadu_ps(dw + COLS * b);
         for (int r = 0; r < R; r++) {
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
         }
-        if (KIND != 2) {
+        if (!INT8(KIND)) {
             const __m256 m = KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + COLS * b)))
                                        : _mm256_loadu_ps(mw + COLS * b);
             for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
@@ -204,20 +220,20 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
                      const uint16_t *d, const uint16_t *m, float *y, int N) {
     const int nb = K / QK;
-    const int64_t stride = (int64_t)nb * (kind == 2 ? QK : QK / 2);  /* bytes per output */
+    const int64_t stride = (int64_t)nb * (INT8(kind) ? QK : QK / 2);  /* bytes per output */
     const int threads = omp_get_max_threads();
     const size_t s_size = (size_t)COLS * nb;
-    float *s_all = kind == 3 ? NULL : malloc(sizeof(float) * 2 * s_size * threads);
-    if (kind != 3 && !s_all) return 1;
+    float *s_all = TILED(kind) ? NULL : malloc(sizeof(float) * 2 * s_size * threads);
+    if (!TILED(kind) && !s_all) return 1;
 #pragma omp parallel num_threads(threads)
     {
         float *dw = s_all ? s_all + 2 * s_size * omp_get_thread_num() : NULL, *mw = dw ? dw + s_size : NULL;
 #pragma omp for schedule(static)
         for (int t = 0; t < (N + COLS - 1) / COLS; t++) {
             const int n0 = t * COLS, ncols = N - n0 < COLS ? N - n0 : COLS;
-            const uint8_t *w = (const uint8_t *)qs + n0 * stride;  /* kind 3: a tile is 8 outputs' bytes too */
+            const uint8_t *w = (const uint8_t *)qs + n0 * stride;  /* in tiles too: a tile is 8 outputs' bytes */
             const uint16_t *dh = d + (int64_t)n0 * nb, *mh = m ? m + (int64_t)n0 * nb : NULL;
-            if (kind != 3) {
+            if (!TILED(kind)) {
                 unpack_scales(dh, nb, nb, ncols, dw);
                 if (kind == 1) unpack_scales(mh, nb, nb, ncols, mw);
             }
@@ -225,7 +241,10 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, dh, mh, xq + (int64_t)r0 * K, \
                                         dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
                 const int rows = M - r0 < ROWS ? M - r0 : ROWS;
-                if (kind == 3) {
+                if (kind == 4) {
+                    if (rows >= 4) TILE_ROWS(4, 4); else if (rows == 3) TILE_ROWS(4, 3);
+                    else if (rows == 2) TILE_ROWS(4, 2); else TILE_ROWS(4, 1);
+                } else if (kind == 3) {
                     if (rows >= 4) TILE_ROWS(3, 4); else if (rows == 3) TILE_ROWS(3, 3);
                     else if (rows == 2) TILE_ROWS(3, 2); else TILE_ROWS(3, 1);
                 } else if (kind == 1) {
@@ -263,14 +282,17 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
                         const uint8_t byte = q[32 * (j / 4) + j % 4];
                         s += (byte & 0x0f) * xr[QK * b + j] + (byte >> 4) * xr[QK * b + j + 16];
                     }
+                } else if (kind == 4) {  /* byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 of its block */
+                    const int8_t *q = (const int8_t *)qs + ((int64_t)(n / 8) * nb + b) * 256 + 4 * (n % 8);
+                    for (int j = 0; j < QK; j++) s += q[32 * (j / 4) + j % 4] * xr[QK * b + j];
                 } else {
                     const int8_t *q = (const int8_t *)qs + (int64_t)n * K + QK * b;
                     for (int j = 0; j < QK; j++) s += q[j] * xr[QK * b + j];
                 }
-                /* kind 3's scales sit in tiles too: [tile][block][8] */
-                const int64_t at = kind == 3 ? ((int64_t)(n / 8) * nb + b) * 8 + n % 8 : (int64_t)n * nb + b;
+                /* in tiles, the scales too: [tile][block][8] */
+                const int64_t at = TILED(kind) ? ((int64_t)(n / 8) * nb + b) * 8 + n % 8 : (int64_t)n * nb + b;
                 total += (float)s * (half_to_float(d[at]) * dx[(int64_t)r * nb + b]);
-                if (kind != 2) total += half_to_float(m[at]) * sx[(int64_t)r * nb + b];
+                if (!INT8(kind)) total += half_to_float(m[at]) * sx[(int64_t)r * nb + b];
             }
             y[(int64_t)r * N + n] = total;
         }
@@ -279,7 +301,7 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #endif
 
 /* y[M, N] = round(x) @ dequant(W)^T; kind 1: int4 weights (qs [N, K / 2], needs m), kind 2: int8 (qs [N, K]),
-   kind 3: int4 in tiles of 8 outputs (N padded to a multiple of 8; QuantLinear.tiles).
+   kinds 3 and 4: int4 and int8 in tiles of 8 outputs (N padded to a multiple of 8; see QuantLinear.tile).
    Returns nonzero when scratch memory is short. */
 int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d,
                          const uint16_t *m, float *y, int N) {

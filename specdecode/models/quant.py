@@ -44,6 +44,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("m", None if m is None else half_bits(m))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # the fallback's dequantized weight
+        self.tiled = False  # qs, d, m in the int8-activation kernel's tiles (see `tile`), else in GGUF's row order
 
     @property
     def quantization(self) -> str:
@@ -55,7 +56,43 @@ class QuantLinear(nn.Module):
         return self.dequantize()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.kind, self.qs, self.d, self.m, self.in_features).to(dtype)
+        return dequantize(self.kind, *self.row_order(), self.in_features).to(dtype)
+
+    def row_order(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """qs, d, m of every output (or of the outputs `index`) in GGUF's row order, whatever the storage."""
+        if not self.tiled:
+            return (self.qs, self.d, self.m) if index is None else \
+                (self.qs[index], self.d[index], None if self.m is None else self.m[index])
+        if index is None:
+            index = torch.arange(self.out_features, device=self.qs.device)
+        tile, col = index // 8, index % 8
+        nb = self.in_features // QK
+        qs = self.qs.view(-1, nb, self.qs.shape[1] // (4 * nb), 8, 4)[tile, :, :, col].reshape(len(index), -1)
+        d, m = (None if t is None else t.view(-1, nb, 8)[tile, :, col] for t in (self.d, self.m))
+        return qs, d, m
+
+    def tile(self) -> None:
+        """Store the weights in the int8-activation kernel's tiles (kernels/a8matmul.c, kinds 3 and 4), in place:
+        outputs in groups of 8 (the last repeated to fill one), each block as vectors holding 4 bytes of each of
+        the 8 outputs, so a block unpacks with plain loads, no shuffles; scales as [tile][block][8]. Done at the
+        first int8-activation matmul; `row_order` reads the weights back in GGUF's order."""
+        if self.tiled:
+            return
+        n, nb = self.d.shape
+        last = torch.arange(n + -n % 8, device=self.qs.device).clamp(max=n - 1)  # the last output repeated
+        with torch.inference_mode(False):  # may run inside a forward: the weights must stay normal tensors
+            qs = self.qs[last].reshape(-1, 8, nb, self.qs.shape[1] // (4 * nb), 4).permute(0, 2, 3, 1, 4)
+            self._buffers["qs"] = qs.reshape(len(last), -1).contiguous()
+            for name in ("d", "m"):
+                t = self._buffers[name]
+                if t is not None:
+                    self._buffers[name] = t[last].reshape(-1, 8, nb).transpose(1, 2).reshape(len(last), nb).contiguous()
+        self.tiled = True
+
+    def a8_operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The int8-activation kernel's kind (3: int4, 4: int8, both in tiles) and weights (tiled at first use)."""
+        self.tile()
+        return (3 if self.kind == "int4" else 4), self.qs, self.d, self.m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = kernels.native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
@@ -76,27 +113,16 @@ class QuantLinear(nn.Module):
                 if failed:
                     raise MemoryError("the int8-activation matmul could not allocate its scratch memory")
             elif self.kind == "int4":
+                qs, d, mins = self.row_order()
                 scratch = torch.empty(m, k // QK, dtype=torch.float32)
-                lib.specdecode_q4_matmul(rows.data_ptr(), scratch.data_ptr(), m, k, self.qs.data_ptr(),
-                                         self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(), n)
+                lib.specdecode_q4_matmul(rows.data_ptr(), scratch.data_ptr(), m, k, qs.data_ptr(), d.data_ptr(),
+                                         mins.data_ptr(), out.data_ptr(), n)
             else:
-                lib.specdecode_q8_matmul(rows.data_ptr(), m, k, self.qs.data_ptr(), self.d.data_ptr(),
-                                         out.data_ptr(), n)
+                qs, d, _ = self.row_order()
+                lib.specdecode_q8_matmul(rows.data_ptr(), m, k, qs.data_ptr(), d.data_ptr(), out.data_ptr(), n)
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], n)
-
-    def a8_operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The int8-activation kernel's kind and weights (kernels/a8matmul.c): int4 in tiles of 8 outputs (kind 3,
-        unpacked without shuffles; built at first use, again if the weights were replaced), int8 as stored."""
-        if self.kind != "int4":
-            return 2, self.qs, self.d, None
-        key = (self.qs.data_ptr(), self.qs.device)
-        cached = self.__dict__.get("_tiles")
-        if cached is None or cached[0] != key:
-            cached = (key, tile_q4(self.qs, self.d, self.m))
-            self.__dict__["_tiles"] = cached
-        return 3, *cached[1]
 
     def extra_repr(self) -> str:
         return f"{self.quantization}, in_features={self.in_features}, out_features={self.out_features}"
@@ -159,8 +185,8 @@ class QuantLinear(nn.Module):
 
     def rows(self, index: torch.Tensor) -> QuantLinear:
         """A layer of the chosen output rows (to fuse or permute projections without dequantizing)."""
-        return QuantLinear(self.kind, self.qs[index], self.d[index], None if self.m is None else self.m[index],
-                           None if self.bias is None else self.bias[index], self.act8)
+        return QuantLinear(self.kind, *self.row_order(index), None if self.bias is None else self.bias[index],
+                           self.act8)
 
     @staticmethod
     def cat(layers: list[QuantLinear]) -> QuantLinear:
@@ -171,9 +197,9 @@ class QuantLinear(nn.Module):
         biases = [layer.bias for layer in layers]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers, strict=True)])
-        m = None if layers[0].m is None else torch.cat([layer.m for layer in layers])
-        return QuantLinear(layers[0].kind, torch.cat([layer.qs for layer in layers]),
-                           torch.cat([layer.d for layer in layers]), m, bias, layers[0].act8)
+        qs, d, m = zip(*(layer.row_order() for layer in layers), strict=True)
+        return QuantLinear(layers[0].kind, torch.cat(qs), torch.cat(d), None if m[0] is None else torch.cat(m), bias,
+                           layers[0].act8)
 
 
 def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -187,21 +213,6 @@ def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     else:
         w = qs.float().reshape(n, k // QK, QK) * d
     return w.reshape(n, k)
-
-
-def tile_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4 blocks [n, k / 2] (and their scales [n, k / 32]) in the int8-activation kernel's tiles: outputs in
-    groups of 8 (the last repeated to fill a group), each block's 128 bytes as 4 vectors holding 4 bytes of each of
-    the 8 outputs (vector g: bytes 4g..4g+3), scales as [tile][block][8]."""
-    n, nb = d.shape
-    pad = -n % 8
-    if pad:
-        last = torch.full((pad,), n - 1, dtype=torch.long)
-        qs, d, m = (torch.cat((t, t[last])) for t in (qs, d, m))
-    tiles = (n + pad) // 8
-    qs = qs.reshape(tiles, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
-    d, m = (t.reshape(tiles, 8, nb).permute(0, 2, 1).contiguous() for t in (d, m))
-    return qs, d, m
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -237,5 +248,5 @@ class QuantEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self.table
         flat = tokens.reshape(-1).to(t.qs.device)
-        rows = dequantize(t.kind, t.qs[flat], t.d[flat], None if t.m is None else t.m[flat], t.in_features)
+        rows = dequantize(t.kind, *t.row_order(flat), t.in_features)
         return rows.reshape(*tokens.shape, t.in_features)
