@@ -20,14 +20,13 @@ from scipy.stats import chisquare
 
 import specdecode.verify
 from specdecode.acceptance import AcceptanceStats
-from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.policy import AdaptiveK
 from specdecode.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
 from specdecode.sampling import SamplingParams
 
-from .helpers import noisy_copy, tiny_model
+from .helpers import MadeUpCost, noisy_copy, tiny_model
 
 V = 8
 # Token 0 appears three times, each followed by a different token: prompt lookup guesses 7 (most
@@ -105,7 +104,7 @@ class Case:
 
 
 # Verifying costs 1 + 0.25 per extra token: the adaptive policy's choices depend on what it has seen.
-STEEP = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 16.75], [1.0, 16.75]])
+STEEP = MadeUpCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 16.75], [1.0, 16.75]])
 
 
 CASES = {

@@ -21,7 +21,7 @@ from specdecode.policy import AdaptiveK
 from specdecode.proposers import DraftModelProposer, HybridProposer, NoProposer, PromptLookupProposer, Proposer
 from specdecode.sampling import SamplingParams
 
-from .helpers import noisy_copy, prefix_layers, resize_vocab, tiny_model
+from .helpers import MadeUpCost, noisy_copy, prefix_layers, resize_vocab, tiny_model
 
 VOCAB = 56
 NEW = 40
@@ -100,7 +100,7 @@ METHODS: dict[str, Callable[[Transformer, Transformer], Proposer]] = {
     # the draft's own depth policy: a made-up cost where the draft is worth it only when it is often right
     "hybrid-draft-policy": lambda target, draft: HybridProposer(
         PromptLookupProposer(), DraftModelProposer(draft, VOCAB),
-        AdaptiveK(CostModel([1, 64], [0, 1000], [[1.0, 7.3], [1.0, 7.3]]), AcceptanceStats(), cheap=False)),
+        AdaptiveK(MadeUpCost([1, 64], [0, 1000], [[1.0, 7.3], [1.0, 7.3]]), AcceptanceStats(), cheap=False)),
 }
 
 
@@ -108,7 +108,7 @@ METHODS: dict[str, Callable[[Transformer, Transformer], Proposer]] = {
 def cost() -> CostModel:
     """A made-up cost (a forward takes a second, 64 tokens 1.5 s) next to which the tiny drafts' real
     milliseconds are free: k="auto" always guesses, so the test never depends on this machine's timings."""
-    return CostModel([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
+    return MadeUpCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])

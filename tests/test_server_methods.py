@@ -20,7 +20,7 @@ from specdecode.models.medusa import MedusaHeads
 from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
 from specdecode.server.app import ServerConfig, create_app
 
-from .helpers import make_tokenizer, write_checkpoint
+from .helpers import MadeUpCost, make_tokenizer, write_checkpoint
 
 MAX_TOKENS = 24
 PROMPTS = ["the cat sat on the mat and the cat sat on the", "one two three one two three one two"]
@@ -28,7 +28,7 @@ PROMPTS = ["the cat sat on the mat and the cat sat on the", "one two three one t
 
 def cheap_guesses(sizes=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
     """A cost under which guessing nearly always pays, so every method speculates."""
-    return CostModel(list(sizes), [64, 512], [[1e-3 * (1 + 0.002 * n) for n in sizes]] * 2)
+    return MadeUpCost(list(sizes), [64, 512], [[1e-3 * (1 + 0.002 * n) for n in sizes]] * 2)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monke
     sizes = (1, 2, 4, 8, 16, 32, 64)
 
     def slow() -> CostModel:  # forwards far dearer than proposing: decisions do not depend on timing noise
-        return CostModel(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
+        return MadeUpCost(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
 
     saved, llm._cost = llm._cost, slow()
     try:
