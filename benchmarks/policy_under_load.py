@@ -36,7 +36,8 @@ while True:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--methods", default="prompt-lookup@auto,lookahead@auto,eagle@auto")
+    ap.add_argument("--methods", default="none@0,prompt-lookup@auto,lookahead@auto,eagle@auto",
+                    help="none@0: a second plain run, the measure of the noise")
     ap.add_argument("--categories", default="all")
     ap.add_argument("--prompts-per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)

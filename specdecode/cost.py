@@ -40,8 +40,10 @@ CALIBRATION_ROUNDS = 4
 SPREAD = 0.17
 WEIGHT_CAP = 64  # a size's price is the mean of at most this many paired timings: it follows slow changes
 PAIR_WITHIN = 4  # a step is paired with the plain steps at most this many steps before it
-REGIME = 1.5  # REGIME_STEPS steps in a row this far off the load, on one side: the machine changed speed
-REGIME_STEPS = 3
+REGIME = 1.5  # the median of the last REGIME_WINDOW steps this far off the load: the machine changed speed
+REGIME_WINDOW = 5
+REGIME_STEPS = REGIME_WINDOW // 2 + 1  # steps in a new regime before the load re-anchors
+DOUBTED = 8.0  # after a change of regime each size counts for at most this many paired timings
 # tables saved by another version of `measure` are measured again (version 1 timed 5 rounds in a fixed order:
 # one burst of load could flatten the small sizes, which then looked free to verify; version 2 took unpaired
 # medians, up to 10% optimistic for small sizes at long context; version 3 forced the table non-decreasing,
@@ -71,8 +73,9 @@ class CostModel:
 
     - the `load`: what steps cost now over the table's price, common to every size (the machine running
       slower or faster than when the table was made), smoothed over about five steps. A step REGIME times
-      off the load is a burst and does not move it; REGIME_STEPS of them in a row are a change of regime
-      (the machine got 2x slower or faster) and re-anchor it at once.
+      off the load is a burst and does not move it; the median of the last REGIME_WINDOW that far off is a
+      change of regime (the machine got 2x slower or faster) and re-anchors it within REGIME_STEPS steps; the
+      shape is then doubted (below).
     - the table's shape: a step of n tokens is paired with the plain steps timed just before it (within
       PAIR_WITHIN steps), and its price relative to theirs moves towards what the pair shows, as a running
       mean of up to WEIGHT_CAP pairs per size (one pair strays by up to 2x; one burst must not reprice a size).
@@ -98,7 +101,7 @@ class CostModel:
         self.seconds = [list(row) for row in self.seconds]  # learned in place: rows must not be shared
         self._plain: float | None = None  # recent plain steps' seconds over the table's price
         self._since_plain = PAIR_WITHIN + 1  # steps since the last plain one
-        self._recent: list[float] = []  # the last steps far off the load, on one side (a change of regime?)
+        self._recent: list[float] = []  # the last steps' seconds over the table's price (a change of regime?)
         self._refresh()
 
     def _refresh(self) -> None:
@@ -149,38 +152,45 @@ class CostModel:
             self._since_plain += 1
             if self._plain is not None and self._since_plain <= PAIR_WITHIN:
                 self._learn_shape(tokens, ratio / self._plain)
-        if self._off_load(ratio):
-            return
-        if tokens == 1:
+        else:  # every plain step, bursts included: leaving out either side's bursts would bias the pairs
             fresh = self._plain is None or self._since_plain > PAIR_WITHIN
             self._plain = ratio if fresh else 0.5 * (self._plain + ratio)  # type: ignore[operator]
             self._since_plain = 0
+        if self._off_load(ratio):
+            return
         self.load = 0.8 * self.load + 0.2 * ratio
 
     def _off_load(self, ratio: float) -> bool:
         """Is this step REGIME times dearer (or cheaper) than the load? Such a step does not move the load: alone it
-        is a burst. REGIME_STEPS of them in a row, on one side, are a change of regime (another process took a
-        core, or left): the load re-anchors at their median, and the plain steps timed before no longer pair
-        with what follows."""
-        off = ratio / self.load
+        is a burst. When the median of the last REGIME_WINDOW steps is that far off, the regime changed (another
+        process took a core, or left; three steps in the new regime suffice): the load re-anchors at that median,
+        and the plain steps timed before no longer pair with what follows. (Three steps in a row off, the first
+        rule, fired a dozen times in 400 steps of +-50% noise: each re-anchoring at an extreme set up the next.)"""
         recent = self._recent
-        if 1 / REGIME < off < REGIME:
-            recent.clear()
-            return False
-        if recent and (recent[-1] > self.load) != (ratio > self.load):
-            recent.clear()
         recent.append(ratio)
-        if len(recent) >= REGIME_STEPS:
-            self.load = statistics.median(recent)
+        del recent[:-REGIME_WINDOW]
+        typical = statistics.median(recent)
+        if len(recent) == REGIME_WINDOW and not 1 / REGIME < typical / self.load < REGIME:
+            self.load = typical
             self._plain, self._since_plain = None, PAIR_WITHIN + 1
             recent.clear()
-        return True
+            self._doubt_shape()
+            return True
+        return not 1 / REGIME < ratio / self.load < REGIME
+
+    def _doubt_shape(self) -> None:
+        """After a change of regime the shape is in doubt too (on 2 cores shared with a dozen busy threads, 16
+        tokens cost 3x a plain step; idle, 8x): each size counts for at most DOUBTED paired timings, so the
+        new regime's steps reprice it within a few dozen pairs, and guesses carry the margin until they have."""
+        weight = self.weight if self.weight is not None else [float(THOROUGH_ROUNDS)] * len(self.sizes)
+        self.weight = [min(w, DOUBTED) for w in weight]
+        self._refresh()
 
     def _learn_shape(self, tokens: int, paired: float) -> None:
         """A step of `tokens` cost `paired` times what the table says relative to the plain steps just before:
         the sizes around it move towards that, as a running mean of their paired timings (each pair clipped to
-        +-25%: a burst that hit one side of the pair moves a size by little, a table that is wrong by more
-        is corrected within a few steps)."""
+        REGIME: a burst that hit one side of the pair moves a well-known size by little, a doubted one that is
+        wrong by 2x is corrected within a few dozen pairs)."""
         sizes = self.sizes
         if tokens >= sizes[-1]:
             cells = [(len(sizes) - 1, 1.0)]
@@ -189,7 +199,7 @@ class CostModel:
             f = (tokens - sizes[i]) / (sizes[i + 1] - sizes[i])
             cells = [(i, 1 - f), (i + 1, f)]
         weight = self.weight if self.weight is not None else [float(THOROUGH_ROUNDS)] * len(sizes)
-        x = math.log(min(max(paired, 0.8), 1.25))
+        x = math.log(min(max(paired, 1 / REGIME), REGIME))
         for i, share in cells:
             if sizes[i] == 1 or share <= 0:
                 continue  # the plain step is the anchor

@@ -14,6 +14,7 @@ from specdecode.batch_cost import STEP_SIZES, BatchCost
 from specdecode.cost import (
     CALIBRATION_ROUNDS,
     CALIBRATION_SIZES,
+    DOUBTED,
     REGIME_STEPS,
     SPREAD,
     THOROUGH_ROUNDS,
@@ -59,7 +60,7 @@ def test_first_use_calibrates_in_a_bounded_number_of_forwards(tmp_path, monkeypa
     sizes = CALIBRATION_SIZES
     pairs = CALIBRATION_ROUNDS * 2 * (len(sizes) - 1)  # every size but 1, at two contexts, next to a plain forward
     assert len(tokens) == 2 + len(sizes) + 2 * pairs  # the two contexts' prefills, a warm-up per size, the pairs
-    assert len(tokens) < 150 and sum(tokens) < 2000  # the thorough table: 560 forwards, 5300 tokens
+    assert len(tokens) < 150 and sum(tokens) < 2000  # the thorough table (first use until now): 1334, 8936
     assert cost.sizes == list(sizes) and len(cost.seconds) == 2
     assert all(s > 0 for row in cost.seconds for s in row)
     assert cost.weight is not None and cost.weight[0] == CALIBRATION_ROUNDS and min(cost.weight) > 0
@@ -158,7 +159,7 @@ def test_online_refinement_converges_to_the_machines_shape_on_a_synthetic_clock(
             assert all(relative(cost, n) > 0.88 * truth(n) for n in sizes)
     for n in sizes:
         assert relative(cost, n) == pytest.approx(truth(n), rel=0.03)
-    assert cost.forward_seconds(8, 100) / cost.forward_seconds(1, 100) == pytest.approx(truth(8), rel=0.03)
+    assert cost.forward_seconds(8, 100) / cost.forward_seconds(1, 100) >= relative(cost, 8)  # margin: never below
     assert cost.learned > 500
 
 
@@ -209,7 +210,28 @@ def test_a_change_of_regime_reanchors_the_load_within_a_few_steps(monkeypatch) -
     assert prices[10 + REGIME_STEPS - 1] == pytest.approx(2.0, rel=0.02)  # re-anchored on the third slow step
     assert all(p == pytest.approx(2.0, rel=0.02) for p in prices[10 + REGIME_STEPS : 30])
     assert prices[30 + REGIME_STEPS - 1] == pytest.approx(1.0, rel=0.02)
-    assert relative(cost, 4) == pytest.approx(1.3)
+    assert relative(cost, 4) == pytest.approx(1.3)  # the shape stands, but is in doubt until steps re-time it
+    assert cost.weight == [DOUBTED] * len(cost.sizes) and cost.margin(4) > 0
+
+
+def test_after_a_change_of_regime_the_new_shape_is_learned_within_a_few_pairs() -> None:
+    """Many pairs taught the shape under one regime (16 tokens: 3x a plain step, as on a machine shared with a
+    dozen busy threads); then the machine is idle and 16 tokens cost 8x. The weight of the old regime's pairs must
+    not hold the price back for hundreds of steps."""
+    cost = shaped(2 / 15)  # 16 tokens: 3x
+    for _ in range(100):
+        cost.observe(1, 100, 1.0)
+        cost.observe(16, 100, 3.0)
+    assert relative(cost, 16) == pytest.approx(3.0, rel=0.01) and cost.weight is not None
+    assert cost.weight[cost.sizes.index(16)] == 64
+    for _ in range(40):  # idle: every step 5x faster, and the 16-token forward relatively dearer
+        cost.observe(1, 100, 0.2)
+        cost.observe(16, 100, 1.6)
+    assert relative(cost, 16) > 5.5  # more than half-way from 3x to 8x (in log terms) within 40 pairs
+    for _ in range(160):
+        cost.observe(1, 100, 0.2)
+        cost.observe(16, 100, 1.6)
+    assert relative(cost, 16) == pytest.approx(8.0, rel=0.05)
 
 
 # --------------------------------------------------------------------------------- the policy's own metric

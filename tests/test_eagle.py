@@ -13,7 +13,6 @@ import torch
 
 import specdecode.proposers.eagle as eagle_module
 from specdecode.cli import main as cli_main
-from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
@@ -24,7 +23,7 @@ from specdecode.training.eagle import train_eagle, ttt_logits
 from specdecode.training.features import FeatureStore, extract_features
 from specdecode.training.loop import TrainConfig
 
-from .helpers import make_tokenizer, randomize_, tiny_model, write_checkpoint
+from .helpers import FrozenCost, make_tokenizer, randomize_, tiny_model, write_checkpoint
 from .test_distribution import ALPHA, PROMPT, chi_square, exact_joint
 from .test_lossless import PROMPTS, VOCAB, KeepSpy
 
@@ -94,7 +93,7 @@ def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk
     spy = KeepSpy(monkeypatch)
     monkeypatch.delattr(head, "rest_state", raising=False)  # what earlier tests' requests taught the shared head
     # "auto": the proposer sizes its trees from a made-up cost (64 tokens cost 2 forwards of one)
-    cost = CostModel([1, 64], [0, 1000], [[1.0, 2.0], [1.0, 2.0]]) if k == "auto" else None
+    cost = FrozenCost([1, 64], [0, 1000], [[1.0, 2.0], [1.0, 2.0]]) if k == "auto" else None
     proposer = EagleProposer(head, target, topk=topk, nodes=nodes, cost=cost)
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, reference, strict=True):
@@ -113,7 +112,7 @@ def test_head_rests_while_its_steps_do_not_pay(target, head, reference, monkeypa
     """Under a cost where guessing cannot pay, the head stops running (backed-off probes), the next request
     starts resting, and the output stays plain decoding's."""
     monkeypatch.delattr(head, "rest_state", raising=False)
-    steep = CostModel([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
+    steep = FrozenCost([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
     runs = []
     for prompt, expected in zip(PROMPTS, reference, strict=True):
         proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
@@ -134,8 +133,8 @@ def test_cost_sizes_the_tree(target, head, reference, greedy: bool, monkeypatch)
     both stay lossless; the calibration learns how often the head's confidence is borne out. (Sizing alone: the
     head never rests here, see test_head_rests_while_its_steps_do_not_pay.)"""
     monkeypatch.setattr(eagle_module, "MIN_EVIDENCE", 10**9)
-    flat = CostModel([1, 64], [0, 1000], [[1.0, 1.01], [1.0, 1.01]])
-    steep = CostModel([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
+    flat = FrozenCost([1, 64], [0, 1000], [[1.0, 1.01], [1.0, 1.01]])
+    steep = FrozenCost([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
     params = SamplingParams() if greedy else SamplingParams(temperature=1.0)
     sizes = {}
     for name, cost in (("flat", flat), ("steep", steep)):

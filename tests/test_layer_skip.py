@@ -28,15 +28,15 @@ from specdecode.proposers.layer_skip import (
 )
 from specdecode.sampling import SamplingParams
 
-from .helpers import make_tokenizer, tiny_model
+from .helpers import FrozenCost, make_tokenizer, tiny_model
 from .test_distribution import ALPHA, PROMPT, Case, V, chi_square, exact_joint, sample_counts
 from .test_lossless import PROMPTS
 
 VOCAB = 56
 NEW = 30
 # Verification costs: flat (k guesses verified for the price of one token) and linear (no gain possible).
-FLAT = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 1.0], [1.0, 1.0]])
-LINEAR = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 64.0], [1.0, 64.0]])
+FLAT = FrozenCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 1.0], [1.0, 1.0]])
+LINEAR = FrozenCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 64.0], [1.0, 64.0]])
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from specdecode.proposers.medusa import PROBE_EVERY, RANKS, REQUEST_TRIALS, Medu
 from specdecode.sampling import SamplingParams
 from specdecode.training.medusa import frequent_tokens
 
-from .helpers import make_tokenizer, tiny_model, write_checkpoint
+from .helpers import FrozenCost, make_tokenizer, tiny_model, write_checkpoint
 from .test_distill import train_args, write_train_data
 from .test_distribution import ALPHA, PROMPT, Case, V, chi_square, exact_joint, sample_counts
 from .test_lossless import PROMPTS, VOCAB
@@ -30,10 +30,10 @@ from .test_lossless import PROMPTS, VOCAB
 GREEDY_PROMPTS = PROMPTS[1:7]  # one without a prefill, random ones, repeats (keeps the suite fast)
 NEW = 30
 
-FLAT = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 1.0], [1.0, 1.0]])
+FLAT = FrozenCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 1.0], [1.0, 1.0]])
 # +3% per verified node: random heads are right too rarely to pay on the tiny model's measured costs (the
 # adaptive policy would stop guessing); on this table it guesses, at depths that vary with acceptance
-MILD = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 2.89], [1.0, 2.89]])
+MILD = FrozenCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 2.89], [1.0, 2.89]])
 
 
 @torch.no_grad()
@@ -116,7 +116,7 @@ def test_tree_follows_accuracy() -> None:
     assert len(full.ranks) == 3 + 3 * 2 + 3 * 2 * 2 + 3 * 2 * 2  # every rank path, since 40 > all of them
 
 
-STEEP = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 19.9], [1.0, 19.9]])  # +0.3 per node
+STEEP = FrozenCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 19.9], [1.0, 19.9]])  # +0.3 per node
 GREEDY = SamplingParams()
 
 
@@ -142,7 +142,7 @@ def test_tree_size_from_cost(target) -> None:
 
 
 def test_heads_do_not_run_while_they_cannot_pay(target) -> None:
-    linear = CostModel(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 64.0], [1.0, 64.0]])
+    linear = FrozenCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 64.0], [1.0, 64.0]])
     proposer = sized(target, linear)  # each node costs a whole forward: guessing never pays
     for _ in range(PROBE_EVERY):
         assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0

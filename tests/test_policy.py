@@ -299,8 +299,9 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     for _ in range(60):  # 3-token steps really cost twice the table
         cost.observe(3, 10, 2.0)
         policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, draft_seconds=0.2))
-    assert cost.forward_seconds(3, 10) == pytest.approx(2.0, rel=0.01)
+    assert cost.load * cost.table_seconds(3, 10) == pytest.approx(2.0, rel=0.01)
     assert cost.table_seconds(3, 10) == pytest.approx(1.0)  # no plain step to pair with: the load, not the shape
+    assert cost.forward_seconds(3, 10) > 2.0  # a change of regime: the shape is in doubt, guesses carry a margin
     assert policy.draft_per_guess == pytest.approx(0.1)
     fresh = AdaptiveK(cost, AcceptanceStats(), cheap=False)  # a draft's own per-guess timing wins over the average
     fresh.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, 1.0, seconds_per_guess=0.01))
@@ -308,7 +309,7 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
     for _ in range(30):  # then plain steps at the table's cost: the 2x was load, which every size follows
         cost.observe(1, 10, 1.0)
     assert cost.forward_seconds(1, 10) == pytest.approx(1.0, rel=0.01)
-    assert cost.forward_seconds(3, 10) == pytest.approx(1.0, rel=0.01)
+    assert cost.load * cost.table_seconds(3, 10) == pytest.approx(1.0, rel=0.01)
 
 
 def test_a_spike_in_one_step_leaves_no_trace() -> None:
@@ -331,8 +332,8 @@ def test_noisy_steps_never_make_guesses_cheaper_than_the_table_says() -> None:
     price. When each size learned its own deviation against the plain steps just before, 3-token steps came
     out at 0.85 of a plain step and Medusa guessed at 3% acceptance for 100 steps, each 13% dearer than
     a plain step. Each size now learns as a running mean of its paired timings, each pair clipped, weighted
-    against the table's own timings (a measured table: 32), so noise moves a size's price relative to a plain
-    step by a few percent at most, and never far below the table's."""
+    against the table's own timings (a measured table: 32), and is priced with a margin while in doubt, so noise
+    never makes a guess's price relative to a plain step's fall far below the table's."""
     original = linear_cost(0.1)
     cost = linear_cost(0.1)
     rng = random.Random(0)
@@ -342,9 +343,12 @@ def test_noisy_steps_never_make_guesses_cheaper_than_the_table_says() -> None:
         n = rng.choice([1, 3, 3, 12])
         cost.observe(n, 10, rng.uniform(0.7, 1.9) * cost.table_seconds(n, 10))
         for size in (3, 12):
-            relative = cost.forward_seconds(size, 10) / cost.forward_seconds(1, 10)
-            assert relative == pytest.approx(original.table_seconds(size, 10) / original.table_seconds(1, 10),
-                                             rel=0.05)
+            table = original.table_seconds(size, 10) / original.table_seconds(1, 10)
+            # timings this noisy (each step 0.7x-1.9x) read as changes of regime now and then (each puts the shape in
+            # doubt: a running mean of 8 pairs), so the estimate wanders (0.93x-1.2x here) and what guesses are
+            # charged (with the margin of doubt, which does not yet grow with the noise seen online) dips to 0.94x
+            assert 0.9 * table < cost.table_seconds(size, 10) / cost.table_seconds(1, 10) < 1.5 * table
+            assert cost.forward_seconds(size, 10) / cost.forward_seconds(1, 10) >= 0.93 * table
 
 
 def test_load_moves_every_size_alike() -> None:
@@ -358,10 +362,11 @@ def test_load_moves_every_size_alike() -> None:
     assert cost.forward_seconds(5, 10) > 3.5 * cost.table_seconds(5, 10)
     for _ in range(30):  # then plain steps only, at the table's cost
         cost.observe(1, 10, cost.table_seconds(1, 10))
-    assert cost.forward_seconds(5, 10) == pytest.approx(cost.table_seconds(5, 10), rel=0.01)
+    assert cost.load == pytest.approx(1.0, rel=0.01)
+    assert cost.forward_seconds(5, 10) >= cost.table_seconds(5, 10)  # after changes of regime: with a margin
     for _ in range(30):  # plain steps twice as dear: twelve-token steps follow without being run
         cost.observe(1, 10, 2.0 * cost.table_seconds(1, 10))
-    assert cost.forward_seconds(12, 10) == pytest.approx(2.0 * cost.table_seconds(12, 10), rel=0.02)
+    assert cost.load * cost.table_seconds(12, 10) == pytest.approx(2.0 * cost.table_seconds(12, 10), rel=0.02)
 
 
 def test_fixed_k_rejects_negative() -> None:

@@ -9,7 +9,7 @@ import torch
 from specdecode.models import BatchKVCache
 from specdecode.tree import DraftTree
 
-from .helpers import tiny_model
+from .helpers import FrozenCost, tiny_model
 
 
 def single_logits(model, prefix: list[int], tree: DraftTree) -> torch.Tensor:
@@ -101,7 +101,7 @@ from .helpers import noisy_copy  # noqa: E402
 def flat_cost(per_token: float = 0.0) -> BatchCost:
     """A made-up cost: 1 s per forward plus `per_token` s per token in it (rows x tokens per row)."""
     sizes = [1, 2, 4, 8, 16]
-    tables = [CostModel(sizes, [8, 64], [[1 + per_token * b * n for n in sizes]] * 2) for b in (1, 4, 16)]
+    tables = [FrozenCost(sizes, [8, 64], [[1 + per_token * b * n for n in sizes]] * 2) for b in (1, 4, 16)]
     return BatchCost([1, 4, 16], tables)
 
 
