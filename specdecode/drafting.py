@@ -1,0 +1,244 @@
+"""What speculation builds for each request and keeps per model: the proposer of every method (one file each in
+proposers/), and across requests the draft models, EAGLE and Medusa heads, the layer-skip search, the target's
+low-bit copies, the suffix cache of earlier outputs and the forward cost table that k='auto' prices guesses with."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from .cost import CostModel
+from .models import Transformer
+from .models.eagle import EagleHead
+from .models.medusa import MedusaHeads
+from .proposers import (
+    DraftModelProposer,
+    EagleProposer,
+    HybridProposer,
+    LayerSkipProposer,
+    LookaheadProposer,
+    MedusaProposer,
+    NoProposer,
+    PromptLookupProposer,
+    Proposer,
+    QuantizedSelfProposer,
+    SuffixCache,
+    SuffixProposer,
+)
+from .proposers.layer_skip import SkipSearchResult, load_skip_search
+from .proposers.medusa import RankAccuracy
+from .proposers.quantized import low_bit_copy
+from .proposers.suffix_eagle import SuffixEagleProposer
+
+METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized",
+           "suffix")
+# prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
+# it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
+# 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
+AUTO_BRANCHES = 3
+# EAGLE heads that ship with the package, by registry name of their target
+SHIPPED_EAGLE = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle"}
+
+
+class Drafting:
+    """The proposers a target builds (`proposer`) and what they share across requests (the base of `LLM`)."""
+
+    def __init__(self, model: Transformer, tokenizer, name: str = "") -> None:
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self._drafts: dict[str, Drafting] = {}
+        self._heads: dict[str, EagleHead] = {}
+        self._medusa: dict[str, MedusaHeads] = {}
+        self._cost: CostModel | None = None
+        self._rank_accuracy: dict[int, RankAccuracy] = {}  # long-run, per loaded Medusa heads (by id)
+        self._low_bit: dict[str, Transformer] = {}  # the target's low-bit copies (method "quantized"), by kind
+        self._suffix: SuffixCache | None = None  # earlier outputs, shared by every request (method "suffix")
+
+    def proposer(
+        self,
+        method: str,
+        draft: str | os.PathLike | Drafting | None = None,
+        *,
+        k: int | str = "auto",
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        branches: int | None = None,
+        window: int = 4,
+        ngram: int = 3,
+        guesses: int = 4,
+        skip_layers: Sequence[int] | None = None,
+        topk: int = 4,
+        nodes: int = 24,
+        low_bit: str = "int4-a8",
+    ) -> Proposer:
+        """A fresh proposer for `method`, to run with `k`; options: prompt lookup (max_ngram, min_ngram, branches:
+        default AUTO_BRANCHES with k='auto', else 1),
+        lookahead (window, ngram, guesses), layer-skip (skip_layers, default: searched once and cached),
+        eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes: the most
+        guesses a step, the tree is sized by the cost model within them and the depth k),
+        medusa (draft = trained heads' folder; the tree is sized by the cost model), quantized (low_bit: the
+        precision of the target's copy that drafts, skip_layers: layers it also leaves out), suffix (nodes: the most
+        guesses a step, sized by the cost model under k='auto'; matches this request's text and `suffix_cache()`)."""
+        if method == "none":
+            return NoProposer()
+        if method == "prompt-lookup":
+            if branches is None:
+                branches = self.auto_branches() if k == "auto" else 1
+            return PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram, branches=branches)
+        if method == "draft":
+            if draft is None:
+                raise ValueError("method 'draft' needs a draft model: pass draft=<registry name, HF dir or .gguf>")
+            return DraftModelProposer(self.draft_model(draft).model, self.model.config.vocab_size)
+        if method == "lookahead":
+            return LookaheadProposer(window=window, ngram=ngram, guesses=guesses)
+        if method == "layer-skip":
+            if skip_layers is not None:
+                return LayerSkipProposer(self.model, skip_layers)
+            search = self.skip_search()
+            return LayerSkipProposer(self.model, search.draft_layers, pays=search.pays)
+        if method in ("eagle", "medusa"):
+            if isinstance(draft, Drafting):
+                raise ValueError(f"method {method!r} drafts with trained heads: pass draft=<their folder>, not a model")
+            if method == "eagle":
+                return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes,
+                                     cost=self.cost_model())
+            heads = self.medusa_heads(draft)
+            accuracy = self._rank_accuracy.setdefault(id(heads), RankAccuracy.of(heads))
+            return MedusaProposer(heads, self.model.config.vocab_size, cost=self.cost_model(), accuracy=accuracy)
+        if method == "quantized":
+            if low_bit not in self._low_bit:
+                self._low_bit[low_bit] = low_bit_copy(self.model, low_bit)
+            return QuantizedSelfProposer(self.model, self._low_bit[low_bit], low_bit, skip_layers or ())
+        if method == "suffix":
+            return SuffixProposer(self.suffix_cache(), nodes=nodes, cost=self.cost_model() if k == "auto" else None)
+        if method == "hybrid" and draft is None and self.has_eagle_head():  # suffix + the EAGLE head, one tree
+            cost = self.cost_model()
+            return SuffixEagleProposer(SuffixProposer(self.suffix_cache(), nodes=nodes, cost=cost),
+                                       EagleProposer(self.eagle_head(), self.model, topk=topk, nodes=nodes, cost=cost))
+        if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
+            model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
+            return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches or 1), model_draft)
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+    def suffix_cache(self, max_tokens: int | None = None) -> SuffixCache:
+        """The global cache of earlier outputs that method 'suffix' matches (made on first use; `max_tokens`, given
+        then, bounds it: default suffix.DEFAULT_CACHE_TOKENS, None at first use means that default)."""
+        if self._suffix is None:
+            self._suffix = SuffixCache() if max_tokens is None else SuffixCache(max_tokens)
+        elif max_tokens is not None and max_tokens != self._suffix.index.max_tokens:
+            raise ValueError(f"the suffix cache already exists with max_tokens={self._suffix.index.max_tokens}")
+        return self._suffix
+
+    def auto_branches(self) -> int:
+        """Branches of prompt lookup's tree under k='auto': AUTO_BRANCHES where verifying 4 tokens costs about
+        what one does (a bandwidth-bound forward: oneDNN's float32), else a chain. Where every verified token
+        costs compute (int4 on 2 AVX2 cores: 4 tokens cost 2.2 plain steps) a tree's siblings never pay for
+        their place and kept the policy from guessing at all (tau 1.00 on Spec-Bench)."""
+        cost = self.cost_model()
+        return AUTO_BRANCHES if cost.forward_seconds(4, 256) <= 1.25 * cost.forward_seconds(1, 256) else 1
+
+    def skip_layers(self) -> list[int]:
+        """Layers the layer-skip draft leaves out: searched once per model and cached (see tune_layer_skip)."""
+        return self.skip_search().draft_layers
+
+    def skip_search(self) -> SkipSearchResult:
+        """The layer-skip search for this model on this machine: run once, then read from the cache."""
+        result = load_skip_search(self.model)
+        if result is None:
+            logging.getLogger("specdecode").warning(
+                "searching which layers of %s to skip for self-speculation (once; cached): "
+                "run `specdecode tune layer-skip` to see it progress", self.name)
+            result = self.tune_layer_skip()
+        return result
+
+    def tune_layer_skip(self, n_texts: int = 6, max_tokens: int = 128, progress=None):
+        """Search the layers to skip on calibration text (never the benchmark), save and return the result."""
+        from .proposers.layer_skip import calibration_tokens, save_skip_layers, search_skip_layers
+
+        texts = calibration_tokens(self.tokenizer, n_texts=n_texts, max_tokens=max_tokens)
+        result = search_skip_layers(self.model, texts, self.cost_model(), progress=progress)
+        save_skip_layers(self.model, result)
+        return result
+
+    def has_eagle_head(self) -> bool:
+        """Whether an EAGLE head ships for this model (the default hybrid then merges it with suffix decoding)."""
+        path = SHIPPED_EAGLE.get(self.name.lower())
+        return path is not None and path.exists()
+
+    def eagle_head(self, path: str | os.PathLike | None = None) -> EagleHead:
+        """A trained EAGLE head for this model (loaded once): `path`, or the one shipped for it."""
+        if path is None:
+            path = SHIPPED_EAGLE.get(self.name.lower())
+            if path is None or not path.exists():
+                raise ValueError(f"no EAGLE head ships for {self.name!r}: train one (`specdecode train eagle "
+                                 "--target ... --out DIR`) and pass draft=DIR (--draft DIR)")
+        key = str(Path(path).expanduser().resolve())
+        if key not in self._heads:
+            head = EagleHead.load(key, dtype=self.model.dtype, device=self.model.device)
+            head.check_target(self.model)
+            self._heads[key] = head
+        return self._heads[key]
+
+    def medusa_heads(self, path: str | os.PathLike | None) -> MedusaHeads:
+        """Trained Medusa heads for this model (loaded once)."""
+        if path is None:
+            raise ValueError("method 'medusa' needs trained heads: train them (`specdecode train medusa --target ... "
+                             "--out DIR`) and pass draft=DIR (--draft DIR)")
+        key = str(Path(path).expanduser().resolve())
+        if key not in self._medusa:
+            heads = MedusaHeads.load(key, dtype=self.model.dtype, device=self.model.device)
+            heads.check_target(self.model)
+            self._medusa[key] = heads
+        return self._medusa[key]
+
+    def draft_model(self, draft: str | os.PathLike | Drafting) -> Drafting:
+        """A draft model with the target's tokenizer (loaded once, in the target's dtype): a loaded LLM, or a
+        registry name, HF checkpoint dir or .gguf file."""
+        if isinstance(draft, Drafting):
+            llm = draft
+        else:
+            key = str(Path(draft).expanduser().resolve()) if Path(draft).expanduser().exists() else str(draft)
+            if key not in self._drafts:
+                load = cast(Any, type(self)).load  # LLM.load: a draft is an LLM of its own
+                self._drafts[key] = load(draft, dtype=str(self.model.dtype).removeprefix("torch."))
+            llm = self._drafts[key]
+        check_same_tokenizer(self.tokenizer, llm.tokenizer)
+        return llm
+
+    def cost_model(self) -> CostModel:
+        """The target's forward cost on this machine: calibrated in seconds on first use, then read from the cache
+        dir; the steps every request runs refine it (saved after requests that taught it something)."""
+        if self._cost is None:
+            if CostModel.cached(self.model) is None:  # k='auto' (the default) prices guesses with these
+                logging.getLogger("specdecode").warning(
+                    "timing %s's forwards on this machine for k='auto' (once, seconds; cached)", self.name)
+            self._cost = CostModel.for_model(self.model)
+        return self._cost
+
+    def save_cost_model(self, min_learned: int = 16) -> None:
+        """Save what the requests so far taught the cost table (once it learned from `min_learned` steps), so the
+        next process starts from it."""
+        if self._cost is not None and self._cost.learned >= min_learned:
+            CostModel.save(self.model, self._cost)
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """Speculation needs one token space: refuse drafts whose vocabulary or special tokens differ."""
+    problems = []
+    tv, dv = target.get_vocab(), draft.get_vocab()
+    if tv != dv:
+        differ = sorted(set(tv.items()) ^ set(dv.items()))
+        sample = ", ".join(repr(tok) for tok, _ in differ[:3])
+        problems.append(f"vocabularies differ ({len(tv)} vs {len(dv)} tokens; e.g. {sample})")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target, attr, None), getattr(draft, attr, None)
+        if a != b:
+            problems.append(f"{attr} {a} vs {b}")
+    if problems:
+        raise ValueError(
+            "the draft model's tokenizer does not match the target's: " + "; ".join(problems)
+            + ". Use a draft trained with the target's tokenizer (same family), "
+            "or another method such as prompt-lookup."
+        )
