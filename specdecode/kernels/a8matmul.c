@@ -9,6 +9,9 @@
    consecutive weights of each of the 8 outputs; a row then broadcasts 4 of its activations and meets all 8
    outputs in one maddubs (integer products, no per-row unpacking, no horizontal sums: output c is lane c). A
    block's integer sums turn into floats once per row and 8 outputs: one convert, one multiply, two FMAs.
+   QuantLinear stores its weights already in that order (kinds 3 and 4, "tiles"), so a block costs a few loads
+   and masks and each weight vector meets every row while in a register; kinds 1 and 2 read GGUF's row order
+   and transpose per block (the reference the tiles are tested against).
 
    Row independence (what keeps speculation lossless): every row's result comes from the same instructions in
    the same order whatever the number of rows in the call or beside it in its group of 4; the integer sums are
@@ -61,25 +64,6 @@ static inline void unpack_q4(const uint8_t *p, int64_t stride, __m256i *out) {
     for (int g = 0; g < 4; g++) {  /* byte j holds weight j (low nibble) and weight j + 16 (high nibble) */
         out[g] = _mm256_and_si256(raw[g], low);
         out[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw[g], 4), low);
-    }
-}
-
-/* The same from int4 weights stored in tiles (kind 3, QuantLinear.tiles): the block's 128 bytes already in
-   raw[0..3]'s order, so unpacking is four loads and masks, no shuffles */
-static inline void unpack_q4_tiled(const uint8_t *p, __m256i *out) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int g = 0; g < 4; g++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
-        out[g] = _mm256_and_si256(raw, low);
-        out[g + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    }
-}
-
-/* The same from int8 weights in tiles (kind 4): vector g holds bytes 4g..4g+3 of each output */
-static inline void unpack_q8_tiled(const int8_t *p, __m256i *out) {
-    for (int g = 0; g < 8; g++) {
-        out[g] = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
-        out[g + 8] = _mm256_abs_epi8(out[g]);
     }
 }
 
@@ -146,14 +130,46 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i unpacked[16] __attribute__((aligned(32))), isum[ROWS];
-        if (TILED(KIND)) {  /* one stream: ask for the lines a few blocks ahead (the next tile's at the end) */
+        __m256i isum[ROWS];
+        if (TILED(KIND)) {  /* weights in registers, each met by every row in turn (no unpacked copy to reload) */
             const uint8_t *p = w + (int64_t)block_bytes * COLS * b;
-            for (int line = 0; line < block_bytes * COLS; line += 64)
+            for (int line = 0; line < block_bytes * COLS; line += 64)  /* one stream: lines a few blocks ahead */
                 _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
-            if (KIND == 3) unpack_q4_tiled(p, unpacked);
-            else unpack_q8_tiled((const int8_t *)p, unpacked);
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+            if (KIND == 3) {
+                const __m256i low = _mm256_set1_epi8(0x0f);
+                for (int g = 0; g < 4; g++) {  /* vector g: weights 4g..4g+3 (low nibbles), 16+4g.. (high) */
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
+                    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *x = xq + (int64_t)r * K + QK * b;
+#if SPECDECODE_VNNI
+                        isum[r] = dpbusd(dpbusd(isum[r], lo, bcast4(x + 4 * g)), hi, bcast4(x + 16 + 4 * g));
+#else  /* 16-bit sums: 8 products of 4 bits x 7 bits and sign, at most 8 * 3810 */
+                        isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + 4 * g)),
+                                                                             _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * g))));
+#endif
+                    }
+                }
+#if !SPECDECODE_VNNI
+                for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
+#endif
+            } else {
+                for (int g = 0; g < 8; g++) {  /* |w| * (x * sign(w)): maddubs wants its first side unsigned */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * g)), a = _mm256_abs_epi8(v);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xs = _mm256_sign_epi8(bcast4(xq + (int64_t)r * K + QK * b + 4 * g), v);
+#if SPECDECODE_VNNI
+                        isum[r] = dpbusd(isum[r], a, xs);
+#else
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs),
+                                                                              _mm256_set1_epi16(1)));
+#endif
+                    }
+                }
+            }
         } else {
+            __m256i unpacked[16] __attribute__((aligned(32)));
             const uint8_t *p = w + (int64_t)block_bytes * b;
             int64_t step = stride;
             /* the next tile's weights (8 outputs, 8 lines apart: the prefetchers miss this order) */
@@ -168,34 +184,34 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
             }
             if (KIND == 1) unpack_q4(p, step, unpacked);
             else unpack_q8((const int8_t *)p, step, unpacked);
-        }
 #pragma GCC unroll 1
-        for (int r = 0; r < R; r++) {  /* one row at a time (unrolled, the compiler interleaves them and spills) */
-            const __m256i *v = unpacked;
-            __asm__("" : "+r"(v));  /* each row reads the block from L1: 16 registers cannot hold it and 4 rows' sums */
-            const int8_t *x = xq + (int64_t)r * K + QK * b;
-            __m256i sum = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {
-                const __m256i xg = bcast4(x + 4 * g);
-                if (!INT8(KIND)) {
+            for (int r = 0; r < R; r++) {  /* one row at a time (unrolled, the compiler interleaves them and spills) */
+                const __m256i *v = unpacked;
+                __asm__("" : "+r"(v));  /* each row reads the block from L1: 16 registers cannot hold it and 4 rows' sums */
+                const int8_t *x = xq + (int64_t)r * K + QK * b;
+                __m256i sum = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    const __m256i xg = bcast4(x + 4 * g);
+                    if (!INT8(KIND)) {
 #if SPECDECODE_VNNI
-                    sum = dpbusd(sum, v[g], xg);
-#else  /* 16-bit sums: 8 products of 4 bits x 7 bits and sign, at most 8 * 3810 */
-                    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(v[g], xg));
-#endif
-                } else {  /* |w| * (x * sign(w)): maddubs wants its first side unsigned */
-#if SPECDECODE_VNNI
-                    sum = dpbusd(sum, v[8 + g], _mm256_sign_epi8(xg, v[g]));
+                        sum = dpbusd(sum, v[g], xg);
 #else
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[8 + g], _mm256_sign_epi8(xg, v[g])),
-                                                                  _mm256_set1_epi16(1)));
+                        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(v[g], xg));
 #endif
+                    } else {
+#if SPECDECODE_VNNI
+                        sum = dpbusd(sum, v[8 + g], _mm256_sign_epi8(xg, v[g]));
+#else
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[8 + g], _mm256_sign_epi8(xg, v[g])),
+                                                                      _mm256_set1_epi16(1)));
+#endif
+                    }
                 }
-            }
 #if !SPECDECODE_VNNI
-            if (!INT8(KIND)) sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+                if (!INT8(KIND)) sum = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 #endif
-            isum[r] = sum;
+                isum[r] = sum;
+            }
         }
         const __m256 d = TILED(KIND) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + COLS * b)))
                                    : _mm256_loadu_ps(dw + COLS * b);
