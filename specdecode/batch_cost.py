@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cost import CostModel, ForwardCost, machine_key, nondecreasing
+from .cost import CostModel, ForwardCost
+from .cost_timing import machine_key, nondecreasing
 from .models import BatchKVCache, Transformer
 from .paths import default_cache_dir
 from .progress import progress_bar

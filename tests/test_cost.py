@@ -74,7 +74,7 @@ def test_a_calibration_under_heavy_load_is_physical_and_doubted(monkeypatch, noi
     """Forwards cost 1 + 0.3 (n - 1), each timing off by a log-normal factor: a quiet machine (2%) or one shared
     with a dozen busy threads (80%: seen here, 16 tokens priced at 0.4 of 6). The table never prices a forward
     below a smaller one's or above n plain ones, and its weights say how far to trust it."""
-    import specdecode.cost as cost_module
+    import specdecode.cost_timing as cost_module
 
     model = tiny_model(0, vocab_size=40)
     clock, rng = FakeClock(), random.Random(1)

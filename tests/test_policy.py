@@ -59,7 +59,7 @@ def test_noisy_timings_become_nondecreasing() -> None:
 def test_measured_prices_follow_the_sizes_while_the_machine_speed_swings(monkeypatch) -> None:
     """The machine's speed swings 3x every three pairs of forwards: each size is timed next to a 1-token forward,
     so the table's shape (price over a plain step's) comes out exact. Medians of unpaired timings would not."""
-    import specdecode.cost as policy
+    import specdecode.cost_timing as timing
 
     model = tiny_model(0, vocab_size=40)
     clock, forwards = [0.0], [0]
@@ -71,7 +71,7 @@ def test_measured_prices_follow_the_sizes_while_the_machine_speed_swings(monkeyp
         clock[0] += slow * (1.0 + 0.1 * (tokens.shape[1] - 1))
 
     monkeypatch.setattr(model, "forward", forward)
-    monkeypatch.setattr(policy, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(timing, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
     cost = CostModel.measure(model, repeats=8)
     for row in cost.seconds:
         assert [t / row[0] for t in row] == pytest.approx([1.0 + 0.1 * (n - 1) for n in cost.sizes])

@@ -1,0 +1,148 @@
+"""Timing a target's forwards on this machine: the paired measurement a `cost.CostModel` starts from (seconds at
+first use, minutes for `specdecode tune cost`), and the key that says which machine and precision a table is for."""
+
+from __future__ import annotations
+
+import math
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .models import Transformer
+from .progress import progress_bar
+
+# `specdecode tune cost`: every size up to 8 (a size between two measured ones is priced by interpolation, and
+# small forwards need not be linear in size: oneDNN picks its kernels by row count), 32 paired rounds
+COST_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+THOROUGH_ROUNDS = 32
+# first use: fewer sizes and rounds (seconds, not minutes: the thorough table took 15 minutes on a loaded
+# 2-core machine); the steps the engine runs refine it (CostModel.observe)
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+CALIBRATION_ROUNDS = 4
+# how far one paired ratio strays (relative): the thorough table's 32 rounds know a small size to +-3%
+SPREAD = 0.17
+
+
+def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: tuple[int, ...] = COST_SIZES,
+                  long: int = 1024, sparse_above: int | None = 16, bounded: bool = False,
+                  description: str = "timing target forwards") -> tuple[list[int], list[list[float]], list[float]]:
+    """Time forwards of each size after a short and a long cached context, each next to a 1-token forward:
+    (contexts, seconds [context][size], weight per size: how many paired timings it is worth).
+
+    A size's price is the 1-token median times the median of its paired ratios: the machine's speed drifts
+    within seconds, and unpaired medians of 10 rounds were off by up to 10% for 3-4 tokens at long context
+    (pricing Medusa's small trees as paying when they cost more than they saved). Sizes past `sparse_above`
+    tokens are timed every fourth round: they cost as much as all the small ones and are far from any
+    decision's margin. Still, one forward's time strays by +-15% on a 2-core machine, so a small size's price
+    is known to +-3% after 32 rounds. The medians are kept as measured, not forced non-decreasing: on a
+    2-core EPYC with oneDNN, 2 tokens cost 1.15x of one and 3-6 tokens 0.95x at a short context (the same in
+    a direct paired timing), so a guess of one token is dear and guesses two to five deep are cheaper than a
+    plain step. One forward per size warms up first (allocations, kernel choice).
+
+    bounded: a size's price is kept within what physics allows: at least a smaller size's (pooled where the
+    medians say otherwise) and at most n plain forwards (which do the same work). A few rounds on a loaded
+    machine priced 16 tokens at 0.4 of 6 (all of them at 1-3x of a plain step's 0.5 s, 80x slower than on an
+    idle machine). Each size's weight is its paired timings, scaled by how much more (or less) they strayed
+    than SPREAD: a noisy calibration is doubted (a margin on guesses) and soon outweighed by real steps.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    limit = model.config.max_position_embeddings
+    long = min(long, limit - sizes[-1])
+    if long < 8:
+        raise ValueError(f"context of {limit} tokens is too short to measure forward costs")
+    contexts = [min(64, long // 4), long]
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def sparse(n: int) -> bool:
+        return sparse_above is not None and n > sparse_above
+
+    rounds = [[(ci, si) for ci in range(len(contexts)) for si, n in enumerate(sizes)
+               if n > 1 and (not sparse(n) or rep % 4 == 0)] for rep in range(repeats)]
+    total = len(contexts) + len(sizes) + 2 * sum(len(cells) for cells in rounds)
+    order = random.Random(0)
+    single: list[list[float]] = [[] for _ in contexts]
+    ratios: list[list[list[float]]] = [[[] for _ in sizes] for _ in contexts]
+    with progress_bar(description, total) as advance:
+        caches = []
+        for c in contexts:
+            cache = model.new_cache(c + sizes[-1])
+            model.forward(torch.randint(0, vocab, (1, c), generator=g), cache, logits_at=None)
+            caches.append(cache)
+            advance()
+
+        def timed(ci: int, n: int) -> float:
+            tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
+            started = time.perf_counter()
+            model.forward(tokens, caches[ci])  # logits for every token, as a verification does
+            elapsed = time.perf_counter() - started
+            caches[ci].rollback(contexts[ci])
+            advance()
+            return elapsed
+
+        for n in sizes:  # warm-up
+            timed(len(contexts) - 1, n)
+        for cells in rounds:
+            for ci, si in order.sample(cells, len(cells)):
+                n = sizes[si]
+                took = {m: timed(ci, m) for m in order.sample([1, n], 2)}  # either may run first
+                single[ci].append(took[1])
+                ratios[ci][si].append(took[n] / took[1])
+    seconds = []
+    for ci in range(len(contexts)):
+        plain = statistics.median(single[ci])
+        relative = [1.0] + [statistics.median(r) for r in ratios[ci][1:]]
+        if bounded:
+            relative = [min(max(x, 1.0), n) for x, n in zip(nondecreasing(relative), sizes, strict=True)]
+        seconds.append([plain * x for x in relative])
+    scale = (SPREAD / max(spread(ratios), 0.01)) ** 2
+    weight = [float(repeats)] + [len(ratios[0][si]) * scale for si in range(1, len(sizes))]
+    return contexts, seconds, weight
+
+
+def spread(ratios: list[list[list[float]]]) -> float:
+    """How far one paired ratio strays (relative): the robust standard deviation (1.4826 x the median absolute
+    deviation) of the log ratios around their size's median, pooled over sizes with 3 or more; SPREAD if none."""
+    deviations = [abs(math.log(x) - math.log(statistics.median(cell))) for per_size in ratios for cell in per_size
+                  if len(cell) >= 3 for x in cell]
+    return 1.4826 * statistics.median(deviations) if deviations else SPREAD
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): the batch table takes the fastest of a few
+    unpaired runs and the calibration the medians of a few pairs, so their dips are mostly noise, averaged away
+    with their neighbours (the thorough single-request table is kept as measured: there, some sizes really are
+    cheaper than smaller ones)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def machine_key(model: Transformer) -> str:
+    """What forward costs depend on: the model's shape, dtype, device, CPU, threads and torch build."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if model.device.type == "cuda":
+        cpu = torch.cuda.get_device_name(model.device)
+    cfg = model.config
+    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
+    threads = torch.get_num_threads()
+    return (f"{shape}|{model.dtype}|{model.weights_kind()}|{model.device.type}|{cpu}|{threads} threads"
+            f"|torch {torch.__version__}")
+
