@@ -39,6 +39,9 @@ METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid"
 # it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
 # 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
 AUTO_BRANCHES = 3
+# an EAGLE head beside a target with int8 activations (the GGUF default) runs in int8 too: in float32 one draft token
+# read a third of the int4 target's bytes, so drafting cost more than verification saved (tau 1.01 at k=auto)
+EAGLE_BESIDE_A8 = "int8-a8"
 # EAGLE heads that ship with the package, by registry name of their target
 SHIPPED_EAGLE = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle"}
 
@@ -178,6 +181,8 @@ class Drafting:
         if key not in self._heads:
             head = EagleHead.load(key, dtype=self.model.dtype, device=self.model.device)
             head.check_target(self.model)
+            if self.model.weights_kind().split()[0].endswith("-a8"):  # beside an int8-activation target: int8 too
+                head.quantize_(EAGLE_BESIDE_A8)
             self._heads[key] = head
         return self._heads[key]
 

@@ -108,6 +108,60 @@ def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk
         assert spy.gathers > 0, "no non-first branch was ever accepted: the tree path went untested"
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_native_head_block_computes_what_the_pytorch_block_does(trained, monkeypatch, quantized) -> None:
+    """A float32 head on the CPU runs its block in the native kernel: the same numbers as the PyTorch block (float
+    rounding apart) for a prefix, a chain and a tree mask over its cache, with float or int8 weights."""
+    from specdecode.models import eagle as eagle_head_module
+
+    head = EagleHead.load(trained, dtype=torch.float32)
+    if quantized:
+        head.quantize_("int8")
+    h, gen = head.config.block.hidden_size, torch.Generator().manual_seed(0)
+    features, embeds = torch.randn(1, 12, h, generator=gen), torch.randn(1, 12, h, generator=gen)
+    tree = torch.ones(4, 12, dtype=torch.bool)
+    tree[1, 8], tree[2, 8:10], tree[3, 9] = False, False, False  # node 1 and 2 beside each other, 3 under 1
+    if eagle_head_module.kernels.native() is None:
+        pytest.skip("no native kernels on this machine (kernels.native() logged why)")
+    assert head._native_block(head.new_cache(8)) is not None  # else this test compares PyTorch with itself
+    runs = []
+    for path in ("native", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(eagle_head_module.EagleHead, "_native_block", lambda self, cache: None)
+        cache, outs = head.new_cache(32), []
+        outs.append(head(features[:, :5], embeds[:, :5], cache, torch.arange(5)))  # a prefix, causal
+        outs.append(head(features[:, 5:8], embeds[:, 5:8], cache, torch.arange(5, 8)))  # a chain after it
+        outs.append(head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree))
+        runs.append(outs)
+    for (a_logits, a_hidden), (b_logits, b_hidden) in zip(*runs, strict=True):
+        torch.testing.assert_close(a_hidden, b_hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a_logits, b_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_head_beside_an_int8_activation_target_is_lossless(target, trained) -> None:
+    """The default GGUF load multiplies with int8 activations; its EAGLE head is then quantized to int8 too (a float32
+    head read a third of the int4 target's bytes per draft token). Greedy output stays the quantized target's own."""
+    import copy
+
+    import specdecode
+    from specdecode.models.loading import quantize_
+    from specdecode.models.quant import QuantLinear
+
+    quantized = quantize_(copy.deepcopy(target).float(), "int4-a8")
+    llm = specdecode.LLM(quantized, make_tokenizer())
+    head = llm.eagle_head(trained)
+    assert isinstance(head.lm_head, QuantLinear) and head.lm_head.quantization == "int8-a8"
+    assert isinstance(head.block.mlp.w13, QuantLinear) and head.dtype == torch.float32
+    proposer = EagleProposer(head, quantized, topk=3, nodes=8)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain, _ = generate_ids(quantized, prompt, max_new_tokens=NEW)
+        out, stats = generate_ids(quantized, prompt, proposer=proposer, k=4, max_new_tokens=NEW)
+        assert out == plain, prompt
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted  # the int8 head still guesses the quantized target's tokens
+
+
 def test_head_rests_while_its_steps_do_not_pay(target, head, reference, monkeypatch) -> None:
     """Under a cost where guessing cannot pay, the head stops running (backed-off probes), the next request
     starts resting, and the output stays plain decoding's."""
@@ -125,6 +179,20 @@ def test_head_rests_while_its_steps_do_not_pay(target, head, reference, monkeypa
     assert runs[0] < NEW // 2, runs  # resting, not running every step
     assert runs[-1] <= runs[0]  # a later request starts where the last one left off
     assert head.rest_state[0] < 1.0
+
+
+def test_head_judged_in_plain_steps_while_the_load_moves(target, head, monkeypatch) -> None:
+    """Steps that each gain two tokens for about one plain step's price pay, whatever the load when each was priced:
+    a run's first steps are priced before the load has followed the machine (a flat table starts at a second per
+    forward), and reading them at the later price sent a head that doubles the rate to rest for good."""
+    monkeypatch.delattr(head, "rest_state", raising=False)
+    flat = FrozenCost([1, 64], [0, 1000], [[1.0, 1.01], [1.0, 1.01]])
+    proposer = EagleProposer(head, target, topk=3, nodes=16, cost=flat)
+    for load in (50.0,) * 4 + (1.0,) * 4 + (0.02,) * 4:
+        flat.load = load
+        proposer.step_head = (0.0, 10)
+        proposer._judge(nodes=2, accepted=1)
+        assert proposer.value == pytest.approx(2.0, rel=0.01) and proposer.rest == 0
 
 
 @pytest.mark.parametrize("greedy", [True, False])

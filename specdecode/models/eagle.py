@@ -18,10 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .. import kernels
+from . import native
 from .cache import KVCache
 from .config import ModelConfig
 from .linear import Linear
 from .llama import Block, Transformer, rope_inv_freq
+from .quant import quantize_linears_
 
 CONFIG = "eagle_config.json"
 WEIGHTS = "eagle.safetensors"
@@ -67,7 +70,18 @@ class EagleHead(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms stay float when the linear layers are quantized)."""
+        return self.norm.weight.dtype
+
+    def quantize_(self, kind: str) -> EagleHead:
+        """Its linear layers in `kind` (e.g. "int8-a8" beside an int4 target: a draft step then reads a quarter of
+        the bytes). Lossless either way: a draft's precision changes how often it guesses right, never the output."""
+        quantize_linears_(self, kind)
+        return self
 
     def init_from_target(self, target: Transformer, vocab: torch.Tensor) -> None:
         """Start from the target: its last layer's weights for the block (those a Llama block has), its output rows
@@ -81,11 +95,11 @@ class EagleHead(nn.Module):
 
     def new_cache(self, max_len: int) -> KVCache:
         b = self.config.block
-        return KVCache(1, b.num_kv_heads, b.head_dim, max_len, dtype=self.lm_head.weight.dtype, device=self.device)
+        return KVCache(1, b.num_kv_heads, b.head_dim, max_len, dtype=self.dtype, device=self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
-        dtype = self.lm_head.weight.dtype
+        dtype = self.dtype
         if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].dtype != dtype:
             size = max(need, self.config.block.max_position_embeddings)
             freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(self.config.block))
@@ -96,7 +110,7 @@ class EagleHead(nn.Module):
     def fuse_features(self, hidden: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """Target hidden states ([..., H] per layer, or stacked [..., L, H]) -> the head's feature [..., H]."""
         x = torch.cat(list(hidden), dim=-1) if isinstance(hidden, list) else hidden.flatten(-2)
-        return self.fuse(x.to(self.lm_head.weight.dtype))
+        return self.fuse(x.to(self.dtype))
 
     def embed_input(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         return self.input(torch.cat((self.embed_norm(token_embeds), self.feature_norm(features)), dim=-1))
@@ -119,9 +133,26 @@ class EagleHead(nn.Module):
             mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
         if mask is not None:
             mask = mask.to(self.device)
-        x = self.block(self.embed_input(features, token_embeds), cos, sin, cache, 0, start, mask)
+        x = self.embed_input(features, token_embeds)
+        blocks = self._native_block(cache)
+        if blocks is not None:  # one native call (a third of the head's time in PyTorch operators on a CPU)
+            lib, block = blocks
+            x = x.reshape(n, -1).contiguous()
+            full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
+            block.run(lib, x, 0, cache, start, cos, sin, None, full, self.config.block)
+            x = x.view(1, n, -1)
+        else:
+            x = self.block(x, cos, sin, cache, 0, start, mask)
         cache.length = start + n
         return self.lm_head(self.norm(x)), x
+
+    def _native_block(self, cache: KVCache):
+        """(library, NativeBlocks) where the block can run in the native kernel (float32 on the CPU), else None."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not native.cache_fits(cache):
+            return None
+        lib = kernels.native()
+        blocks = None if lib is None else native.blocks_of(self, [self.block])
+        return None if blocks is None else (lib, blocks)
 
     # ---------------------------------------------------------------------------------- persistence
     def save(self, out_dir: Path | str, dtype: torch.dtype = torch.float32) -> None:

@@ -295,14 +295,8 @@ class Transformer(nn.Module):
         lib = kernels.native()
         if lib is None:
             return None
-        first, last = self.layers[0], self.layers[-1]
-        key = (self.layers, *(m._buffers["qs"].data_ptr() if "qs" in m._buffers else m._parameters["weight"].data_ptr()
-                              for m in (first.attn.wqkv, last.mlp.w2)))
-        cached = self.__dict__.get("_native")
-        if cached is None or cached[0] != key:  # weights moved or replaced: describe them again
-            cached = (key, native.NativeBlocks.build(self.layers))
-            self.__dict__["_native"] = cached
-        return None if cached[1] is None else (lib, cached[1])
+        blocks = native.blocks_of(self, self.layers)
+        return None if blocks is None else (lib, blocks)
 
     def _attention_mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
                         window: int | None):

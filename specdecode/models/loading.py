@@ -33,7 +33,7 @@ from .gguf_file import read as read_gguf
 from .gguf_file import tensors as gguf_tensors
 from .linear import Linear
 from .llama import Transformer
-from .quant import GGUF_BLOCKS, QUANTIZATIONS, QuantEmbedding, QuantLinear
+from .quant import GGUF_BLOCKS, QUANTIZATIONS, QuantEmbedding, QuantLinear, quantize_linears_
 
 
 @dataclass(frozen=True)
@@ -276,10 +276,7 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
 def quantize_(model: Transformer, kind: str) -> Transformer:
     """Replace every linear layer of the model (projections and output layer) by its `kind` quantization."""
     tied = model.config.tie_word_embeddings
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, Linear) and not (tied and child is model.lm_head):
-                setattr(module, child_name, QuantLinear.quantize(child.weight, kind, child.bias))
+    quantize_linears_(model, kind, skip=(model.lm_head,) if tied else ())
     if tied:  # the embedding table and the output layer stay one tensor
         table = QuantLinear.quantize(model.embed.weight, kind)
         model.lm_head, model.embed = table, QuantEmbedding(table)

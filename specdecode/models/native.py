@@ -9,6 +9,7 @@ PyTorch blocks run.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -39,11 +40,11 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
 
 
 class NativeBlocks:
-    def __init__(self, layers: torch.nn.ModuleList, structs: list[tuple]) -> None:
+    def __init__(self, layers: Sequence[torch.nn.Module], structs: list[tuple]) -> None:
         self.layers, self.structs = layers, structs
 
     @classmethod
-    def build(cls, layers: torch.nn.ModuleList) -> NativeBlocks | None:
+    def build(cls, layers: Sequence[torch.nn.Module]) -> NativeBlocks | None:
         structs = []
         for block in layers:
             ws = [weight_struct(m) for m in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2)]
@@ -70,11 +71,26 @@ class NativeBlocks:
             raise MemoryError("the native block could not allocate its scratch memory")
 
 
+def blocks_of(owner: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> NativeBlocks | None:
+    """`layers` described for the kernel, kept on `owner` until their weights move or are replaced (None: some
+    layer the kernel cannot run)."""
+    first, last = layers[0], layers[-1]
+    key = (tuple(layers), *(m._buffers["qs"].data_ptr() if "qs" in m._buffers else m._parameters["weight"].data_ptr()
+                     for m in (first.attn.wqkv, last.mlp.w2)))
+    cached = owner.__dict__.get("_native")
+    if cached is None or cached[0] != key:
+        cached = (key, NativeBlocks.build(layers))
+        owner.__dict__["_native"] = cached
+    return cached[1]
+
+
+def cache_fits(cache) -> bool:
+    """The kernel reads each layer's keys (and values) of the sequence as one [kv_heads, max_len, head_dim] block."""
+    return isinstance(cache, KVCache) and cache.kv.dtype == torch.float32 and cache.kv[0, 0, 0].is_contiguous()
+
+
 def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
     """Whether this forward can take the native path (before looking at the layers). The kernel runs the Llama
     block: Gemma's (QK-norm, sandwich norms, GeGLU, per-layer windows) runs in PyTorch, its matmuls still native."""
-    # the kernel reads each layer's keys (and values) of the sequence as one [kv_heads, max_len, head_dim] block
     return (model.config.llama_block and tokens.device.type == "cpu" and tokens.shape[0] == 1
-            and isinstance(cache, KVCache)
-            and cache.kv.dtype == torch.float32 and model.dtype == torch.float32 and not torch.is_grad_enabled()
-            and cache.kv[0, 0, 0].is_contiguous())
+            and model.dtype == torch.float32 and not torch.is_grad_enabled() and cache_fits(cache))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from .linear import Linear
 
 QK = 32  # weights per block
 # kind, bytes per block; Q5_0 (w = d * (q - 16), q of 5 bits) is exactly an int8 block, so it loads as one
@@ -200,6 +201,15 @@ class QuantLinear(nn.Module):
         qs, d, m = zip(*(layer.row_order() for layer in layers), strict=True)
         return QuantLinear(layers[0].kind, torch.cat(qs), torch.cat(d), None if m[0] is None else torch.cat(m), bias,
                            layers[0].act8)
+
+
+def quantize_linears_(module: nn.Module, kind: str, skip: tuple[nn.Module, ...] = ()) -> nn.Module:
+    """Replace every float linear layer under `module` (but those in `skip`) by its `kind` quantization, in place."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear) and not any(child is s for s in skip):
+                setattr(parent, name, QuantLinear.quantize(child.weight, kind, child.bias))
+    return module
 
 
 def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ raise that rate, and sends the count of nodes that maximises it (none: a plain s
 model: `k` depths, `nodes` nodes.
 
 Never slower than plain decoding: the head's steps' realized rate, tokens committed over head seconds plus
-the target's forward of each tree (decayed sums), is compared with a plain step's; while it is under 1 + MARGIN
+the target's forward of each tree (decayed sums, each step counted in plain steps at its own load), is compared
+with a plain step's; while it is under 1 + MARGIN
 the head rests (does not run) for a number of steps that doubles each time (up to MAX_REST), then probes
 again. A head forward is a sizeable part of a fast target's step (int4 on a CPU: 1-4 ms of 6), and paying it
 for steps that gain too little made eagle slower than plain decoding. It catches up on the positions it
@@ -94,7 +95,7 @@ class EagleProposer(Proposer):
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         h = self.head.config.block.hidden_size
-        self.features = torch.zeros(max_len, h, dtype=self.head.lm_head.weight.dtype, device=self.head.device)
+        self.features = torch.zeros(max_len, h, dtype=self.head.dtype, device=self.head.device)
         self.raw = torch.zeros(max_len, h * len(self.hidden_layers), dtype=self.features.dtype, device=self.head.device)
         self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
         self.known = self.cached = self.fused = 0
@@ -164,10 +165,11 @@ class EagleProposer(Proposer):
         a short run of misses must not send a head that pays on average to rest."""
         seconds, context = self.step_head
         tokens, spent, steps = self.tally
-        tokens = 0.9 * tokens + 1 + accepted
-        spent = 0.9 * spent + seconds + self.cost.forward_seconds(nodes, context)
+        plain = self.cost.forward_seconds(1, context)  # each step in plain steps of its own time: the load moves,
+        tokens = 0.9 * tokens + 1 + accepted  # and a step priced before it did must not be read at today's price
+        spent = 0.9 * spent + (seconds + self.cost.forward_seconds(nodes, context)) / plain
         self.tally = (tokens, spent, steps + 1)
-        self.value = tokens / spent * self.cost.forward_seconds(1, context)
+        self.value = tokens / spent
         if self.value < 1 + MARGIN and steps + 1 >= MIN_EVIDENCE:
             self.rest, self.backoff = self.backoff, min(2 * self.backoff or 1, MAX_REST)
         else:
