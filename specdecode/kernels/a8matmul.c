@@ -31,6 +31,33 @@ static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, f
     for (int r = 0; r < M; r++)
         for (int b = 0; b < nb; b++) {
             const float *v = x + (int64_t)r * K + QK * b;
+#if SPECDECODE_AVX2  /* the same operations 8 lanes at a time (round to nearest even, as nearbyintf): same bytes */
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 f[4], m = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                f[j] = _mm256_loadu_ps(v + 8 * j);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, f[j]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            __m256i q[4];
+            for (int j = 0; j < 4; j++)
+                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(f[j], _mm256_set1_ps(inv)),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+            /* 32 values in -127..127: pack to 16 then 8 bits, then undo the packs' lane interleave */
+            const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+            const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qx + (int64_t)r * K + QK * b), p8);
+            dx[(int64_t)r * nb + b] = d;
+            sx[(int64_t)r * nb + b] = d * (float)_mm_cvtsi128_si32(t4);
+#else
             float amax = 0.0f;
             for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -42,6 +69,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, f
             }
             dx[(int64_t)r * nb + b] = d;
             sx[(int64_t)r * nb + b] = d * (float)sum;
+#endif
         }
 }
 
