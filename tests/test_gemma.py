@@ -143,18 +143,21 @@ def test_token_by_token_and_tree_see_the_window_the_target_would(checkpoint) -> 
         torch.testing.assert_close(tree_logits[node], expected, atol=1e-5, rtol=1e-5, msg=f"node {node}")
 
 
+@pytest.mark.parametrize("shape", [dict(GEMMA), dict(GEMMA, head_dim=64, query_scale=64**-0.5), dict(num_layers=4,
+                                     head_dim=64)], ids=["gemma", "gemma-head-dim-64", "llama-head-dim-64"])
 @pytest.mark.parametrize("in_batch_row", [False, True], ids=["own-cache", "engine-batch-row"])
-def test_float32_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool) -> None:
+def test_float32_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool, shape: dict) -> None:
     """On the CPU in float32 a token's numbers must not depend on how many tokens share the forward (else a near
     tie decides differently in verification than in plain decoding, and greedy speculation is not lossless; with
     int8 activations a rounding difference flips a quantization step and the tokens part): the attention runs in
-    the native kernel, the matmuls in row-invariant ones. The engine runs a request on a row of its batch's cache."""
+    the native kernel, the matmuls in row-invariant ones (head dims 64 and 128 weigh the values in registers). The
+    engine runs a request on a row of its batch's cache. Llama blocks run whole in the native kernel."""
     from specdecode import kernels
     from specdecode.models import BatchKVCache
 
     if kernels.native() is None:
         pytest.skip("native kernels unavailable")
-    model = tiny_model(4, vocab_size=VOCAB, **GEMMA).float()
+    model = tiny_model(4, vocab_size=VOCAB, **shape).float()
     prefix = random_ids(14, VOCAB, seed=7)[0].tolist()
     tree = DraftTree.from_paths(prefix[-1], [[5, 6, 7, 8, 9], [5, 6, 9], [5, 10], [11, 12]])
     cfg = model.config

@@ -101,6 +101,24 @@ static inline __m256 dot8(const float *q, const float *k, int hd) {
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
+/* o = sum_j p_j v_j / sum_j p_j over the keys' value rows (hd = 8 NV floats), the sums kept in registers (NV a
+   constant at each call: the loops unroll). Both sums run over the visible keys in cache order, one at a time: a
+   tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *vals, int L, float *o,
+                                                               const int NV) {
+    __m256 acc[16];
+    float total = 0.0f;
+    for (int e = 0; e < NV; e++) acc[e] = _mm256_setzero_ps();
+    for (int j = 0; j < L; j++) {
+        if (p[j] == 0.0f) continue;
+        total += p[j];
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float *vj = vals + (int64_t)j * 8 * NV;
+        for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * e), acc[e]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int e = 0; e < NV; e++) _mm256_storeu_ps(o + 8 * e, _mm256_mul_ps(acc[e], inv));
+}
 #define FAST_ATTENTION 1
 #else
 #define FAST_ATTENTION 0
@@ -164,7 +182,17 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
 #endif
                 for (int j = 0; j < L; j++) p[j] = dot(q, keys + (int64_t)j * hd, hd) * scale;
             float best = -INFINITY;
-            for (int j = 0; j < L; j++) {
+            int j0 = 0;
+#if FAST_ATTENTION
+            if (!full_mask) {  /* the cached keys are all visible: their max 8 at a time */
+                __m256 m8 = _mm256_set1_ps(-INFINITY);
+                for (; j0 + 8 <= start; j0 += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + j0));
+                float lanes[8];
+                _mm256_storeu_ps(lanes, m8);
+                for (int t = 0; t < 8; t++) best = lanes[t] > best ? lanes[t] : best;
+            }
+#endif
+            for (int j = j0; j < L; j++) {
                 int visible;
                 if (full_mask) visible = full_mask[(int64_t)i * L + j];
                 else if (j < start) visible = 1;
@@ -183,17 +211,24 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
 #else
             for (int j = 0; j < L; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
 #endif
-            float total = 0.0f;
-            for (int j = 0; j < L; j++) total += p[j];
             float *o = att + (int64_t)i * att_stride + h * hd;
-            for (int e = 0; e < hd; e++) o[e] = 0.0f;
-            for (int j = 0; j < L; j++) {
-                if (p[j] == 0.0f) continue;
-                const float pj = p[j], *vj = vals + (int64_t)j * hd;
-                for (int e = 0; e < hd; e++) o[e] += pj * vj[e];
+#if FAST_ATTENTION
+            if (hd == 64) weigh_values(p, vals, L, o, 8);
+            else if (hd == 128) weigh_values(p, vals, L, o, 16);
+            else
+#endif
+            {
+                float total = 0.0f;
+                for (int j = 0; j < L; j++) total += p[j];
+                const float inv = 1.0f / total;
+                for (int e = 0; e < hd; e++) o[e] = 0.0f;
+                for (int j = 0; j < L; j++) {
+                    if (p[j] == 0.0f) continue;
+                    const float pj = p[j], *vj = vals + (int64_t)j * hd;
+                    for (int e = 0; e < hd; e++) o[e] += pj * vj[e];
+                }
+                for (int e = 0; e < hd; e++) o[e] *= inv;
             }
-            const float inv = 1.0f / total;
-            for (int e = 0; e < hd; e++) o[e] *= inv;
         }
         free(p);
         free(pad);
