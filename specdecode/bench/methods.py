@@ -28,6 +28,12 @@ class Method:
     k: int | str = 0  # tokens guessed per step, or "auto"
     draft: str | None = None
 
+    @property
+    def remembers_outputs(self) -> bool:
+        """Matches the global cache of earlier outputs (suffix; hybrid's suffix half): a second run of a prompt would
+        find its own first answer there, so only a prompt's first run counts."""
+        return self.kind == "ours" and self.method in ("suffix", "hybrid")
+
     def run(self, runner: Runners, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         if self.kind == "ours":
             return runner.ours(self, prompt_ids, max_new_tokens, temperature, seed)

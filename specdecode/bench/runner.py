@@ -72,7 +72,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
                     progress.advance(task, len(cfg.methods))
                 by_label = {}
                 for m in cfg.methods:
-                    rec = fastest(runs[m.label])
+                    rec = fastest(runs[m.label][:1] if m.remembers_outputs else runs[m.label])
                     rec.update(question_id=q.question_id, category=q.category, method=m.label, kind=m.kind,
                                k=m.k, temperature=temperature, prompt_tokens=len(prompts[q.question_id]))
                     records.append(rec)
