@@ -158,3 +158,27 @@ def test_logits_at_selects_positions() -> None:
     torch.testing.assert_close(last, full[:, -1:], atol=1e-12, rtol=1e-12)
     picked = model.forward(ids, model.new_cache(10), logits_at=torch.tensor([0, 4, 9])).logits
     torch.testing.assert_close(picked, full[:, [0, 4, 9]], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(2048, 640), (640, 2048), (576, 1536)])
+def test_float_linear_rows_do_not_depend_on_the_rows_beside_them(shape) -> None:
+    """Bit for bit, as a verified token must compute what its one-token step does: oneDNN broke this on an
+    AVX-512 machine at K = 2048 (Gemma 3 270M's down projection), and real Gemma's greedy speculation parted
+    from plain decoding. Up to NATIVE_MAX_ROWS rows; beyond (a prefill), only close."""
+    from specdecode.models.linear import NATIVE_MAX_ROWS, Linear
+
+    k, n = shape
+    g = torch.Generator().manual_seed(2)
+    layer = Linear(k, n).eval().requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
+        layer.bias.copy_(torch.randn(n, generator=g))
+    x = torch.randn(24, k, generator=g)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(24)])
+    for rows in (2, 3, 4, 5, 8, 16, 24):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+        assert torch.equal(layer(x[24 - rows :]), alone[24 - rows :]), rows
+    torch.testing.assert_close(alone, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    long = torch.randn(NATIVE_MAX_ROWS + 1, k, generator=g)
+    torch.testing.assert_close(layer(long), torch.nn.functional.linear(long, layer.weight, layer.bias),
+                               rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""The float linear layer of the models: nn.Linear with a faster CPU path for decoding's few-token matmuls."""
+"""The float linear layer of the models: nn.Linear with row-invariant CPU paths for decoding's few-token matmuls."""
 
 from __future__ import annotations
 
@@ -6,27 +6,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+
+# forwards of up to this many rows (decoding steps, verification, a batch of them) multiply in the native kernel
+NATIVE_MAX_ROWS = 256
+
 
 class Linear(nn.Linear):
-    """nn.Linear with a faster CPU path for the few-token matmuls of decoding and verification.
+    """nn.Linear with CPU paths for the few-token matmuls of decoding and verification.
 
-    MKL runs `x @ W.T` for a handful of rows at a third of the memory bandwidth or less, so a step that
-    verifies 8 tokens used to cost 2x a 1-token step. oneDNN with its weight layout prepacked once streams
-    W near full bandwidth whatever the row count, so verifying a few tokens costs almost the same as one
-    (numbers in benchmarks/results/forward_cost.md). Other devices and dtypes keep F.linear.
+    A verified token's numbers must be those of the one-token step that plain decoding runs (else a near tie
+    decides differently and greedy speculation is not lossless). oneDNN does not promise that: on an AVX-512
+    machine its float32 matmul with K = 2048 (Gemma 3 270M's down projection) rounds a row differently beside
+    other rows. So up to NATIVE_MAX_ROWS rows run in the native kernel, whose rows never depend on each other
+    (as fast as oneDNN for one row, up to 2.5x slower for 16); longer forwards (a prompt's prefill, the same call
+    whatever the method) use oneDNN with its weight layout prepacked once, where MKL's `x @ W.T` ran at a third
+    of the memory bandwidth. Gradients, other devices and dtypes keep F.linear.
     """
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if not (ONEDNN and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)) or w.requires_grad:
+        if x.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or (
+                torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
             return F.linear(x, w, self.bias)
-        key = (w.data_ptr(), w._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed[1], self.bias, "none", [], "")
+        lib = kernels.native() if w.dtype == torch.float32 and rows.shape[0] <= NATIVE_MAX_ROWS else None
+        if lib is not None and x.dtype == torch.float32:
+            rows, weight = rows.contiguous(), w.detach().contiguous()
+            out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32)
+            lib.specdecode_f32_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),
+                                      out.data_ptr(), w.shape[0])
+            if self.bias is not None:
+                out += self.bias
+        elif ONEDNN and x.dtype == w.dtype:
+            key = (w.data_ptr(), w._version)
+            if self._packed is None or self._packed[0] != key:
+                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+            out = torch.ops.mkldnn._linear_pointwise(rows, self._packed[1], self.bias, "none", [], "")
+        else:
+            return F.linear(x, w, self.bias)
         return out.reshape(*x.shape[:-1], w.shape[0])
 
 
