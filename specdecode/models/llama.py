@@ -22,6 +22,7 @@ from . import native
 from .cache import BatchKVCache, KVCache
 from .config import ModelConfig
 from .linear import Linear
+from .masks import attention_mask, padded_masks, ragged_mask
 
 
 @dataclass
@@ -57,14 +58,6 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
         out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
         return torch.where(wavelen < old_len / high, inv_freq, out)
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
-
-
-def padded_masks(masks: Sequence[torch.Tensor | None], sizes: Sequence[int], n: int) -> torch.Tensor:
-    """[B, n, n] from per-row tree masks (None: a causal chain); padding rows and columns stay False."""
-    out = torch.zeros(len(sizes), n, n, dtype=torch.bool)
-    for i, (mask, m) in enumerate(zip(masks, sizes, strict=True)):
-        out[i, :m, :m] = torch.ones(m, m, dtype=torch.bool).tril() if mask is None else mask[:m, :m]
-    return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +254,7 @@ class Transformer(nn.Module):
             window = self.config.sliding_window
             windowed = window is not None and int(positions.max()) >= window
             # the kernel reads the tree mask [n, n] itself; only a sliding window needs the full [n, start + n] one
-            full = self._attention_mask(start, positions, tree_mask, window).to(torch.uint8).contiguous() \
+            full = attention_mask(start, positions, tree_mask, window, self.device).to(torch.uint8).contiguous() \
                 if windowed else None
             tree = None if windowed or tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
             if start + n > cache.max_len:
@@ -275,7 +268,7 @@ class Transformer(nn.Module):
             window = self.config.sliding_window
             # per attention type (all one type but in Gemma): RoPE and mask, a sliding layer's mask with its window
             views = {sliding: (*self.rope(positions, sliding),
-                               self._attention_mask(start, positions, tree_mask, window if sliding else None))
+                               attention_mask(start, positions, tree_mask, window if sliding else None, self.device))
                      for sliding in {layer.sliding for layer in self.layers}}
             for i, layer in enumerate(self.layers):
                 cos, sin, mask = views[layer.sliding]
@@ -297,24 +290,6 @@ class Transformer(nn.Module):
             return None
         blocks = native.blocks_of(self, self.layers)
         return None if blocks is None else (lib, blocks)
-
-    def _attention_mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
-                        window: int | None):
-        """[n, start + n] bool (True = attend), or None when every query may see every cached key. A query at
-        position p sees keys at positions > p - window: the cache holds the accepted prefix at positions
-        0..start-1 and tree nodes sit at prefix_len + depth, so a node sees exactly what the target would."""
-        n = positions.shape[-1]
-        windowed = window is not None and int(positions.max()) >= window
-        if n == 1 and not windowed:
-            return None
-        if tree_mask is None:
-            tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        prefix = torch.ones(n, start, dtype=torch.bool, device=self.device)
-        mask = torch.cat((prefix, tree_mask.to(self.device)), dim=1)
-        if windowed:  # keys more than `window - 1` positions behind the query are out of sight
-            key_pos = torch.cat((torch.arange(start, device=self.device), positions.to(self.device)))
-            mask &= (positions.to(self.device)[:, None] - key_pos[None, :]) < window
-        return mask
 
     # --------------------------------------------------------------------------- ragged batches
     @torch.inference_mode()
@@ -360,8 +335,8 @@ class Transformer(nn.Module):
             for sliding in {layer.sliding for layer in self.layers}:
                 cos, sin = self.rope(positions, sliding)
                 views[sliding] = (cos.unsqueeze(1), sin.unsqueeze(1),  # [B, 1, n, D]: broadcast over heads
-                                  self._ragged_mask(starts, sizes_t, positions, tree_masks, visible,
-                                                    window if sliding else None))
+                                  ragged_mask(starts, sizes_t, positions, tree_masks, visible,
+                                              window if sliding else None, device))
             wanted = [i % len(self.layers) for i in hidden_layers]
             states = {}
             x = self.embed_tokens(tokens.to(device))
@@ -378,23 +353,3 @@ class Transformer(nn.Module):
         logits = self.output_logits(x[real])  # [sum(sizes), V]: padding gets no logits
         hidden = [[states[i][row, :size] for i in wanted] for row, size in enumerate(sizes)]
         return BatchForwardOutput(list(logits.split(sizes)), hidden)
-
-    def _ragged_mask(self, starts, sizes, positions, tree_masks, visible: int, window: int | None) -> torch.Tensor:
-        """[B, 1, n, visible] bool: row b's query i sees its cached keys [0, starts[b]) and, among its new
-        keys, the real ones its tree mask allows; padding queries see their own key (no empty row)."""
-        b, n = positions.shape
-        device = self.device
-        rel = torch.arange(visible, device=device)[None, :] - starts[:, None]  # [B, L]: index in the new block
-        if tree_masks is None:
-            tree_masks = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n)
-        tree_masks = tree_masks.to(device)
-        block = torch.gather(tree_masks, 2, rel.clamp(0, n - 1)[:, None, :].expand(b, n, visible))  # [B, n, L]
-        real_key = (rel >= 0) & (rel < sizes[:, None])
-        mask = (rel < 0)[:, None, :] | (block & real_key[:, None, :])
-        padding_query = torch.arange(n, device=device)[None, :] >= sizes[:, None]  # [B, n]
-        mask |= padding_query[:, :, None] & (rel[:, None, :] == torch.arange(n, device=device)[None, :, None])
-        if window is not None and int(positions.max()) >= window:
-            key_pos = torch.where(rel < 0, torch.arange(visible, device=device)[None, :],
-                                  torch.gather(positions, 1, rel.clamp(0, n - 1)))  # [B, L]
-            mask &= (positions[:, :, None] - key_pos[:, None, :]) < window
-        return mask[:, None]
