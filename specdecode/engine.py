@@ -121,8 +121,9 @@ class Engine:
                 logits = out.logits[i]
                 verdict = verify(tree, logits[: len(tree)], row.params, row.generator)
                 self.cache.keep(i, contexts[i], verdict.path)
-                if row.hidden_layers:
-                    path = torch.tensor(verdict.path, device=logits.device)
+                if row.hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
+                    kept = verdict.path
+                    path = slice(len(kept)) if kept[-1] == len(kept) - 1 else torch.tensor(kept, device=logits.device)
                     row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
                                                               for layer in row.hidden_layers])
                 results.append((row, row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, plain)))

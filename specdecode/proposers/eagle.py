@@ -108,8 +108,9 @@ class EagleProposer(Proposer):
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
         head costs nothing per step)."""
-        n = hidden[0].shape[0]
-        self.raw[start : start + n] = torch.cat([h.to(self.raw) for h in hidden], dim=-1)
+        n, h = hidden[0].shape
+        for j, layer in enumerate(hidden):  # each layer straight into its columns (no concatenated copy first)
+            self.raw[start : start + n, j * h : (j + 1) * h] = layer
         self.known = start + n
         self.fused = min(self.fused, start)
         self.cached = min(self.cached, start)  # entries past a rewritten feature are stale
