@@ -181,6 +181,21 @@ def test_head_rests_while_its_steps_do_not_pay(target, head, reference, monkeypa
     assert head.rest_state[0] < 1.0
 
 
+@pytest.mark.parametrize("context", [2, 5])
+def test_head_catching_up_on_a_window_stays_lossless_and_drafts(target, head, reference, monkeypatch, context) -> None:
+    """A run catches up on at most HEAD_CONTEXT positions (a probe after a rest, a long prompt): the head's cache
+    restarts on them. Here a prompt longer than that starts its request from such a window."""
+    monkeypatch.setattr(eagle_module, "HEAD_CONTEXT", context)
+    proposer = EagleProposer(head, target, topk=3, nodes=8)
+    accepted, windowed = 0, 0
+    for prompt, expected in zip(PROMPTS, reference, strict=True):
+        out, stats = generate_ids(target, prompt, proposer=proposer, k=3, max_new_tokens=NEW)
+        assert out == expected
+        windowed += proposer.offset > 0
+        accepted += stats.accepted
+    assert windowed >= sum(len(p) > context + 1 for p in PROMPTS) > 0 and accepted > 0
+
+
 def test_head_judged_in_plain_steps_while_the_load_moves(target, head, monkeypatch) -> None:
     """Steps that each gain two tokens for about one plain step's price pay, whatever the load when each was priced:
     a run's first steps are priced before the load has followed the machine (a flat table starts at a second per

@@ -15,11 +15,11 @@ model: `k` depths, `nodes` nodes.
 
 Never slower than plain decoding: the head's steps' realized rate, tokens committed over head seconds plus
 the target's forward of each tree (decayed sums, each step counted in plain steps at its own load), is compared
-with a plain step's; while it is under 1 + MARGIN
-the head rests (does not run) for a number of steps that doubles each time (up to MAX_REST), then probes
-again. A head forward is a sizeable part of a fast target's step (int4 on a CPU: 1-4 ms of 6), and paying it
-for steps that gain too little made eagle slower than plain decoding. It catches up on the positions it
-skipped in one forward when it runs again.
+with a plain step's; while it is under 1 + MARGIN the head rests (does not run) for a number of steps that
+doubles each time (up to MAX_REST), then probes again. A head forward is a sizeable part of a fast target's
+step (int4 on a CPU: 1-4 ms of 6), and paying it for steps that gain too little made eagle slower than plain
+decoding. It catches up on the positions it skipped in one forward when it runs again (the last HEAD_CONTEXT
+of them: its cache restarts there).
 
 The head keeps a KV cache of its own: entries for committed positions hold target features and stay;
 draft entries sit after them and are dropped at the next proposal.
@@ -52,6 +52,9 @@ def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
 
 
 MAX_REST = 64  # most steps the head rests while its steps do not pay
+# most positions one run catches up on (after a rest, or over a long prompt): the head's cache then restarts on
+# them, so a probe costs a bounded forward, not one over the whole text (2-3% of a request on a fast target)
+HEAD_CONTEXT = 128
 MIN_EVIDENCE = 4  # steps judged before the head may rest: one step gains 0 or several tokens
 
 
@@ -72,8 +75,9 @@ class EagleProposer(Proposer):
         self.features: torch.Tensor | None = None  # [max_len, H]: fused target features per committed position
         self.raw: torch.Tensor | None = None  # [max_len, layers * H]: the target's hidden states, fused when needed
         self.known = 0  # positions with hidden states
-        self.fused = 0  # positions [0, fused) have features
-        self.cached = 0  # committed entries in the head's cache
+        self.fused = 0  # positions [offset, fused) have features
+        self.cached = 0  # positions below this one have committed entries in the head's cache
+        self.offset = 0  # the position of the cache's first entry
         self.head_seconds: float | None = None  # one head forward, smoothed
         # calibration per mode (greedy tree, sampled chain): decayed [accepted, predicted] over verified trees
         self.calibration = {True: [0.0, 0.0], False: [0.0, 0.0]}
@@ -98,7 +102,7 @@ class EagleProposer(Proposer):
         self.features = torch.zeros(max_len, h, dtype=self.head.dtype, device=self.head.device)
         self.raw = torch.zeros(max_len, h * len(self.hidden_layers), dtype=self.features.dtype, device=self.head.device)
         self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
-        self.known = self.cached = self.fused = 0
+        self.known = self.cached = self.fused = self.offset = 0
         # what earlier requests found carries over (the head is shared): resting at the end of the last request,
         # this one starts resting too, and does not pay the head's pass over the whole prompt for nothing
         carried = getattr(self.head, "rest_state", None) if self.cost is not None else None
@@ -115,10 +119,12 @@ class EagleProposer(Proposer):
         self.fused = min(self.fused, start)
         self.cached = min(self.cached, start)  # entries past a rewritten feature are stale
 
-    def _fuse_up_to(self, end: int) -> None:
-        if self.fused < end:
-            self.features[self.fused : end] = self.head.fuse(self.raw[self.fused : end])
-            self.fused = end
+    def _fuse(self, start: int, end: int) -> None:
+        """Features for positions [start, end) (those before `start` are not needed: the cache restarted later)."""
+        start = max(start, self.fused)
+        if start < end:
+            self.features[start:end] = self.head.fuse(self.raw[start:end])
+        self.fused = max(self.fused, end)
 
     def _run(self, features: torch.Tensor, tokens: list[int], positions: list[int], mask: torch.Tensor | None):
         ids = torch.tensor([tokens], device=self.head.device)
@@ -134,9 +140,11 @@ class EagleProposer(Proposer):
             self.rest -= 1
             return DraftTree.root_only(tokens[-1])
         proposing = time.perf_counter()
-        self._fuse_up_to(root)
-        self.cache.rollback(min(self.cached, root - 1))  # at least the root's entry runs
-        start = self.cache.length
+        start = max(min(self.cached, root - 1), self.offset)  # at least the root's entry runs
+        if root - start > HEAD_CONTEXT:
+            start = self.offset = root - HEAD_CONTEXT
+        self.cache.rollback(start - self.offset)
+        self._fuse(start, root)
         started = time.perf_counter()
         self._costs.clear()
         logits, hidden = self._run(self.features[start:root], tokens[start + 1 :], list(range(start, root)), None)
@@ -262,7 +270,7 @@ class EagleProposer(Proposer):
                     break
             start = self.cache.length
             mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool)
-            mask[:, : self.cached] = True
+            mask[:, : self.cached - self.offset] = True  # the committed entries
             for row, node in enumerate(frontier):
                 slots[node] = start + row
                 mask[row, start + row] = True
