@@ -6,7 +6,6 @@ steps at the batch's current size (`RowCost`) and speculation backs off as the b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -16,9 +15,8 @@ import numpy as np
 import torch
 
 from .cost import CostModel, ForwardCost
-from .cost_timing import machine_key, nondecreasing
+from .cost_timing import machine_key, nondecreasing, table_path
 from .models import BatchKVCache, Transformer
-from .paths import default_cache_dir
 from .progress import progress_bar
 
 # tokens per row in a measured batched forward: few, so that a server starts in seconds (a full batch backs off to
@@ -148,8 +146,7 @@ class BatchCost:
 
     @staticmethod
     def path(model: Transformer, max_batch: int, cache_dir: Path | None = None) -> Path:
-        digest = hashlib.sha1(machine_key(model).encode()).hexdigest()[:16]
-        return (cache_dir or default_cache_dir()) / "costs" / f"{digest}-batch{max_batch}.json"
+        return table_path(model, cache_dir, f"-batch{max_batch}")
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

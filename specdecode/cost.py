@@ -9,7 +9,6 @@ policies and self-sizing proposers price steps with.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import math
 import os
@@ -27,10 +26,10 @@ from .cost_timing import (
     SPREAD,
     THOROUGH_ROUNDS,
     machine_key,
+    table_path,
     time_forwards,
 )
 from .models import Transformer
-from .paths import default_cache_dir
 
 WEIGHT_CAP = 64  # a size's price is the mean of at most this many paired timings: it follows slow changes
 PAIR_WITHIN = 4  # a step is paired with the plain steps at most this many steps before it
@@ -270,8 +269,7 @@ class CostModel:
 
     @staticmethod
     def path(model: Transformer, cache_dir: Path | None = None) -> Path:
-        digest = hashlib.sha1(machine_key(model).encode()).hexdigest()[:16]
-        return (cache_dir or default_cache_dir()) / "costs" / f"{digest}.json"
+        return table_path(model, cache_dir)
 
     @classmethod
     def save(cls, model: Transformer, cost: CostModel, cache_dir: Path | None = None) -> None:

@@ -3,6 +3,7 @@ first use, minutes for `specdecode tune cost`), and the key that says which mach
 
 from __future__ import annotations
 
+import hashlib
 import math
 import platform
 import random
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .models import Transformer
+from .paths import default_cache_dir
 from .progress import progress_bar
 
 # `specdecode tune cost`: every size up to 8 (a size between two measured ones is priced by interpolation, and
@@ -126,6 +128,12 @@ def nondecreasing(values: list[float]) -> list[float]:
             blocks[-1][0] += total
             blocks[-1][1] += count
     return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def table_path(model: Transformer, cache_dir: Path | None = None, suffix: str = "") -> Path:
+    """Where a cost table of this model on this machine is kept: named by a digest of its `machine_key`."""
+    digest = hashlib.sha1(machine_key(model).encode()).hexdigest()[:16]
+    return (cache_dir or default_cache_dir()) / "costs" / f"{digest}{suffix}.json"
 
 
 def machine_key(model: Transformer) -> str:

@@ -181,7 +181,7 @@ class Drafting:
         if key not in self._heads:
             head = EagleHead.load(key, dtype=self.model.dtype, device=self.model.device)
             head.check_target(self.model)
-            if self.model.weights_kind().split()[0].endswith("-a8"):  # beside an int8-activation target: int8 too
+            if self.model.quantization.endswith("-a8"):  # beside an int8-activation target: int8 too
                 head.quantize_(EAGLE_BESIDE_A8)
             self._heads[key] = head
         return self._heads[key]

@@ -112,6 +112,7 @@ def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk
 def test_native_head_block_computes_what_the_pytorch_block_does(trained, monkeypatch, quantized) -> None:
     """A float32 head on the CPU runs its block in the native kernel: the same numbers as the PyTorch block (float
     rounding apart) for a prefix, a chain and a tree mask over its cache, with float or int8 weights."""
+    from specdecode import kernels
     from specdecode.models import eagle as eagle_head_module
 
     head = EagleHead.load(trained, dtype=torch.float32)
@@ -121,7 +122,7 @@ def test_native_head_block_computes_what_the_pytorch_block_does(trained, monkeyp
     features, embeds = torch.randn(1, 12, h, generator=gen), torch.randn(1, 12, h, generator=gen)
     tree = torch.ones(4, 12, dtype=torch.bool)
     tree[1, 8], tree[2, 8:10], tree[3, 9] = False, False, False  # node 1 and 2 beside each other, 3 under 1
-    if eagle_head_module.kernels.native() is None:
+    if kernels.native() is None:
         pytest.skip("no native kernels on this machine (kernels.native() logged why)")
     assert head._native_block(head.new_cache(8)) is not None  # else this test compares PyTorch with itself
     runs = []

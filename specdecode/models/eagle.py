@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .. import kernels
 from . import native
 from .cache import KVCache
 from .config import ModelConfig
@@ -150,9 +149,7 @@ class EagleHead(nn.Module):
         """(library, NativeBlocks) where the block can run in the native kernel (float32 on the CPU), else None."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not native.cache_fits(cache):
             return None
-        lib = kernels.native()
-        blocks = None if lib is None else native.blocks_of(self, [self.block])
-        return None if blocks is None else (lib, blocks)
+        return native.runner(self, [self.block])
 
     # ---------------------------------------------------------------------------------- persistence
     def save(self, out_dir: Path | str, dtype: torch.dtype = torch.float32) -> None:

@@ -32,8 +32,9 @@ class Linear(nn.Linear):
                 torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
             return F.linear(x, w, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        lib = kernels.native() if w.dtype == torch.float32 and rows.shape[0] <= NATIVE_MAX_ROWS else None
-        if lib is not None and x.dtype == torch.float32:
+        few = x.dtype == w.dtype == torch.float32 and rows.shape[0] <= NATIVE_MAX_ROWS
+        lib = kernels.native() if few else None
+        if lib is not None:
             rows, weight = rows.contiguous(), w.detach().contiguous()
             out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32)
             lib.specdecode_f32_matmul(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(),

@@ -176,13 +176,18 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    @property
+    def quantization(self) -> str:
+        """How the weights are stored: a quantization ('int4-a8': int4 weights multiplied with int8 activations)
+        or the float dtype ('float32')."""
+        layer = self.layers[0].attn.wqkv if len(self.layers) else self.lm_head
+        return getattr(layer, "quantization", str(self.dtype).removeprefix("torch."))
+
     def weights_kind(self) -> str:
         """How the weights are stored and multiplied (forward costs differ by it): e.g. 'int4 native avx2'."""
-        layer = self.layers[0].attn.wqkv if len(self.layers) else self.lm_head
-        kind = getattr(layer, "quantization", str(self.dtype).removeprefix("torch."))
         native = self.device.type == "cpu" and self.dtype == torch.float32 and kernels.native() is not None
         path = f"native {kernels.simd()} {kernels.source_key()}" if native else "torch"
-        return f"{kind} {path}"
+        return f"{self.quantization} {path}"
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         cfg = self.config
@@ -285,11 +290,7 @@ class Transformer(nn.Module):
         """(library, NativeBlocks) when this forward can run its blocks natively (models/native.py), else None."""
         if not native.applies(self, tokens, cache):
             return None
-        lib = kernels.native()
-        if lib is None:
-            return None
-        blocks = native.blocks_of(self, self.layers)
-        return None if blocks is None else (lib, blocks)
+        return native.runner(self, self.layers)
 
     # --------------------------------------------------------------------------- ragged batches
     @torch.inference_mode()

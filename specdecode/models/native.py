@@ -84,6 +84,14 @@ def blocks_of(owner: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> Nati
     return cached[1]
 
 
+def runner(owner: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> tuple[ctypes.CDLL, NativeBlocks] | None:
+    """(the native library, `layers` described for it), or None where the library or some layer's kernel is
+    missing (the PyTorch blocks then run)."""
+    lib = kernels.native()
+    blocks = None if lib is None else blocks_of(owner, layers)
+    return None if blocks is None else (lib, blocks)
+
+
 def cache_fits(cache) -> bool:
     """The kernel reads each layer's keys (and values) of the sequence as one [kv_heads, max_len, head_dim] block."""
     return isinstance(cache, KVCache) and cache.kv.dtype == torch.float32 and cache.kv[0, 0, 0].is_contiguous()

@@ -41,7 +41,7 @@ def low_bit_copy(target: Transformer, kind: str = "int4-a8") -> Transformer:
     if kind not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {kind!r} for the quantized draft; choose one of "
                          f"{', '.join(QUANTIZATIONS)}")
-    if target.weights_kind().split()[0] == kind:
+    if target.quantization == kind:
         raise ValueError(f"the target already runs {kind} weights, so a {kind} copy of it is the target itself: load "
                          "the target in higher precision (quantization=None, or 'int8') to draft for it this way")
     draft = _shallow(target)
