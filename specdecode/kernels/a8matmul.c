@@ -76,7 +76,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, f
 #if SPECDECODE_AVX2
 #define COLS 8 /* outputs per tile: one float lane each */
 #define ROWS 4 /* rows per pass over a tile's weights */
-#define PREFETCH_BLOCKS 4 /* how far ahead a tiled stream asks for its weights */
+#define PREFETCH_BLOCKS 32 /* how far ahead a tiled stream asks for its weights */
 
 /* A tile's weights, one block (p: its first output's, stride: bytes per output): vector g (of 8) holds weights
    4g..4g+3 of each output, output c in bytes 4c..4c+3. */
