@@ -129,6 +129,13 @@ class Weight(ctypes.Structure):
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
+class Layer(ctypes.Structure):
+    """A Llama block as block.c's specdecode_blocks reads it: its two norms' weights, epsilon and four weights."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                *((name, ctypes.POINTER(Weight)) for name in ("wqkv", "wo", "w13", "w2"))]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.specdecode_q4_matmul.argtypes = [p, p, i, i, p, p, p, p, i]
@@ -139,6 +146,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     w = ctypes.POINTER(Weight)
     lib.specdecode_block.argtypes = [p, i, i, p, p, f, w, w, w, w, p, p, i, i, p, p, p, p, i, i, i, i]
     lib.specdecode_block.restype = i
+    q = ctypes.c_int64
+    lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, p, p, p, p, i, i, i, i, p]
+    lib.specdecode_blocks.restype = i
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
     lib.specdecode_attention.restype = i
     lib.specdecode_simd.restype = i
@@ -152,4 +162,4 @@ def reset() -> None:
         _state.clear()
 
 
-__all__ = ["Weight", "native", "simd", "source_key", "cpu_flags", "reset"]
+__all__ = ["Layer", "Weight", "native", "simd", "source_key", "cpu_flags", "reset"]

@@ -290,3 +290,27 @@ int specdecode_block(float *x, int n, int H, const float *attn_norm, const float
     free(xn); free(big); free(att); free(scratch); free(out);
     return 0;
 }
+
+/* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
+   step. Layer i's keys start at kv + i * layer_stride, its values v_offset floats after them (one [kv_heads,
+   max_len, head_dim] block each); states[i], where given (not NULL), receives x after layer i. */
+typedef struct {
+    const float *attn_norm, *mlp_norm;
+    float eps;
+    const Weight *wqkv, *wo, *w13, *w2;
+} Layer;
+
+int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, float *kv, int64_t layer_stride,
+                      int64_t v_offset, int max_len, int start, const float *cos, const float *sin,
+                      const uint8_t *mask, const uint8_t *full_mask, int n_heads, int n_kv, int hd, int inter,
+                      float *const *states) {
+    for (int i = 0; i < n_layers; i++) {
+        const Layer *l = layers + i;
+        float *k = kv + (int64_t)i * layer_stride;
+        if (specdecode_block(x, n, H, l->attn_norm, l->mlp_norm, l->eps, l->wqkv, l->wo, l->w13, l->w2, k,
+                             k + v_offset, max_len, start, cos, sin, mask, full_mask, n_heads, n_kv, hd, inter))
+            return 1;
+        if (states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
+    }
+    return 0;
+}

@@ -264,10 +264,9 @@ class Transformer(nn.Module):
             tree = None if windowed or tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
             if start + n > cache.max_len:
                 raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
-            for i in range(num_layers):
-                blocks.run(lib, flat, i, cache, start, cos, sin, tree, full, self.config)
-                if i in wanted:
-                    states[i] = flat.clone().view(1, n, -1)
+            outputs = {i: torch.empty_like(flat) for i in wanted}
+            blocks.run(lib, flat, cache, start, cos, sin, tree, full, self.config, outputs)
+            states = {i: out.view(1, n, -1) for i, out in outputs.items()}
             x = flat.view(1, n, -1)
         else:
             window = self.config.sliding_window

@@ -1,5 +1,5 @@
-"""The model's blocks run by the native kernel (kernels/block.c): one call per layer instead of ~30 PyTorch
-operators, for one sequence on the CPU in float32, with int4, int8 or float32 weights.
+"""The model's blocks run by the native kernel (kernels/block.c): one call a step for all layers instead of ~30
+PyTorch operators per layer, for one sequence on the CPU in float32, with int4, int8 or float32 weights.
 
 `applies` and `NativeBlocks.build` say no where the kernel does not apply (another device or dtype, gradients,
 a batch, a block other than Llama's, layers it does not know, or no native library: see kernels.native), and the
@@ -40,33 +40,43 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
 
 
 class NativeBlocks:
-    def __init__(self, layers: Sequence[torch.nn.Module], structs: list[tuple]) -> None:
-        self.layers, self.structs = layers, structs
+    """Layers described for the kernel once (their norms, epsilon and weights), run in one call a step."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], described: ctypes.Array, weights: list) -> None:
+        self.layers, self.described = layers, described
+        self._weights = weights  # the structs the descriptions point to: alive as long as they are
 
     @classmethod
     def build(cls, layers: Sequence[torch.nn.Module]) -> NativeBlocks | None:
-        structs = []
-        for block in layers:
+        described, weights = (kernels.Layer * len(layers))(), []
+        for i, block in enumerate(layers):
             ws = [weight_struct(m) for m in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2)]
             norms = (block.attn_norm, block.mlp_norm)
             if any(w is None for w in ws) or any(n.weight.dtype != torch.float32 for n in norms):
                 return None
+            weights += ws
             eps = block.attn_norm.eps if block.attn_norm.eps is not None else torch.finfo(torch.float32).eps
-            structs.append((norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), float(eps),
-                            *(ctypes.pointer(w) for w in ws)))
-        return cls(layers, structs)
+            described[i] = kernels.Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), float(eps),
+                                         *(ctypes.pointer(w) for w in ws))
+        return cls(layers, described, weights)
 
-    def run(self, lib, x: torch.Tensor, layer: int, cache: KVCache, start: int, cos: torch.Tensor,
-            sin: torch.Tensor, tree_mask: torch.Tensor | None, full_mask: torch.Tensor | None, cfg) -> None:
-        """Block `layer` on x [n, H] (updated in place), its keys and values written into `cache`."""
+    def run(self, lib, x: torch.Tensor, cache: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
+            tree_mask: torch.Tensor | None, full_mask: torch.Tensor | None, cfg,
+            states: dict[int, torch.Tensor] | None = None) -> None:
+        """Every block on x [n, H] (updated in place), layer i's keys and values written into the cache's layer i;
+        states[i] ([n, H], contiguous), where given, receives x after layer i."""
         n, hidden = x.shape
-        attn_norm, mlp_norm, eps, wqkv, wo, w13, w2 = self.structs[layer]
-        kv = cache.kv[layer]  # [2, 1, kv_heads, max_len, head_dim]
-        failed = lib.specdecode_block(
-            x.data_ptr(), n, hidden, attn_norm, mlp_norm, eps, wqkv, wo, w13, w2,
-            kv[0].data_ptr(), kv[1].data_ptr(), cache.max_len, start, cos.data_ptr(), sin.data_ptr(),
+        kv = cache.kv  # [layers, 2, 1, kv_heads, max_len, head_dim]: each layer's keys and values one block each
+        outputs = None
+        if states:
+            outputs = (ctypes.c_void_p * len(self.layers))()
+            for i, out in states.items():
+                outputs[i] = out.data_ptr()
+        failed = lib.specdecode_blocks(
+            x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
+            cache.max_len, start, cos.data_ptr(), sin.data_ptr(),
             None if tree_mask is None else tree_mask.data_ptr(), None if full_mask is None else full_mask.data_ptr(),
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, outputs)
         if failed:
             raise MemoryError("the native block could not allocate its scratch memory")
 
