@@ -3,12 +3,13 @@
 Matches are searched in the prompt and the generated text, longest n-gram first and most recent
 occurrence first. With `branches` > 1 the continuations of several matches form a tree.
 Guesses are point masses (q = 1 on the guessed token), which keeps sampling exact.
+
+Every n-gram's end positions are kept in a dict, extended as tokens commit, so a step costs a few
+dictionary lookups whatever the text's length (scanning the text for the n-gram each step cost 0.2 ms
+of a 4.5 ms step on an int4 target).
 """
 
 from __future__ import annotations
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..tree import DraftTree
 from .base import Capabilities, Proposer
@@ -24,6 +25,11 @@ class PromptLookupProposer(Proposer):
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}")
         self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of its last token, ascending
+        self._indexed: list[int] = []  # the tokens indexed so far
+
+    def begin(self, prompt: list[int], max_len: int) -> None:
+        self._ends, self._indexed = {}, []
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         paths, n = self.match(tokens, k)
@@ -34,15 +40,14 @@ class PromptLookupProposer(Proposer):
 
     def match(self, tokens: list[int], k: int) -> tuple[list[list[int]], int]:
         """Continuations of the longest n-gram that matches, and n (0 when nothing matches)."""
-        seq = np.asarray(tokens)
-        length = len(seq)
+        self._index(tokens)
+        length = len(tokens)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            # windows start at 0..length-n-1: each has at least one token after it to guess
-            windows = sliding_window_view(seq[:-1], n)
-            starts = np.flatnonzero((windows == seq[-n:]).all(axis=1))
             paths: list[list[int]] = []
-            for start in starts[::-1]:
-                path = seq[start + n : start + n + k].tolist()
+            for end in reversed(self._ends.get(tuple(tokens[-n:]), ())):
+                if end >= length - 1:  # the text's own end: nothing after it to guess
+                    continue
+                path = tokens[end + 1 : end + 1 + k]
                 if path not in paths:
                     paths.append(path)
                     if len(paths) == self.branches:
@@ -50,3 +55,14 @@ class PromptLookupProposer(Proposer):
             if paths:
                 return paths, n
         return [], 0
+
+    def _index(self, tokens: list[int]) -> None:
+        """File the n-grams ending at each token not indexed yet (from scratch if `tokens` is another text)."""
+        done = len(self._indexed)
+        if done > len(tokens) or (done and tokens[done - 1] != self._indexed[-1]):
+            self._ends, self._indexed, done = {}, [], 0
+        self._indexed.extend(tokens[done:])
+        text, ends = self._indexed, self._ends
+        for end in range(done, len(text)):
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                ends.setdefault(tuple(text[end - n + 1 : end + 1]), []).append(end)
