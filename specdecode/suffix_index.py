@@ -30,6 +30,8 @@ import numpy as np
 SEPARATOR = -1  # between sequences: never matched, never continued past
 _SHIFT = 21  # bits per token in a trigram key: vocabularies up to 2M ids
 _SEAL_AT = 4096  # positions kept unsorted before they are sorted into the arrays
+_NONE = np.empty(0, dtype=np.int64)  # no positions (read only)
+_NONE.flags.writeable = False
 
 
 @dataclass
@@ -55,12 +57,16 @@ class _Level:
 
     def find(self, key: int, live_from: int, most: int) -> np.ndarray:
         """The last `most` live positions filed under `key`, ascending."""
-        lo, hi = np.searchsorted(self.keys, [key, key + 1])
-        older = self.positions[max(lo, hi - most) : hi]
         recent = self.fresh.get(key)
-        found = np.concatenate((older, recent[-most:])) if recent else older
-        found = found[-most:]
-        return found[found >= live_from]
+        if len(self.keys):
+            lo, hi = np.searchsorted(self.keys, [key, key + 1])
+            older = self.positions[max(lo, hi - most) : hi]
+            found = np.concatenate((older, recent[-most:]))[-most:] if recent else older[-most:]
+        elif recent:  # nothing sorted in yet (a request's own text): no array search at all
+            found = np.array(recent[-most:], dtype=np.int64)
+        else:
+            return _NONE
+        return found[found >= live_from] if live_from else found
 
     def seal(self, live_from: int) -> None:
         """Sort the recent positions in and drop evicted ones (amortised: run when enough piled up)."""
@@ -179,17 +185,19 @@ class SuffixIndex:
         if depth < 1 or not len(context):
             return None
         with self._lock:
-            ctx = np.asarray(context[-self.max_match :], dtype=np.int64)
-            candidates = np.empty(0, dtype=np.int64)
+            tail = [int(t) for t in context[-3:]]
+            candidates = _NONE
             for n in (3, 1):
-                if len(ctx) >= n:
-                    key = _trigram(*map(int, ctx[-3:])) if n == 3 else int(ctx[-1])
+                if len(tail) >= n:
+                    key = _trigram(*tail) if n == 3 else tail[-1]
                     candidates = self._levels[n].find(key, self._live_from, self.max_occurrences)
-                    candidates = candidates[self._token_at(candidates + 1) >= 0]  # something follows it
+                    if len(candidates):
+                        candidates = candidates[self._token_at(candidates + 1) >= 0]  # something follows it
                     if len(candidates):
                         break
             if not len(candidates):
                 return None
+            ctx = np.asarray(context[-self.max_match :], dtype=np.int64)
             longest, chosen = self._longest(candidates, ctx[::-1])
             ahead = chosen[:, None] + 1 + np.arange(depth)[None, :]
             following = self._token_at(ahead)
