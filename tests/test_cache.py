@@ -120,3 +120,22 @@ def test_tree_forward_then_keep_continues_like_the_path_alone() -> None:
     bad.length = start + len(path_nodes)  # a pointer move only
     wrong = model.forward(torch.tensor([continuation]), bad).logits
     assert not torch.allclose(wrong, expected)
+
+
+@pytest.mark.parametrize("indices", [[0, 1, 2], [0, 2], [0, 1, 2, 3, 4, 5, 6, 7], [0, 7]])
+def test_batch_keep_moves_a_tree_path_and_checks_every_range(indices: list[int]) -> None:
+    """A chain's prefix (every plain step) only moves the row's length; a tree path is packed; both refuse indices
+    past the row's new entries, leaving the row as it was."""
+    from specdecode.models import BatchKVCache
+
+    cache = BatchKVCache(LAYERS, HEADS, DIM, 16, batch_size=2, dtype=torch.float64)
+    cache.kv[:, :, 1, :, :12] = torch.arange(12, dtype=torch.float64)[:, None]  # entry p holds p
+    cache.lengths[1] = 12
+    if max(indices) >= 7:  # entries 5..11 are the 7 new ones
+        with pytest.raises(IndexError):
+            cache.keep(1, 5, indices)
+        assert cache.lengths[1] == 12
+        return
+    cache.keep(1, 5, indices)
+    assert cache.lengths[1] == 5 + len(indices)
+    assert cache.kv[0, 0, 1, 0, : cache.lengths[1], 0].tolist() == [0, 1, 2, 3, 4, *(5 + i for i in indices)]

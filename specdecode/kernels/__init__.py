@@ -143,9 +143,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_f32_matmul.argtypes = [p, i, i, p, p, i]
     lib.specdecode_a8_matmul.argtypes = [i, p, i, i, p, p, p, p, i]
     lib.specdecode_a8_matmul.restype = i
-    w = ctypes.POINTER(Weight)
-    lib.specdecode_block.argtypes = [p, i, i, p, p, f, w, w, w, w, p, p, i, i, p, p, p, p, i, i, i, i]
-    lib.specdecode_block.restype = i
     q = ctypes.c_int64
     lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, p, p, p, p, i, i, i, i, p]
     lib.specdecode_blocks.restype = i
