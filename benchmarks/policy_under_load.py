@@ -52,7 +52,6 @@ def main() -> int:
         os.environ["SPECDECODE_CACHE"] = args.cost_cache  # before specdecode reads it
 
     from specdecode.bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
-    from specdecode.bench.data import DEFAULT_QUESTIONS
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +59,7 @@ def main() -> int:
     log.write_text("")
     categories = "all" if args.categories == "all" else args.categories.split(",")
     cfg = BenchConfig(model=args.model, methods=parse_methods(args.methods, ["auto"], peers=[]),
-                      questions=load_questions(DEFAULT_QUESTIONS, categories, args.prompts_per_category),
+                      questions=load_questions(None, categories, args.prompts_per_category),
                       temperatures=[0.0], max_new_tokens=args.max_new_tokens, seed=args.seed, repeats=args.repeats,
                       command="python " + " ".join(sys.argv))
     load_before = os.getloadavg()

@@ -1,5 +1,6 @@
 /* One Llama block for n new tokens of one sequence, in one call: the decode and verify step without PyTorch's
-   per-operator cost (a 30-layer step issues ~900 small operators in PyTorch; here it is 30 calls).
+   per-operator cost (a 30-layer step issues ~900 small operators in PyTorch; here one call, specdecode_blocks,
+   runs them all).
 
    x [n, H] is the residual stream, updated in place:
      x += wo(attention(rope(q), rope(k), v over the cache and the new tokens))   (q|k|v = wqkv(rmsnorm(x)))
