@@ -15,8 +15,7 @@ from specdecode.engine import generate_ids
 from specdecode.models import Transformer, load_transformer
 from specdecode.models.config import FULL, SLIDING, ModelConfig
 from specdecode.models.eagle import EagleConfig, EagleHead
-from specdecode.models.loading import load_gguf
-from specdecode.models.native import applies
+from specdecode.models.loading import load_gguf, quantize_
 from specdecode.policy import AdaptiveK
 from specdecode.proposers import (
     DraftModelProposer,
@@ -28,6 +27,7 @@ from specdecode.proposers import (
     PromptLookupProposer,
     QuantizedSelfProposer,
 )
+from specdecode.proposers.layer_skip import skip_layers
 from specdecode.proposers.quantized import low_bit_copy
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree
@@ -83,7 +83,7 @@ def test_config_reads_gemma3(checkpoint) -> None:
     assert cfg.layer_types == LAYER_TYPES and [cfg.sliding(i) for i in range(4)] == [True, True, False, True]
     assert (cfg.rope_local_theta, cfg.rope_theta, cfg.rope_scaling["factor"]) == (10_000.0, 1_000_000.0, 2.0)
     assert cfg.qk_norm and cfg.sandwich_norm and cfg.hidden_act == "gelu_tanh"
-    assert cfg.embed_scale == 8.0 and cfg.query_scale == 24**-0.5 and not cfg.llama_block
+    assert cfg.embed_scale == 8.0 and cfg.query_scale == 24**-0.5
     old_style = {"model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
                  "num_hidden_layers": 12, "num_attention_heads": 4, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                  "sliding_window": 512, "sliding_window_pattern": 6}
@@ -143,15 +143,16 @@ def test_token_by_token_and_tree_see_the_window_the_target_would(checkpoint) -> 
         torch.testing.assert_close(tree_logits[node], expected, atol=1e-5, rtol=1e-5, msg=f"node {node}")
 
 
-@pytest.mark.parametrize("shape", [dict(GEMMA), dict(GEMMA, head_dim=64, query_scale=64**-0.5), dict(num_layers=4,
-                                     head_dim=64)], ids=["gemma", "gemma-head-dim-64", "llama-head-dim-64"])
+@pytest.mark.parametrize("shape", [dict(GEMMA), dict(GEMMA, head_dim=64, query_scale=64**-0.5),
+                                   dict(GEMMA, head_dim=256, query_scale=256**-0.5), dict(num_layers=4, head_dim=64)],
+                         ids=["gemma", "gemma-head-dim-64", "gemma-head-dim-256", "llama-head-dim-64"])
 @pytest.mark.parametrize("in_batch_row", [False, True], ids=["own-cache", "engine-batch-row"])
 def test_float32_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool, shape: dict) -> None:
     """On the CPU in float32 a token's numbers must not depend on how many tokens share the forward (else a near
     tie decides differently in verification than in plain decoding, and greedy speculation is not lossless; with
-    int8 activations a rounding difference flips a quantization step and the tokens part): the attention runs in
-    the native kernel, the matmuls in row-invariant ones (head dims 64 and 128 weigh the values in registers). The
-    engine runs a request on a row of its batch's cache. Llama blocks run whole in the native kernel."""
+    int8 activations a rounding difference flips a quantization step and the tokens part): the blocks run in the
+    native kernel, whose every operation is row-invariant (head dims 64 and multiples of 128 weigh the values in
+    registers). The engine runs a request on a row of its batch's cache."""
     from specdecode import kernels
     from specdecode.models import BatchKVCache
 
@@ -196,14 +197,39 @@ def test_ragged_batch_equals_single_sequences() -> None:
         torch.testing.assert_close(out.logits[b], expected, atol=1e-10, rtol=1e-10)
 
 
-def test_native_block_kernel_refuses_gemma_cleanly() -> None:
-    model = tiny_model(0, vocab_size=VOCAB, **GEMMA).float()
-    llama = tiny_model(0, vocab_size=VOCAB).float()
-    cache = model.new_cache(8)
-    with torch.inference_mode():  # as in a forward
-        assert not applies(model, torch.tensor([[1, 2]]), cache)
-        assert applies(llama, torch.tensor([[1, 2]]), llama.new_cache(8))
-    assert model.forward(torch.tensor([[1, 2, 3]]), cache).logits.isfinite().all()
+@pytest.mark.parametrize("kind", [None, "int8-a8"])
+@pytest.mark.parametrize("head_dim", [16, 256])  # 256 (Gemma 3's): the values weighed 128 at a time, twice
+def test_native_gemma_blocks_equal_the_pytorch_blocks(kind, head_dim, monkeypatch) -> None:
+    """QK-norm, sandwich norms, GeGLU, per-layer windows and RoPE bases in the native kernel: a prefill past the
+    window, a token tree, a kept path and a step compute what the PyTorch blocks compute; a layer-skipped view
+    (a sliding layer and the global one) too."""
+    from specdecode import kernels
+
+    from .test_quant import forward_both_ways, takes_native_path
+
+    if kernels.native() is None:
+        pytest.skip("native kernels unavailable")
+    model = tiny_model(0, vocab_size=VOCAB, **dict(GEMMA, head_dim=head_dim, query_scale=24**-0.5)).float()
+    with torch.no_grad():
+        model.embed.weight.mul_(0.125)
+    if kind:
+        quantize_(model, kind)
+    assert takes_native_path(model)
+    native, reference = forward_both_ways(model, monkeypatch)
+    for got, expected in zip(native, reference, strict=True):
+        if kind:  # float rounding can move an activation across an int8 step: 1% of it
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    if kind:
+        return  # a layer-skipped view: in float32 below (int8 rounding compounds across a view's layers)
+    view = skip_layers(model, [1])
+    assert [block.sliding for block in view.layers] == [True, False, True]
+    ids = random_ids(12, VOCAB, seed=2)
+    got = view.forward(ids, view.new_cache(16)).logits
+    monkeypatch.setattr(type(view), "_native_blocks", lambda *a: None)
+    expected = view.forward(ids, view.new_cache(16)).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------ a Gemma GGUF file

@@ -130,10 +130,20 @@ class Weight(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """A Llama block as block.c's specdecode_blocks reads it: its two norms' weights, epsilon and four weights."""
+    """A block as block.c's specdecode_blocks reads it: its norms' weights (Gemma's QK and sandwich norms, or
+    NULL), epsilon, four weights, the MLP's gate (gelu: 1 for tanh-GELU) and the index of its View."""
 
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
-                *((name, ctypes.POINTER(Weight)) for name in ("wqkv", "wo", "w13", "w2"))]
+                *((name, ctypes.POINTER(Weight)) for name in ("wqkv", "wo", "w13", "w2")),
+                *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")),
+                ("gelu", ctypes.c_int), ("view", ctypes.c_int)]
+
+
+class View(ctypes.Structure):
+    """What a layer's attention reads besides weights: RoPE cos/sin [n, head_dim], the tree mask [n, n] (or NULL:
+    a chain) and the mask over all keys [n, start + n] (or NULL: every cached key visible)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "mask", "full_mask")]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -144,7 +154,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_a8_matmul.argtypes = [i, p, i, i, p, p, p, p, i]
     lib.specdecode_a8_matmul.restype = i
     q = ctypes.c_int64
-    lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, p, p, p, p, i, i, i, i, p]
+    lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, ctypes.POINTER(View),
+                                      i, i, i, i, f, p]
     lib.specdecode_blocks.restype = i
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
     lib.specdecode_attention.restype = i
@@ -159,4 +170,4 @@ def reset() -> None:
         _state.clear()
 
 
-__all__ = ["Layer", "Weight", "native", "simd", "source_key", "cpu_flags", "reset"]
+__all__ = ["Layer", "View", "Weight", "native", "simd", "source_key", "cpu_flags", "reset"]

@@ -1,10 +1,13 @@
-/* One Llama block for n new tokens of one sequence, in one call: the decode and verify step without PyTorch's
+/* A model's blocks for n new tokens of one sequence, in one call: the decode and verify step without PyTorch's
    per-operator cost (a 30-layer step issues ~900 small operators in PyTorch; here one call, specdecode_blocks,
    runs them all).
 
-   x [n, H] is the residual stream, updated in place:
+   x [n, H] is the residual stream, updated in place, by the Llama block:
      x += wo(attention(rope(q), rope(k), v over the cache and the new tokens))   (q|k|v = wqkv(rmsnorm(x)))
      x += w2(silu(gate) * up)                                                     (gate|up = w13(rmsnorm(x)))
+   or Gemma 3's (the options of a Layer): q and k RMS-normalized per head before RoPE, the attention's and the
+   MLP's outputs normalized before each add ("sandwich"), a tanh-GELU gate, and per layer one of two Views (RoPE
+   table and mask: the sliding-window layers' and the full ones').
    The new keys and values are written into the layer's cache at start..start+n. Who sees whom among the new
    tokens: a causal chain (mask NULL), a tree (mask [n, n], 1 where token i may attend to new token j), or any
    pattern over all keys (full_mask [n, start + n], for sliding windows). Every token's numbers come from the
@@ -102,11 +105,11 @@ static inline __m256 dot8(const float *q, const float *k, int hd) {
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
-/* o = sum_j p_j v_j / sum_j p_j over the keys' value rows (hd = 8 NV floats), the sums kept in registers (NV a
-   constant at each call: the loops unroll). Both sums run over the visible keys in cache order, one at a time: a
+/* o = sum_j p_j v_j / sum_j p_j over 8 NV floats of the keys' value rows (`stride` floats apart), the sums kept in
+   registers (NV a constant at each call: the loops unroll). Both sums run over the visible keys in cache order, one at a time: a
    tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart. */
-static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *vals, int L, float *o,
-                                                               const int NV) {
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *vals, int64_t stride,
+                                                               int L, float *o, const int NV) {
     __m256 acc[16];
     float total = 0.0f;
     for (int e = 0; e < NV; e++) acc[e] = _mm256_setzero_ps();
@@ -114,7 +117,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
         if (p[j] == 0.0f) continue;
         total += p[j];
         const __m256 pj = _mm256_set1_ps(p[j]);
-        const float *vj = vals + (int64_t)j * 8 * NV;
+        const float *vj = vals + j * stride;
         for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * e), acc[e]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / total);
@@ -214,8 +217,9 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
 #endif
             float *o = att + (int64_t)i * att_stride + h * hd;
 #if FAST_ATTENTION
-            if (hd == 64) weigh_values(p, vals, L, o, 8);
-            else if (hd == 128) weigh_values(p, vals, L, o, 16);
+            if (hd == 64) weigh_values(p, vals, hd, L, o, 8);
+            else if (hd % 128 == 0)  /* 128 floats at a time: 16 registers of sums (Gemma 3: 256, two passes) */
+                for (int e = 0; e < hd; e += 128) weigh_values(p, vals + e, hd, L, o + e, 16);
             else
 #endif
             {
@@ -237,81 +241,120 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
     return failed;
 }
 
-int specdecode_block(float *x, int n, int H, const float *attn_norm, const float *mlp_norm, float eps,
-                     const Weight *wqkv, const Weight *wo, const Weight *w13, const Weight *w2,
-                     float *k_cache, float *v_cache, int max_len, int start,
-                     const float *cos, const float *sin, const uint8_t *mask, const uint8_t *full_mask,
-                     int n_heads, int n_kv, int hd, int inter) {
-    const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
-    const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
-    float *xn = malloc(sizeof(float) * (size_t)n * (H > inter ? H : inter));
-    float *big = malloc(sizeof(float) * (size_t)n * widest);
-    float *att = malloc(sizeof(float) * (size_t)n * q_dim);
-    float *scratch = malloc(sizeof(float) * (size_t)n * (inter > H ? inter : H) / 32 + 64);
-    float *out = malloc(sizeof(float) * (size_t)n * H);
-    if (!xn || !big || !att || !scratch || !out) {
-        free(xn); free(big); free(att); free(scratch); free(out);
-        return 1;
+/* out = gelu(gate) * up, tanh-GELU: 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), tanh from e^(-2|y|) <= 1
+   (the range exp8 serves); an element's number never depends on the others */
+static void gelu_gate(const float *gate, const float *up, float *out, int len) {
+    int j = 0;
+#if FAST_ATTENTION
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    for (; j + 8 <= len; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + j);
+        const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
+                                       _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
+                                                                      _mm256_mul_ps(g, _mm256_mul_ps(g, g)))));
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, y)));
+        const __m256 t = _mm256_or_ps(_mm256_and_ps(sign, y), _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t)),
+                                                _mm256_loadu_ps(up + j)));
     }
+#endif
+    for (; j < len; j++) {
+        const float g = gate[j], y = 0.7978845608f * (g + 0.044715f * (g * (g * g)));
+        const float e = expf(-2.0f * fabsf(y)), t = copysignf((1.0f - e) / (1.0f + e), y);
+        out[j] = ((0.5f * g) * (1.0f + t)) * up[j];
+    }
+}
+
+/* What a layer reads besides its weights: the RoPE table of its attention type and who sees whom */
+typedef struct {
+    const float *cos, *sin;                /* [n, hd] */
+    const uint8_t *mask, *full_mask;       /* see specdecode_attention */
+} View;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;
+    float eps;
+    const Weight *wqkv, *wo, *w13, *w2;
+    const float *q_norm, *k_norm;              /* Gemma: RMSNorm over each head's queries and keys, or NULL */
+    const float *post_attn_norm, *post_mlp_norm; /* Gemma: on the attention's and the MLP's outputs, or NULL */
+    int gelu;                                  /* the MLP gate: 0 silu (SwiGLU), 1 tanh-GELU (GeGLU) */
+    int view;                                  /* index of the layer's View (Gemma: sliding or full) */
+} Layer;
+
+/* A step's working memory, allocated once for all its layers */
+typedef struct {
+    float *xn, *big, *att, *scratch, *out;
+} Scratch;
+
+static void add_output(float *x, float *out, const float *norm, float eps, int n, int H) {
+    if (norm) rmsnorm(out, norm, eps, n, H, out);  /* in place: each row's sum is taken before it is written */
+    for (int64_t j = 0; j < (int64_t)n * H; j++) x[j] += out[j];
+}
+
+static int block(float *x, int n, int H, const Layer *l, const View *v, float *k_cache, float *v_cache,
+                 int max_len, int start, int n_heads, int n_kv, int hd, int inter, float scale, const Scratch *s) {
+    const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
 
     /* attention */
-    rmsnorm(x, attn_norm, eps, n, H, xn);
-    linear(wqkv, xn, n, big, scratch);
+    rmsnorm(x, l->attn_norm, l->eps, n, H, s->xn);
+    linear(l->wqkv, s->xn, n, s->big, s->scratch);
     for (int i = 0; i < n; i++) {
-        float *row = big + (int64_t)i * qkv_dim;
-        const float *c = cos + (int64_t)i * hd, *s = sin + (int64_t)i * hd;
-        for (int h = 0; h < n_heads; h++) rope(row + h * hd, c, s, hd);
+        float *row = s->big + (int64_t)i * qkv_dim;
+        const float *c = v->cos + (int64_t)i * hd, *sn = v->sin + (int64_t)i * hd;
+        if (l->q_norm) {
+            rmsnorm(row, l->q_norm, l->eps, n_heads, hd, row);
+            rmsnorm(row + q_dim, l->k_norm, l->eps, n_kv, hd, row + q_dim);
+        }
+        for (int h = 0; h < n_heads; h++) rope(row + h * hd, c, sn, hd);
         for (int g = 0; g < n_kv; g++) {
             float *k = row + q_dim + g * hd;
-            rope(k, c, s, hd);
+            rope(k, c, sn, hd);
             memcpy(k_cache + ((int64_t)g * max_len + start + i) * hd, k, sizeof(float) * hd);
             memcpy(v_cache + ((int64_t)g * max_len + start + i) * hd, row + q_dim + kv_dim + g * hd,
                    sizeof(float) * hd);
         }
     }
-    if (specdecode_attention(big, qkv_dim, att, q_dim, k_cache, v_cache, max_len, start, n, mask, full_mask,
-                             n_heads, n_kv, hd, 1.0f / sqrtf((float)hd))) {
-        free(xn); free(big); free(att); free(scratch); free(out);
+    if (specdecode_attention(s->big, qkv_dim, s->att, q_dim, k_cache, v_cache, max_len, start, n, v->mask,
+                             v->full_mask, n_heads, n_kv, hd, scale))
         return 1;
-    }
-    linear(wo, att, n, out, scratch);
-    for (int64_t j = 0; j < (int64_t)n * H; j++) x[j] += out[j];
+    linear(l->wo, s->att, n, s->out, s->scratch);
+    add_output(x, s->out, l->post_attn_norm, l->eps, n, H);
 
     /* MLP */
-    rmsnorm(x, mlp_norm, eps, n, H, xn);
-    linear(w13, xn, n, big, scratch);
+    rmsnorm(x, l->mlp_norm, l->eps, n, H, s->xn);
+    linear(l->w13, s->xn, n, s->big, s->scratch);
     for (int i = 0; i < n; i++) {
-        const float *gate = big + (int64_t)i * 2 * inter, *up = gate + inter;
-        float *hmid = xn + (int64_t)i * inter;
-        for (int j = 0; j < inter; j++) hmid[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        const float *gate = s->big + (int64_t)i * 2 * inter, *up = gate + inter;
+        float *hmid = s->xn + (int64_t)i * inter;
+        if (l->gelu) gelu_gate(gate, up, hmid, inter);
+        else
+            for (int j = 0; j < inter; j++) hmid[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
     }
-    linear(w2, xn, n, out, scratch);
-    for (int64_t j = 0; j < (int64_t)n * H; j++) x[j] += out[j];
-
-    free(xn); free(big); free(att); free(scratch); free(out);
+    linear(l->w2, s->xn, n, s->out, s->scratch);
+    add_output(x, s->out, l->post_mlp_norm, l->eps, n, H);
     return 0;
 }
 
 /* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
    step. Layer i's keys start at kv + i * layer_stride, its values v_offset floats after them (one [kv_heads,
-   max_len, head_dim] block each); states[i], where given (not NULL), receives x after layer i. */
-typedef struct {
-    const float *attn_norm, *mlp_norm;
-    float eps;
-    const Weight *wqkv, *wo, *w13, *w2;
-} Layer;
-
+   max_len, head_dim] block each), and it reads views[layer.view]; scale: the attention scores' (Llama: hd^-0.5);
+   states[i], where given (not NULL), receives x after layer i. Returns 1 when memory ran out. */
 int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, float *kv, int64_t layer_stride,
-                      int64_t v_offset, int max_len, int start, const float *cos, const float *sin,
-                      const uint8_t *mask, const uint8_t *full_mask, int n_heads, int n_kv, int hd, int inter,
-                      float *const *states) {
-    for (int i = 0; i < n_layers; i++) {
-        const Layer *l = layers + i;
+                      int64_t v_offset, int max_len, int start, const View *views, int n_heads, int n_kv, int hd,
+                      int inter, float scale, float *const *states) {
+    const int q_dim = n_heads * hd, qkv_dim = q_dim + 2 * n_kv * hd;
+    const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
+    Scratch s = {malloc(sizeof(float) * (size_t)n * (H > inter ? H : inter)), malloc(sizeof(float) * (size_t)n * widest),
+                 malloc(sizeof(float) * (size_t)n * q_dim),
+                 malloc(sizeof(float) * (size_t)n * (inter > H ? inter : H) / 32 + 64),
+                 malloc(sizeof(float) * (size_t)n * H)};
+    int failed = !s.xn || !s.big || !s.att || !s.scratch || !s.out;
+    for (int i = 0; i < n_layers && !failed; i++) {
         float *k = kv + (int64_t)i * layer_stride;
-        if (specdecode_block(x, n, H, l->attn_norm, l->mlp_norm, l->eps, l->wqkv, l->wo, l->w13, l->w2, k,
-                             k + v_offset, max_len, start, cos, sin, mask, full_mask, n_heads, n_kv, hd, inter))
-            return 1;
-        if (states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
+        failed = block(x, n, H, layers + i, views + layers[i].view, k, k + v_offset, max_len, start, n_heads, n_kv,
+                       hd, inter, scale, &s);
+        if (!failed && states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
     }
-    return 0;
+    free(s.xn); free(s.big); free(s.att); free(s.scratch); free(s.out);
+    return failed;
 }

@@ -67,11 +67,6 @@ class ModelConfig:
         return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(self)
                                             if f.name in GEMMA_OPTIONS})
 
-    @property
-    def llama_block(self) -> bool:
-        """Whether every block is the plain Llama block (what the native block kernel runs)."""
-        return all(getattr(self, f.name) == f.default for f in dataclasses.fields(self) if f.name in GEMMA_OPTIONS)
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type", "llama")

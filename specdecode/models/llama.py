@@ -115,8 +115,9 @@ class Attention(nn.Module):
 
 
 def native_attention(q: torch.Tensor, cache) -> bool:
-    """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32 (the
-    Llama block's native path runs its own; SDPA's numbers for a query depend on the others in the call)."""
+    """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32, where
+    some layer keeps the blocks out of the native path (SDPA's numbers for a query depend on the others in the
+    call)."""
     # a RowCache (one row of the server's batch) qualifies: the kernel reads one row's [kv_heads, max_len, head_dim]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and isinstance(cache, KVCache)
             and cache.kv.dtype == torch.float32 and cache.kv[0, 0, 0].is_contiguous() and not torch.is_grad_enabled())
@@ -252,20 +253,16 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         states = {}
         native = self._native_blocks(tokens, cache)
-        if native is not None:  # the same blocks, one native call each (Llama blocks: one attention type)
+        if native is not None:  # the same blocks in one native call
             lib, blocks = native
-            cos, sin = self.rope(positions)
-            flat = x.reshape(n, -1).float().contiguous()
-            window = self.config.sliding_window
-            windowed = window is not None and int(positions.max()) >= window
-            # the kernel reads the tree mask [n, n] itself; only a sliding window needs the full [n, start + n] one
-            full = attention_mask(start, positions, tree_mask, window, self.device).to(torch.uint8).contiguous() \
-                if windowed else None
-            tree = None if windowed or tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
             if start + n > cache.max_len:
                 raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
+            flat = x.reshape(n, -1).float().contiguous()
+            tree = None if tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
+            views = [self._native_view(start, positions, tree_mask, tree, sliding)
+                     for sliding in sorted({layer.sliding for layer in self.layers})]  # full first, then sliding
             outputs = {i: torch.empty_like(flat) for i in wanted}
-            blocks.run(lib, flat, cache, start, cos, sin, tree, full, self.config, outputs)
+            blocks.run(lib, flat, cache, start, views, self.config, outputs)
             states = {i: out.view(1, n, -1) for i, out in outputs.items()}
             x = flat.view(1, n, -1)
         else:
@@ -284,6 +281,17 @@ class Transformer(nn.Module):
         if logits_at is not None:
             logits = self.output_logits(x[:, logits_at])
         return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
+
+    def _native_view(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+                     tree: torch.Tensor | None, sliding: bool) -> native.View:
+        """One attention type's RoPE table and masks for the native blocks: the kernel reads the tree mask [n, n]
+        itself; only a window that hides some key needs the mask over all keys [n, start + n]."""
+        cos, sin = self.rope(positions, sliding)
+        window = self.config.sliding_window if sliding else None
+        if window is None or int(positions.max()) < window:
+            return cos, sin, tree, None
+        full = attention_mask(start, positions, tree_mask, window, self.device).to(torch.uint8).contiguous()
+        return cos, sin, None, full
 
     def _native_blocks(self, tokens: torch.Tensor, cache):
         """(library, NativeBlocks) when this forward can run its blocks natively (models/native.py), else None."""

@@ -1,9 +1,9 @@
 """The model's blocks run by the native kernel (kernels/block.c): one call a step for all layers instead of ~30
-PyTorch operators per layer, for one sequence on the CPU in float32, with int4, int8 or float32 weights.
+PyTorch operators per layer, for one sequence on the CPU in float32, with int4, int8 or float32 weights; Llama's
+block or Gemma 3's (QK-norm, sandwich norms, GeGLU, sliding and full layers each with their own View).
 
 `applies` and `NativeBlocks.build` say no where the kernel does not apply (another device or dtype, gradients,
-a batch, a block other than Llama's, layers it does not know, or no native library: see kernels.native), and the
-PyTorch blocks run.
+a batch, layers it does not know, or no native library: see kernels.native), and the PyTorch blocks run.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
     return None
 
 
+# one attention type's (cos [n, hd], sin [n, hd], tree mask [n, n] or None, mask over all keys [n, start + n] or
+# None): float32 and uint8, contiguous
+View = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 class NativeBlocks:
     """Layers described for the kernel once (their norms, epsilon and weights), run in one call a step."""
 
@@ -51,21 +56,28 @@ class NativeBlocks:
         described, weights = (kernels.Layer * len(layers))(), []
         for i, block in enumerate(layers):
             ws = [weight_struct(m) for m in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2)]
-            norms = (block.attn_norm, block.mlp_norm)
-            if any(w is None for w in ws) or any(n.weight.dtype != torch.float32 for n in norms):
-                return None
+            extra = (block.attn.q_norm, block.attn.k_norm, block.post_attn_norm, block.post_mlp_norm)
+            norms = [norm for norm in (block.attn_norm, block.mlp_norm, *extra) if norm is not None]
+            if any(w is None for w in ws) or any(norm.weight.dtype != torch.float32 or norm.eps != norms[0].eps
+                                                 or not norm.weight.is_contiguous() for norm in norms):
+                return None  # the kernel takes one epsilon a layer
             weights += ws
-            eps = block.attn_norm.eps if block.attn_norm.eps is not None else torch.finfo(torch.float32).eps
-            described[i] = kernels.Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), float(eps),
-                                         *(ctypes.pointer(w) for w in ws))
+            eps = norms[0].eps if norms[0].eps is not None else torch.finfo(torch.float32).eps
+            described[i] = kernels.Layer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
+                                         float(eps), *(ctypes.pointer(w) for w in ws),
+                                         *(None if norm is None else norm.weight.data_ptr() for norm in extra),
+                                         int(block.mlp.gelu), int(block.sliding))
         return cls(layers, described, weights)
 
-    def run(self, lib, x: torch.Tensor, cache: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
-            tree_mask: torch.Tensor | None, full_mask: torch.Tensor | None, cfg,
+    def run(self, lib, x: torch.Tensor, cache: KVCache, start: int, views: Sequence[View], cfg,
             states: dict[int, torch.Tensor] | None = None) -> None:
         """Every block on x [n, H] (updated in place), layer i's keys and values written into the cache's layer i;
-        states[i] ([n, H], contiguous), where given, receives x after layer i."""
+        views[0] for the full-attention layers, views[1] for the sliding ones (where the model has them); states[i]
+        ([n, H], contiguous), where given, receives x after layer i."""
         n, hidden = x.shape
+        described = (kernels.View * 2)(*(kernels.View(*(None if t is None else t.data_ptr() for t in view))
+                                         for view in (views[0], views[-1])))
+        scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
         kv = cache.kv  # [layers, 2, 1, kv_heads, max_len, head_dim]: each layer's keys and values one block each
         outputs = None
         if states:
@@ -74,9 +86,8 @@ class NativeBlocks:
                 outputs[i] = out.data_ptr()
         failed = lib.specdecode_blocks(
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
-            cache.max_len, start, cos.data_ptr(), sin.data_ptr(),
-            None if tree_mask is None else tree_mask.data_ptr(), None if full_mask is None else full_mask.data_ptr(),
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, outputs)
+            cache.max_len, start, described, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+            scale, outputs)
         if failed:
             raise MemoryError("the native block could not allocate its scratch memory")
 
@@ -108,7 +119,6 @@ def cache_fits(cache) -> bool:
 
 
 def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
-    """Whether this forward can take the native path (before looking at the layers). The kernel runs the Llama
-    block: Gemma's (QK-norm, sandwich norms, GeGLU, per-layer windows) runs in PyTorch, its matmuls still native."""
-    return (model.config.llama_block and tokens.device.type == "cpu" and tokens.shape[0] == 1
+    """Whether this forward can take the native path (before looking at the layers)."""
+    return (tokens.device.type == "cpu" and tokens.shape[0] == 1
             and model.dtype == torch.float32 and not torch.is_grad_enabled() and cache_fits(cache))
