@@ -56,7 +56,7 @@ def test_logits_and_greedy_tokens_equal_transformers(exact, reference) -> None:
 
 @pytest.fixture(scope="module")
 def llm() -> specdecode.LLM:
-    """The default load: int8 tensors with int8 activations (llama.cpp's arithmetic), K-quants in float32."""
+    """The default load: every quantized tensor as stored (K-quants with float32 scales), int8 activations."""
     require_gemma()
     return specdecode.load(NAME)
 

@@ -16,6 +16,7 @@ from specdecode import kernels
 from specdecode.engine import generate_ids
 from specdecode.models.linear import Linear
 from specdecode.models.loading import quantize_
+from specdecode.models.native import weight_struct
 from specdecode.models.quant import QuantLinear, round_activations
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer, QuantizedSelfProposer
 from specdecode.sampling import SamplingParams
@@ -116,8 +117,60 @@ def test_gguf_blocks_load_as_stored() -> None:
         expected = gguf.quants.dequantize(raw, kind)
         got = QuantLinear.from_gguf(raw, name).dequantize().numpy()
         np.testing.assert_array_equal(got, expected, err_msg=name)
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0"):
-        QuantLinear.from_gguf(raw, "Q6_K")
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K"):
+        QuantLinear.from_gguf(raw, "Q2_K")
+
+
+def random_k_quant(name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """A [n, k] Q4_K or Q6_K tensor's bytes: random bits (every bit pattern is a valid block) but for the float16
+    super-block scales, kept in a realistic range (random bits would give infinities and NaNs)."""
+    size = {"Q4_K": 144, "Q6_K": 210}[name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 2e-2, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    if name == "Q4_K":
+        raw[..., 0:4] = scales  # d, dmin
+    else:
+        raw[..., 208:210] = scales[..., :2]  # d
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_k_quants_load_as_stored_and_multiply_exactly(name, monkeypatch) -> None:
+    """Q4_K and Q6_K bytes give gguf's own dequantized weights exactly (float32 scales: the two-level products
+    round in float16), and the int8-activation kernel computes round(x) @ W^T with every row's bits independent of
+    the rows beside it, in the AVX2, portable and VNNI builds alike."""
+    gguf = pytest.importorskip("gguf")
+    n, k = 44, 512  # a partial last tile of 8 outputs
+    raw = random_k_quant(name, n, k, seed=3)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).copy())
+    layer = QuantLinear.from_gguf(raw, name)
+    assert layer.act8 and layer.exact_scales and torch.equal(layer.dequantize(), expected)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(4))
+    reference = round_activations(x).double() @ expected.double().T
+    results = {}
+    for build in ("", "portable", "emulate-vnni"):
+        if build:
+            monkeypatch.setenv("SPECDECODE_NATIVE", build)
+        kernels.reset()
+        try:
+            if kernels.simd() == "scalar" and build != "portable":
+                continue  # no AVX2 here: the portable build only
+            got = layer(x)
+            torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+            for rows in ROW_COUNTS[:6]:
+                assert torch.equal(layer(x[:rows]), got[:rows]) and torch.equal(layer(x[9 - rows:]), got[9 - rows:])
+            results[build] = got
+        finally:
+            kernels.reset()
+    if "emulate-vnni" in results:
+        assert torch.equal(results["emulate-vnni"], results[""])  # integer sums: exact in any order
+    assert torch.equal(layer.dequantize(), expected)  # tiled in place, read back in row order
+    weight_only = QuantLinear.from_gguf(raw, name)
+    weight_only.act8 = False  # float activations: no kernel takes float32 scales, the weights are dequantized
+    assert weight_struct(weight_only) is None and weight_struct(layer) is not None  # nor does the native block
+    dense = x.double() @ expected.double().T
+    torch.testing.assert_close(weight_only(x).double(), dense, rtol=1e-5, atol=1e-5 * dense.abs().max().item())
 
 
 def test_bad_shapes_and_kinds_say_what_to_do() -> None:

@@ -15,7 +15,12 @@
 
    Row independence (what keeps speculation lossless): every row's result comes from the same instructions in
    the same order whatever the number of rows in the call or beside it in its group of 4; the integer sums are
-   exact in any order. So a tree verifies bit for bit the numbers one-token steps compute. */
+   exact in any order. So a tree verifies bit for bit the numbers one-token steps compute.
+
+   GGUF's K-quants load exactly into two more tiled kinds with float32 scales: Q4_K (a super-block's float16 scale
+   times a 6-bit one per block of 32: 17 significant bits, exact in float32, not in float16) as kind 5, int4 with
+   float32 scales and mins; Q6_K (6-bit weights with an 8-bit scale per 16) as kind 6, int8 with a float32 scale
+   for each half block, whose two integer sums are kept apart. */
 
 #include <math.h>
 #include <omp.h>
@@ -23,8 +28,10 @@
 
 #include "simd.h"
 
-#define INT8(KIND) ((KIND) == 2 || (KIND) == 4)
-#define TILED(KIND) ((KIND) >= 3) /* 3, 4: int4, int8 in tiles of 8 outputs */
+#define INT8(KIND) ((KIND) == 2 || (KIND) == 4 || (KIND) == 6)
+#define TILED(KIND) ((KIND) >= 3) /* 3, 4: int4, int8 in tiles of 8 outputs; 5, 6: the same with float32 scales */
+#define F32_SCALES(KIND) ((KIND) >= 5)
+#define HALVES(KIND) ((KIND) == 6) /* a scale for each 16 weights of a block */
 
 static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, float *sx) {
     const int nb = K / QK;
@@ -148,23 +155,23 @@ static inline __m256i bcast4(const int8_t *p) {
 
 /* Rows r..r+R of a tile's 8 outputs (KIND 1: int4, 2: int8, 3 and 4: the same in tiles; KIND and R constants at each call,
    so the loops unroll): each block's weights unpacked once for the R rows. w: the tile's first output (kind 3: the
-   tile), stride: bytes per output; kind 3 reads its float16 scales dh, mh ([block][8]) where the others read the
-   floats dw, mw unpacked for the tile. */
+   tile), stride: bytes per output; tiled kinds read their scales dh, mh ([block][8], kind 6: [block][half][8];
+   float16 for kinds 3 and 4, float32 for 5 and 6) where kinds 1 and 2 read the floats dw, mw unpacked for the tile. */
 static inline __attribute__((always_inline)) void a8_tile_rows(
     const int KIND, const uint8_t *w, int64_t stride, int ncols, const float *dw, const float *mw,
-    const uint16_t *dh, const uint16_t *mh, const int8_t *xq, const float *dx, const float *sx, int K, float *y,
+    const void *dh, const void *mh, const int8_t *xq, const float *dx, const float *sx, int K, float *y,
     int N, const int R) {
     const int nb = K / QK, block_bytes = INT8(KIND) ? QK : QK / 2;
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i isum[ROWS];
+        __m256i isum[ROWS], isum2[ROWS]; /* isum2: the second half block's (kind 6) */
         if (TILED(KIND)) {  /* weights in registers, each met by every row in turn (no unpacked copy to reload) */
             const uint8_t *p = w + (int64_t)block_bytes * COLS * b;
             for (int line = 0; line < block_bytes * COLS; line += 64)  /* one stream: lines a few blocks ahead */
                 _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
-            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-            if (KIND == 3) {
+            for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
+            if (!INT8(KIND)) {
                 const __m256i low = _mm256_set1_epi8(0x0f);
                 for (int g = 0; g < 4; g++) {  /* vector g: weights 4g..4g+3 (low nibbles), 16+4g.. (high) */
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
@@ -187,11 +194,12 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * g)), a = _mm256_abs_epi8(v);
                     for (int r = 0; r < R; r++) {
                         const __m256i xs = _mm256_sign_epi8(bcast4(xq + (int64_t)r * K + QK * b + 4 * g), v);
+                        __m256i *sum = HALVES(KIND) && g >= 4 ? isum2 + r : isum + r;
 #if SPECDECODE_VNNI
-                        isum[r] = dpbusd(isum[r], a, xs);
+                        *sum = dpbusd(*sum, a, xs);
 #else
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs),
-                                                                              _mm256_set1_epi16(1)));
+                        *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs),
+                                                                        _mm256_set1_epi16(1)));
 #endif
                     }
                 }
@@ -241,14 +249,23 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
                 isum[r] = sum;
             }
         }
-        const __m256 d = TILED(KIND) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + COLS * b)))
-                                   : _mm256_loadu_ps(dw + COLS * b);
+        const __m256 d = F32_SCALES(KIND) ? _mm256_loadu_ps((const float *)dh + COLS * (HALVES(KIND) ? 2 * b : b))
+                       : TILED(KIND) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dh + COLS * b)))
+                                     : _mm256_loadu_ps(dw + COLS * b);
         for (int r = 0; r < R; r++) {
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
         }
+        if (HALVES(KIND)) {
+            const __m256 d2 = _mm256_loadu_ps((const float *)dh + COLS * (2 * b + 1));
+            for (int r = 0; r < R; r++) {
+                const __m256 scale = _mm256_mul_ps(d2, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum2[r]), scale, acc[r]);
+            }
+        }
         if (!INT8(KIND)) {
-            const __m256 m = KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + COLS * b)))
+            const __m256 m = KIND == 5 ? _mm256_loadu_ps((const float *)mh + COLS * b)
+                           : KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mh + COLS * b)))
                                        : _mm256_loadu_ps(mw + COLS * b);
             for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
         }
@@ -262,7 +279,7 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
 
 /* returns nonzero when scratch memory is short */
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
-                     const uint16_t *d, const uint16_t *m, float *y, int N) {
+                     const void *d, const void *m, float *y, int N) {
     const int nb = K / QK;
     const int64_t stride = (int64_t)nb * (INT8(kind) ? QK : QK / 2);  /* bytes per output */
     const int threads = omp_get_max_threads();
@@ -276,7 +293,9 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
         for (int t = 0; t < (N + COLS - 1) / COLS; t++) {
             const int n0 = t * COLS, ncols = N - n0 < COLS ? N - n0 : COLS;
             const uint8_t *w = (const uint8_t *)qs + n0 * stride;  /* in tiles too: a tile is 8 outputs' bytes */
-            const uint16_t *dh = d + (int64_t)n0 * nb, *mh = m ? m + (int64_t)n0 * nb : NULL;
+            const size_t scale_bytes = F32_SCALES(kind) ? 4 : 2;  /* an output's scales: nb (kind 6: 2 nb) */
+            const void *dh = (const char *)d + (size_t)n0 * nb * (HALVES(kind) ? 2 : 1) * scale_bytes;
+            const void *mh = m ? (const char *)m + (size_t)n0 * nb * scale_bytes : NULL;
             if (!TILED(kind)) {
                 unpack_scales(dh, nb, nb, ncols, dw);
                 if (kind == 1) unpack_scales(mh, nb, nb, ncols, mw);
@@ -285,7 +304,13 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, dh, mh, xq + (int64_t)r0 * K, \
                                         dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
                 const int rows = M - r0 < ROWS ? M - r0 : ROWS;
-                if (kind == 4) {
+                if (kind == 6) {
+                    if (rows >= 4) TILE_ROWS(6, 4); else if (rows == 3) TILE_ROWS(6, 3);
+                    else if (rows == 2) TILE_ROWS(6, 2); else TILE_ROWS(6, 1);
+                } else if (kind == 5) {
+                    if (rows >= 4) TILE_ROWS(5, 4); else if (rows == 3) TILE_ROWS(5, 3);
+                    else if (rows == 2) TILE_ROWS(5, 2); else TILE_ROWS(5, 1);
+                } else if (kind == 4) {
                     if (rows >= 4) TILE_ROWS(4, 4); else if (rows == 3) TILE_ROWS(4, 3);
                     else if (rows == 2) TILE_ROWS(4, 2); else TILE_ROWS(4, 1);
                 } else if (kind == 3) {
@@ -308,7 +333,7 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #else
 /* plain C: one output at a time, each row on its own */
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
-                      const uint16_t *d, const uint16_t *m, float *y, int N) {
+                      const void *d, const void *m, float *y, int N) {
     const int nb = K / QK;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
@@ -316,27 +341,40 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
             const int8_t *xr = xq + (int64_t)r * K;
             float total = 0.0f;
             for (int b = 0; b < nb; b++) {
-                int s = 0;
+                int s = 0, s2 = 0; /* s2: the second half block's sum (kind 6) */
                 if (kind == 1) {
                     const uint8_t *q = (const uint8_t *)qs + (int64_t)n * (K / 2) + 16 * b;
                     for (int j = 0; j < 16; j++) s += (q[j] & 0x0f) * xr[QK * b + j] + (q[j] >> 4) * xr[QK * b + j + 16];
-                } else if (kind == 3) {  /* tile n / 8, block b: byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 */
+                } else if (kind == 3 || kind == 5) {  /* tile n / 8, block b: byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 */
                     const uint8_t *q = (const uint8_t *)qs + ((int64_t)(n / 8) * nb + b) * 128 + 4 * (n % 8);
                     for (int j = 0; j < 16; j++) {
                         const uint8_t byte = q[32 * (j / 4) + j % 4];
                         s += (byte & 0x0f) * xr[QK * b + j] + (byte >> 4) * xr[QK * b + j + 16];
                     }
-                } else if (kind == 4) {  /* byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 of its block */
+                } else if (kind == 4 || kind == 6) {  /* byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 */
                     const int8_t *q = (const int8_t *)qs + ((int64_t)(n / 8) * nb + b) * 256 + 4 * (n % 8);
-                    for (int j = 0; j < QK; j++) s += q[32 * (j / 4) + j % 4] * xr[QK * b + j];
+                    for (int j = 0; j < QK; j++) {
+                        const int product = q[32 * (j / 4) + j % 4] * xr[QK * b + j];
+                        if (HALVES(kind) && j >= QK / 2) s2 += product;
+                        else s += product;
+                    }
                 } else {
                     const int8_t *q = (const int8_t *)qs + (int64_t)n * K + QK * b;
                     for (int j = 0; j < QK; j++) s += q[j] * xr[QK * b + j];
                 }
                 /* in tiles, the scales too: [tile][block][8] */
                 const int64_t at = TILED(kind) ? ((int64_t)(n / 8) * nb + b) * 8 + n % 8 : (int64_t)n * nb + b;
-                total += (float)s * (half_to_float(d[at]) * dx[(int64_t)r * nb + b]);
-                if (!INT8(kind)) total += half_to_float(m[at]) * sx[(int64_t)r * nb + b];
+                const float xd = dx[(int64_t)r * nb + b];
+                if (HALVES(kind)) {  /* [tile][block][half][8] */
+                    const float *ds = (const float *)d + ((int64_t)(n / 8) * nb + b) * 16 + n % 8;
+                    total += (float)s * (ds[0] * xd);
+                    total += (float)s2 * (ds[8] * xd);
+                } else {
+                    total += (float)s * ((F32_SCALES(kind) ? ((const float *)d)[at] : half_to_float(((const uint16_t *)d)[at])) * xd);
+                }
+                if (!INT8(kind))
+                    total += (F32_SCALES(kind) ? ((const float *)m)[at] : half_to_float(((const uint16_t *)m)[at])) *
+                             sx[(int64_t)r * nb + b];
             }
             y[(int64_t)r * N + n] = total;
         }
@@ -345,10 +383,11 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #endif
 
 /* y[M, N] = round(x) @ dequant(W)^T; kind 1: int4 weights (qs [N, K / 2], needs m), kind 2: int8 (qs [N, K]),
-   kinds 3 and 4: int4 and int8 in tiles of 8 outputs (N padded to a multiple of 8; see QuantLinear.tile).
+   kinds 3 and 4: int4 and int8 in tiles of 8 outputs (N padded to a multiple of 8; see QuantLinear.tile), kinds 5
+   and 6: the same with float32 scales (kind 6: one for each half block). d, m: float16 bits or float32.
    Returns nonzero when scratch memory is short. */
-int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d,
-                         const uint16_t *m, float *y, int N) {
+int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const void *d, const void *m,
+                         float *y, int N) {
     const int nb = K / QK;
     int8_t *xq = malloc((size_t)M * K + 4);
     float *dx = malloc(sizeof(float) * (size_t)M * nb), *sx = malloc(sizeof(float) * (size_t)M * nb);

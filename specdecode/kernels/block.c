@@ -33,7 +33,7 @@ enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_A8 = 10 };
 typedef struct {
     int kind, n_out, n_in;
     const void *qs;       /* f32: the weight [n_out, n_in]; q4: nibbles; q8: int8 */
-    const uint16_t *d, *m; /* block scales and mins (float16 bits) */
+    const uint16_t *d, *m; /* block scales and mins (float16 bits; float32 for the a8 kernel's kinds 5 and 6) */
     const float *bias;     /* or NULL */
 } Weight;
 
@@ -41,8 +41,8 @@ void specdecode_q4_matmul(const float *x, float *xsum, int M, int K, const uint8
                           const uint16_t *m, float *y, int N);
 void specdecode_q8_matmul(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, float *y, int N);
 void specdecode_f32_matmul(const float *x, int M, int K, const float *w, float *y, int N);
-int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const uint16_t *d,
-                         const uint16_t *m, float *y, int N);
+int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const void *d, const void *m,
+                         float *y, int N);
 
 static void linear(const Weight *w, const float *x, int M, float *y, float *scratch) {
     if (w->kind > W_A8)

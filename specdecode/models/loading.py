@@ -2,9 +2,10 @@
 
 A GGUF file's tokenizer and config are converted once (through transformers) into an HF-style directory
 under the cache dir. Its Q4_0 / Q4_1 / Q5_0 / Q8_0 weights load from the file as stored, into the int4 / int8
-layers of models/quant.py (other kinds, such as the K-quants Q4_K / Q6_K, are dequantized to float32 as they
-load), and by default (`quantization="auto"`) multiply as llama.cpp multiplies them, activations rounded to int8
-per block of 32: the model as published and as its own runtime runs it, never through float32. With
+layers of models/quant.py, and by default (`quantization="auto"`) multiply as llama.cpp multiplies them,
+activations rounded to int8 per block of 32: the model as published and as its own runtime runs it, never through
+float32. The K-quants Q4_K / Q6_K load as stored too under "auto" (int4 / int8 blocks with float32 scales, int8
+activations); otherwise they, and other kinds, are dequantized to float32 as they load. With
 `quantization=None` the weights are dequantized once into that directory (safetensors), which later loads read
 in about a second and transformers can load too (the reference the tests compare against).
 """
@@ -33,7 +34,7 @@ from .gguf_file import read as read_gguf
 from .gguf_file import tensors as gguf_tensors
 from .linear import Linear
 from .llama import Transformer
-from .quant import GGUF_BLOCKS, QUANTIZATIONS, QuantEmbedding, QuantLinear, quantize_linears_
+from .quant import GGUF_BLOCKS, K_QUANTS, QUANTIZATIONS, QuantEmbedding, QuantLinear, quantize_linears_
 
 
 @dataclass(frozen=True)
@@ -285,22 +286,23 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
 
 def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu", kind: str | None = None,
               act8: bool = False) -> Transformer:
-    """A GGUF file's model, its Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors loaded as they are stored, the others (float, or
-    K-quants such as Q4_K / Q6_K, which have no kernel here) dequantized to float32 once; with `kind` ("int4",
-    "int8") the file's float matrices are quantized to that (never the K-quants: rounding twice only loses);
-    act8: int8 activations (the int4 / int8 layers')."""
+    """A GGUF file's model, its Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors loaded as they are stored (and with `act8` its
+    Q4_K / Q6_K ones, whose kernels take int8 activations only), the others dequantized to float32 once; with `kind`
+    ("int4", "int8") the file's float matrices are quantized to that (never the K-quants: rounding twice only
+    loses); act8: int8 activations (the int4 / int8 layers')."""
     from rich.console import Console
     from rich.progress import track
 
     cfg = ModelConfig.from_hf(json.loads((config_dir / "config.json").read_text()))
     parts: dict[str, QuantLinear | torch.Tensor] = {}
     listed = list(gguf_tensors(gguf_file))
-    dequantized = sorted({t.tensor_type.name for _, t, _, _ in listed} - set(GGUF_BLOCKS) - {"F32", "F16", "BF16"})
+    as_stored = {*GGUF_BLOCKS, *(K_QUANTS if act8 else ())}
+    dequantized = sorted({t.tensor_type.name for _, t, _, _ in listed} - as_stored - {"F32", "F16", "BF16"})
     what = f" (dequantizing its {', '.join(dequantized)} tensors)" if dequantized else ""
     for name, t, rows, shift in track(listed, description=f"loading {gguf_file.name}{what}", transient=True,
                                       console=Console(stderr=True)):
         stored = t.tensor_type.name
-        if stored in GGUF_BLOCKS:  # as stored, whatever `kind` says: re-rounding rounded weights only loses
+        if stored in as_stored:  # as stored, whatever `kind` says: re-rounding rounded weights only loses
             layer = QuantLinear.from_gguf(t.data, stored)
             layer.act8 = act8
             parts[name] = layer if rows is None else layer.rows(rows)
@@ -315,7 +317,7 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     def linear(names: list[str], biases: list[str] | None = None) -> nn.Module:
         weights = [parts[n] for n in names]
         bias = torch.cat([parts[b] for b in biases]) if biases else None
-        if all(isinstance(w, QuantLinear) for w in weights) and len({w.kind for w in weights}) == 1:
+        if all(isinstance(w, QuantLinear) for w in weights) and len({(w.kind, w.d.dtype) for w in weights}) == 1:
             fused = QuantLinear.cat(weights)
             fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             return fused

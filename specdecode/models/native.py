@@ -29,6 +29,8 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
         a8_kind, qs, d, m = layer.a8_operands()
         return kernels.Weight(10 + a8_kind, layer.out_features, layer.in_features, qs.data_ptr(), d.data_ptr(),
                               None if m is None else m.data_ptr(), bias_ptr)
+    if isinstance(layer, QuantLinear) and layer.exact_scales:
+        return None  # float32 scales (K-quants) with float activations: no kernel, the layer dequantizes
     if isinstance(layer, QuantLinear):
         m = None if layer.m is None else layer.m.data_ptr()
         return kernels.Weight(1 if layer.kind == "int4" else 2, layer.out_features, layer.in_features,

@@ -2,10 +2,12 @@
 
 int4 is GGUF's Q4_1 (w = d * q + m, q in 0..15; Q4_0 loads as m = -8 d) and int8 its Q8_0 (w = d * q; Q5_0 loads
 as q - 16), with d and m in float16, so a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors load as they are, never
-through float32, and
-a float checkpoint quantizes into the same form. On the CPU the matmul runs in the native kernels
-(specdecode/kernels), which stream these bytes and widen them to float32 in registers; elsewhere, or where
-the kernels cannot be built, the weights are dequantized once into the activations' dtype.
+through float32, and a float checkpoint quantizes into the same form. The K-quants load as they are too, with
+float32 scales (their two-level scales multiply out exactly in float32, not in float16): Q4_K as int4 blocks of 32
+(d = super-block d x 6-bit scale, m = -dmin x 6-bit min), Q6_K as int8 blocks with a scale for each 16 weights;
+these run with int8 activations (GGUF's own arithmetic for them), or dequantized. On the CPU the matmul runs in the
+native kernels (specdecode/kernels), which stream these bytes and widen them to float32 in registers; elsewhere,
+or where the kernels cannot be built, the weights are dequantized once into the activations' dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from .linear import Linear
 QK = 32  # weights per block
 # kind, bytes per block; Q5_0 (w = d * (q - 16), q of 5 bits) is exactly an int8 block, so it loads as one
 GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q8_0": ("int8", 34)}
+# K-quants: kind, bytes per super-block of 256 weights; loaded exactly, run with int8 activations (else dequantized)
+K_QUANTS = {"Q4_K": ("int4", 144), "Q6_K": ("int8", 210)}
 KINDS = ("int4", "int8")
 # weight-only (float32 activations: dequantize-then-matmul up to rounding) and with int8 activations (per block
 # of 32, llama.cpp's arithmetic for GGUF models: a model of its own, several times less arithmetic per weight)
@@ -29,7 +33,8 @@ QUANTIZATIONS = ("int4", "int8", "int4-a8", "int8-a8")
 
 class QuantLinear(nn.Module):
     """y = x @ dequant(W).T (+ bias) with W [out, in] in blocks of 32 along `in`; with `act8`, x is first rounded
-    to int8 per block of 32 (see kernels/qmatmul.c)."""
+    to int8 per block of 32 (see kernels/qmatmul.c). d and m: float16 scales (or their int16 bits), or float32 ones
+    as int32 bits (the K-quants': [out, blocks] for int4, [out, 2 * blocks] for int8, a scale per 16 weights)."""
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, act8: bool = False) -> None:
@@ -40,9 +45,14 @@ class QuantLinear(nn.Module):
         self.out_features = qs.shape[0]
         self.in_features = qs.shape[1] * (2 if kind == "int4" else 1)
         self.register_buffer("qs", qs.contiguous())
-        # float16 scales kept as their int16 bits: `model.to(dtype)` casts floating buffers, never these
+        # scales kept as integer bits (float16 as int16, float32 as int32): `model.to(dtype)` casts floating buffers,
+        # never these
         self.register_buffer("d", half_bits(d))
         self.register_buffer("m", None if m is None else half_bits(m))
+        blocks = self.in_features // QK
+        if self.exact_scales and (self.d.shape[1] != blocks * (2 if kind == "int8" else 1)
+                                  or (self.m is not None and self.m.dtype != torch.int32)):
+            raise ValueError(f"float32 scales: one a block for int4, one each 16 weights for int8; got {d.shape}")
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # the fallback's dequantized weight
         self.tiled = False  # qs, d, m in the int8-activation kernel's tiles (see `tile`), else in GGUF's row order
@@ -50,6 +60,11 @@ class QuantLinear(nn.Module):
     @property
     def quantization(self) -> str:
         return self.kind + ("-a8" if self.act8 else "")
+
+    @property
+    def exact_scales(self) -> bool:
+        """Float32 scales (a K-quant's): run by the int8-activation kernel only, else dequantized."""
+        return self.d.dtype == torch.int32
 
     @property
     def weight(self) -> torch.Tensor:
@@ -69,7 +84,7 @@ class QuantLinear(nn.Module):
         tile, col = index // 8, index % 8
         nb = self.in_features // QK
         qs = self.qs.view(-1, nb, self.qs.shape[1] // (4 * nb), 8, 4)[tile, :, :, col].reshape(len(index), -1)
-        d, m = (None if t is None else t.view(-1, nb, 8)[tile, :, col] for t in (self.d, self.m))
+        d, m = (None if t is None else t.view(-1, t.shape[1], 8)[tile, :, col] for t in (self.d, self.m))
         return qs, d, m
 
     def tile(self) -> None:
@@ -79,7 +94,7 @@ class QuantLinear(nn.Module):
         first int8-activation matmul; `row_order` reads the weights back in GGUF's order."""
         if self.tiled:
             return
-        n, nb = self.d.shape
+        n, nb = self.out_features, self.in_features // QK
         last = torch.arange(n + -n % 8, device=self.qs.device).clamp(max=n - 1)  # the last output repeated
         with torch.inference_mode(False):  # may run inside a forward: the weights must stay normal tensors
             qs = self.qs[last].reshape(-1, 8, nb, self.qs.shape[1] // (4 * nb), 4).permute(0, 2, 3, 1, 4)
@@ -87,17 +102,20 @@ class QuantLinear(nn.Module):
             for name in ("d", "m"):
                 t = self._buffers[name]
                 if t is not None:
-                    self._buffers[name] = t[last].reshape(-1, 8, nb).transpose(1, 2).reshape(len(last), nb).contiguous()
+                    per_output = t.shape[1]  # nb, or 2 nb (a scale each half block): [tile][block][half][8]
+                    self._buffers[name] = t[last].reshape(-1, 8, per_output).transpose(1, 2).reshape(
+                        len(last), per_output).contiguous()
         self.tiled = True
 
     def a8_operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The int8-activation kernel's kind (3: int4, 4: int8, both in tiles) and weights (tiled at first use)."""
+        """The int8-activation kernel's kind (3: int4, 4: int8, both in tiles; 5, 6: the same with float32 scales)
+        and weights (tiled at first use)."""
         self.tile()
-        return (3 if self.kind == "int4" else 4), self.qs, self.d, self.m
+        return (3 if self.kind == "int4" else 4) + 2 * self.exact_scales, self.qs, self.d, self.m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = kernels.native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-        if lib is None:
+        if lib is None or (self.exact_scales and not self.act8):  # float32 scales: the a8 kernel only
             if self.act8:
                 x = round_activations(x)
             if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
@@ -159,9 +177,12 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, ggml_type: str) -> QuantLinear:
-        """A GGUF tensor's bytes [out, blocks * block_bytes] in Q4_0, Q4_1, Q5_0 or Q8_0, as stored."""
+        """A GGUF tensor's bytes [out, blocks * block_bytes] in Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K, as stored."""
+        if ggml_type in K_QUANTS:
+            return cls(K_QUANTS[ggml_type][0], *k_quant_blocks(raw, ggml_type), act8=True)
         if ggml_type not in GGUF_BLOCKS:
-            raise ValueError(f"GGUF type {ggml_type} has no quantized path here (supported: {', '.join(GGUF_BLOCKS)})")
+            raise ValueError(f"GGUF type {ggml_type} has no quantized path here "
+                             f"(supported: {', '.join([*GGUF_BLOCKS, *K_QUANTS])})")
         kind, size = GGUF_BLOCKS[ggml_type]
         n = raw.shape[0]
         blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
@@ -192,9 +213,9 @@ class QuantLinear(nn.Module):
     @staticmethod
     def cat(layers: list[QuantLinear]) -> QuantLinear:
         """One layer computing all of `layers` (stacked outputs): q|k|v and gate|up fused."""
-        kinds = {layer.quantization for layer in layers}
+        kinds = {(layer.quantization, layer.d.dtype) for layer in layers}
         if len(kinds) != 1:
-            raise ValueError(f"cannot fuse projections quantized differently ({', '.join(sorted(kinds))})")
+            raise ValueError(f"cannot fuse projections quantized differently ({', '.join(sorted(map(str, kinds)))})")
         biases = [layer.bias for layer in layers]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers, strict=True)])
@@ -213,16 +234,53 @@ def quantize_linears_(module: nn.Module, kind: str, skip: tuple[nn.Module, ...] 
 
 
 def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int) -> torch.Tensor:
-    """Float32 weights [n, k] from blocks (d and m as float16 bits)."""
-    n = qs.shape[0]
-    d = d.view(torch.float16).float().reshape(n, k // QK, 1)
+    """Float32 weights [n, k] from blocks (d and m as float16 or float32 bits; d may hold a scale per 16 weights)."""
+    n, scales = qs.shape[0], d.shape[1]
+    d = scale_floats(d).reshape(n, scales, 1)
     if kind == "int4":
         qs = qs.reshape(n, k // QK, QK // 2)
         q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # per block: the low nibbles, then the high
-        w = q * d + m.view(torch.float16).float().reshape(n, k // QK, 1)
+        w = q * d + scale_floats(m).reshape(n, k // QK, 1)
     else:
-        w = qs.float().reshape(n, k // QK, QK) * d
+        w = qs.float().reshape(n, scales, k // scales) * d
     return w.reshape(n, k)
+
+
+def scale_floats(bits: torch.Tensor) -> torch.Tensor:
+    """Scales stored as integer bits (int16: float16, int32: float32) as float32."""
+    return bits.view(torch.float16).float() if bits.dtype == torch.int16 else bits.view(torch.float32)
+
+
+def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qs, d, m) of a Q4_K or Q6_K tensor's bytes [out, super-blocks * bytes] in QuantLinear's layout, d and m
+    as float32 bits: their products of a float16 and a 6- or 8-bit scale are exact in float32 (ggml-common.h's
+    block_q4_K and block_q6_K)."""
+    size = K_QUANTS[ggml_type][1]
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
+    if ggml_type == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and mins for 8 blocks, 128 bytes of nibbles
+        d, dmin = (blocks[..., i:i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+        packed = blocks[..., 4:16]
+        scales = np.concatenate((packed[..., 0:4] & 63, (packed[..., 8:12] & 0xF) | ((packed[..., 0:4] >> 6) << 4)), -1)
+        mins = np.concatenate((packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)), -1)
+        nibbles = blocks[..., 16:].reshape(n, -1, 4, 1, 32)  # 32 bytes a pair of blocks: the first low, the second high
+        values = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-2).reshape(n, -1, QK)  # [n, blocks, 32]
+        qs = values[..., : QK // 2] | (values[..., QK // 2 :] << 4)  # ours: byte j holds weights j and j + 16
+        dq = (d * scales.astype(np.float32)).reshape(n, -1)
+        mq = -(dmin * mins.astype(np.float32)).reshape(n, -1)
+        return (torch.from_numpy(np.ascontiguousarray(qs).reshape(n, -1)), torch.from_numpy(dq).view(torch.int32),
+                torch.from_numpy(np.ascontiguousarray(mq)).view(torch.int32))
+    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one each 16 weights), d (float16)
+    low = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half of 128 weights][first or second 32 bytes][32]
+    h = blocks[..., 128:192].reshape(n, -1, 2, 32)
+    a, b = low[..., 0, :], low[..., 1, :]
+    values = np.stack(((a & 0xF) | ((h & 3) << 4), (b & 0xF) | (((h >> 2) & 3) << 4),
+                       (a >> 4) | (((h >> 4) & 3) << 4), (b >> 4) | (((h >> 6) & 3) << 4)), axis=-2)
+    qs = values.reshape(n, -1).astype(np.int8) - 32
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    dq = (d * blocks[..., 192:208].copy().view(np.int8).astype(np.float32)).reshape(n, -1)
+    return torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(np.ascontiguousarray(dq)).view(torch.int32), \
+        None
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -236,8 +294,8 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def half_bits(t: torch.Tensor) -> torch.Tensor:
-    """float16 values as int16 bits (int16 input: already bits)."""
-    return (t if t.dtype == torch.int16 else t.to(torch.float16).view(torch.int16)).contiguous()
+    """float16 values as int16 bits (int16 or int32 input: already bits, of float16 or float32)."""
+    return (t if t.dtype in (torch.int16, torch.int32) else t.to(torch.float16).view(torch.int16)).contiguous()
 
 
 class QuantEmbedding(nn.Module):
@@ -249,7 +307,7 @@ class QuantEmbedding(nn.Module):
 
     @property
     def quantization(self) -> str:
-        return self.kind + ("-a8" if self.act8 else "")
+        return self.table.quantization
 
     @property
     def weight(self) -> torch.Tensor:
