@@ -16,8 +16,8 @@ from .engine import Engine, Generation, policy_for
 from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.loading import DTYPES, load_model
-from .request import GenerationStats, Request
-from .sampling import SamplingParams
+from .request import GenerationStats, Request, TokenLogprob
+from .sampling import SAMPLING_OPTIONS, SamplingParams
 
 __all__ = ["AUTO_BRANCHES", "DEFAULT_METHOD", "LLM", "METHODS", "SHIPPED_EAGLE", "GenerationOutput", "TextStream",
            "check_same_tokenizer", "load", "stop_token_ids"]
@@ -41,6 +41,8 @@ class GenerationOutput:
     method: str
     prompt_tokens: int
     stats: GenerationStats = field(repr=False)
+    # with generate(logprobs=N): each generated token's log-probability and its N likeliest alternatives
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
 
 class TextStream:
@@ -128,20 +130,26 @@ class LLM(Drafting):
         stop: str | Sequence[str] | None = None,
         chat: bool = False,
         stream: bool = False,
+        logprobs: int | None = None,
         **proposer_options: Any,
     ) -> GenerationOutput | TextStream | list[GenerationOutput]:
         """Text for `prompt` (a string, token ids or chat messages), by default with prompt lookup and k='auto'
         (method='none': plain decoding). Several prompts (a list of those): a list of outputs, in order.
-        Method options (max_ngram, window, skip_layers, ...): see `proposer`."""
-        check_keywords("generate", proposer_options, keyword_names(self.generate) | self.proposer_options())
+        Sampling options besides temperature, top_k and top_p (min_p, logit_bias, presence_penalty,
+        frequency_penalty, repetition_penalty, min_tokens): see SamplingParams; speculation stays lossless under
+        them. logprobs=N: the output's `logprobs` holds each token's log-probability under the target and its N
+        likeliest alternatives. Method options (max_ngram, window, skip_layers, ...): see `proposer`."""
+        check_keywords("generate", proposer_options,
+                       keyword_names(self.generate) | self.proposer_options() | SAMPLING_OPTIONS)
         if many_prompts(prompt):
             if stream:
                 raise ValueError("stream=True takes one prompt: stream them one at a time")
             return self._generate_many(list(cast(Sequence[Prompt], prompt)), stop, method=method, draft=draft, k=k,
                                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                       top_p=top_p, seed=seed, chat=chat, **proposer_options)
+                                       top_p=top_p, seed=seed, chat=chat, logprobs=logprobs, **proposer_options)
         gen = self.start(cast(Prompt, prompt), method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, **proposer_options)
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, logprobs=logprobs,
+                         **proposer_options)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         result = TextStream(self._pieces(gen, stops, method))
         if stream:
@@ -176,7 +184,7 @@ class LLM(Drafting):
                 engine.remove(request)
         method = options.get("method", DEFAULT_METHOD)
         return [GenerationOutput(text=t.text, token_ids=t.token_ids, finish_reason=t.finish or "length", method=method,
-                                 prompt_tokens=r.stats.prompt_tokens, stats=r.stats)
+                                 prompt_tokens=r.stats.prompt_tokens, stats=r.stats, logprobs=kept_logprobs(r, t))
                 for r, t in zip(requests, texts, strict=True)]
 
     def proposer_options(self) -> set[str]:
@@ -196,22 +204,25 @@ class LLM(Drafting):
         top_p: float = 1.0,
         seed: int | None = None,
         chat: bool = False,
+        logprobs: int | None = None,
         **proposer_options: Any,
     ) -> Generation:
         """A request on token ids, ready to run: each iteration runs one step and yields its new token ids
         (the benchmark steps several requests in turn). `generate` adds text, stop strings and streaming."""
-        check_keywords("start", proposer_options, keyword_names(self.start) | self.proposer_options())
+        check_keywords("start", proposer_options,
+                       keyword_names(self.start) | self.proposer_options() | SAMPLING_OPTIONS)
         engine, request = self._request(prompt, method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
-                                        **proposer_options)
+                                        logprobs=logprobs, **proposer_options)
         return Generation(engine, request)
 
     def _request(self, prompt: Prompt, *, method: str = DEFAULT_METHOD, draft: str | os.PathLike | LLM | None = None,
                  k: int | str = "auto", max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = False, engine: Engine | None = None,
-                 **proposer_options: Any) -> tuple[Engine, Request]:
+                 logprobs: int | None = None, **proposer_options: Any) -> tuple[Engine, Request]:
         """A request, and the engine it will run in (`engine`, else a new one priced for a request alone)."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        sampling = {name: proposer_options.pop(name) for name in list(proposer_options) if name in SAMPLING_OPTIONS}
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
         proposer = self.proposer(method, draft, k=k, **proposer_options)
         ids = self.encode(prompt, chat=chat)
         if engine is None:
@@ -220,7 +231,7 @@ class LLM(Drafting):
         key = f"{method}|{draft}|{sorted(proposer_options.items())}"
         policy = policy_for(k, proposer, engine.view, self.acceptance(key))
         request = Request(self.model.config.max_position_embeddings, proposer, ids, max_new_tokens=max_new_tokens,
-                          params=params, k=policy, stop_token_ids=self.stop_token_ids, seed=seed)
+                          params=params, k=policy, stop_token_ids=self.stop_token_ids, seed=seed, logprobs=logprobs)
         return engine, request
 
     def _pieces(self, gen: Generation, stops: list[str], method: str) -> Generator[str, None, GenerationOutput]:
@@ -235,7 +246,8 @@ class LLM(Drafting):
             gen.close()
             self.save_cost_model()
         return GenerationOutput(text=text.text, token_ids=text.token_ids, finish_reason=text.finish or "length",
-                                method=method, prompt_tokens=gen.stats.prompt_tokens, stats=gen.stats)
+                                method=method, prompt_tokens=gen.stats.prompt_tokens, stats=gen.stats,
+                                logprobs=kept_logprobs(gen.request, text))
 
 
 def kinds(items) -> str:
@@ -262,3 +274,7 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: st
     """Load a model by registry name, HF checkpoint dir or .gguf file (see `LLM.load` for quantization)."""
     return LLM.load(name_or_path, dtype=dtype, quantization=quantization)
 
+
+def kept_logprobs(request: Request, text: RequestText) -> list[TokenLogprob] | None:
+    """The request's token log-probabilities for the tokens its output kept (None unless asked for)."""
+    return None if request.logprobs is None else request.token_logprobs[: len(text.token_ids)]

@@ -119,14 +119,17 @@ class Engine:
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
             try:
                 logits = out.logits[i]
-                verdict = verify(tree, logits[: len(tree)], row.params, row.generator)
+                verdict = verify(tree, row.target_logits(tree, logits[: len(tree)]), row.params, row.generator)
                 self.cache.keep(i, contexts[i], verdict.path)
                 if row.hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
                     kept = verdict.path
                     path = slice(len(kept)) if kept[-1] == len(kept) - 1 else torch.tensor(kept, device=logits.device)
                     row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
                                                               for layer in row.hidden_layers])
-                results.append((row, row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, plain)))
+                new = row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, plain)
+                if row.logprobs is not None:  # token j was predicted at the path's node j
+                    row.record_logprobs(logits[verdict.path], new)
+                results.append((row, new))
             except Exception as e:  # noqa: BLE001
                 results.append((row, e))
         for row, result in results:  # failed rows leave now (their cache rows may be half-updated)
@@ -204,12 +207,12 @@ def policy_for(k: int | str, proposer: Proposer, cost: RowCost,
 
 def start(target: Transformer, prompt: list[int], *, proposer: Proposer | None = None, max_new_tokens: int = 64,
           params: SamplingParams | None = None, k: int | Policy = 4, stop_token_ids: Collection[int] = (),
-          seed: int | None = None, cost: ForwardCost | None = None) -> Generation:
+          seed: int | None = None, cost: ForwardCost | None = None, logprobs: int | None = None) -> Generation:
     """A request on token ids in an engine of its own, priced by `cost`, else its adaptive policy's (if any)."""
     cost = cost or (k.cost if isinstance(k, AdaptiveK) else CostModel.flat())
     request = Request(target.config.max_position_embeddings, proposer or NoProposer(), prompt,
                       max_new_tokens=max_new_tokens, params=params or SamplingParams(), k=k,
-                      stop_token_ids=stop_token_ids, seed=seed)
+                      stop_token_ids=stop_token_ids, seed=seed, logprobs=logprobs)
     return Generation(Engine(target, BatchCost.single(cost)), request)
 
 

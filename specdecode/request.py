@@ -14,12 +14,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .policy import FixedK, Policy, StepRecord
+from .processing import process
 from .proposers import Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
 from .verify import Verdict
 
 MAX_DRAFT_NODES = 256  # room kept in the KV cache for one step's guesses
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
 
 
 @dataclass
@@ -65,6 +67,16 @@ class GenerationStats:
         return out
 
 
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the target (its raw logits, before sampling parameters and
+    processing, as vLLM reports by default), and the most likely tokens at its position, most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 class Request:
     def __init__(
         self,
@@ -77,13 +89,17 @@ class Request:
         k: int | Policy,
         stop_token_ids: Collection[int] = (),
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> None:
         """context: the target's context length; k: a fixed number of tokens to guess per step, or a Policy that
-        decides each step (AdaptiveK)."""
+        decides each step (AdaptiveK); logprobs: None, or record each token's log-probability and this many
+        most likely alternatives (`token_logprobs`)."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {logprobs}")
         if len(prompt) + max_new_tokens > context:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
@@ -106,6 +122,8 @@ class Request:
         self.draft_seconds = 0.0
         self.started = time.perf_counter()  # reset when the request joins an engine
         self.finished = False
+        self.logprobs = logprobs
+        self.token_logprobs: list[TokenLogprob] = []
 
     @property
     def new_tokens(self) -> list[int]:
@@ -129,6 +147,11 @@ class Request:
             raise ValueError(f"{self.proposer.name} sent {nodes} tokens besides the root; at most {MAX_DRAFT_NODES}")
         self.proposal = proposal
         return proposal
+
+    def target_logits(self, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits at the tree's nodes as this request samples from them: processed by what each node's
+        history holds (bias, min_tokens, penalties; processing.py), the logits themselves when nothing is asked."""
+        return process(logits, tree, self.tokens, self.stats.prompt_tokens, self.params, self.stop_token_ids)
 
     def commit(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor, context: int,
                forward_seconds: float, plain_seconds: float = 0.0) -> list[int]:
@@ -161,6 +184,20 @@ class Request:
         stats.plain_seconds_estimate += len(new) * plain_seconds
         stats.seconds = time.perf_counter() - self.started
         return new
+
+    def record_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        """Log-probabilities of the tokens a step committed; logits [>= len(tokens), V]: row i is the target's at
+        token i's position (the verified path's nodes)."""
+        if self.logprobs is None or not tokens:
+            return
+        logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+        chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, device=logprobs.device)].tolist()
+        top: list[list[tuple[int, float]]] = [[] for _ in tokens]
+        if self.logprobs:
+            best = logprobs.topk(self.logprobs, dim=-1)
+            top = [list(zip(ids, values, strict=True)) for ids, values in zip(best.indices.tolist(),
+                                                                               best.values.tolist(), strict=True)]
+        self.token_logprobs += [TokenLogprob(*entry) for entry in zip(tokens, chosen, top, strict=True)]
 
     def finish(self) -> None:
         """The request left its engine (done, stopped by a stop string, cancelled or failed)."""

@@ -1,8 +1,12 @@
-"""Sampling parameters and the one logits processor applied to target and draft alike."""
+"""Sampling parameters and the one logits processor applied to target and draft alike (temperature, top-k,
+top-p, min-p); what depends on the generated tokens (bias, min_tokens, penalties) is processing.py's, applied to
+the target alone."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +16,13 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 = off
+    # processing.py, with each tree node's history: {token id: bias added to its logit} (a dict is accepted)
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    presence_penalty: float = 0.0  # minus this for every token the output holds
+    frequency_penalty: float = 0.0  # minus this for each time the output holds it
+    repetition_penalty: float = 1.0  # seen tokens (prompt and output): logit / this if positive, x this if not
+    min_tokens: int = 0  # stop tokens banned until this many tokens were generated
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature != float("inf")):
@@ -20,13 +31,33 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filtering), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        if any(t < 0 or math.isnan(b) or b == math.inf for t, b in bias):
+            raise ValueError("logit_bias maps token ids >= 0 to finite biases (or -inf to ban a token)")
+        object.__setattr__(self, "logit_bias", bias)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10 or math.isnan(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def processes(self) -> bool:
+        """Whether the target's logits are processed by what was generated (processing.py)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Processed distribution over the last dim: temperature, then top-k, then top-p.
+        """Processed distribution over the last dim: temperature, then top-k, then top-p, then min-p.
 
         Computed in float64 so the target's p and the draft's q are compared at full precision.
         """
@@ -42,7 +73,15 @@ class SamplingParams:
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
             probs = probs / probs.sum(-1, keepdim=True)
+        if self.min_p:
+            probs = probs.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
         return probs
+
+
+# what LLM.generate takes besides temperature, top_k and top_p, by name
+SAMPLING_OPTIONS = frozenset({"min_p", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                              "min_tokens"})
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -27,6 +27,7 @@ from specdecode.proposers import DraftModelProposer, HybridProposer, PromptLooku
 from specdecode.sampling import SamplingParams
 
 from .helpers import FrozenCost, noisy_copy, tiny_model
+from .test_processing import reference
 
 V = 8
 # Token 0 appears three times, each followed by a different token: prompt lookup guesses 7 (most
@@ -58,7 +59,10 @@ def exact_joint(target: Transformer, prompt: list[int], params: SamplingParams, 
                 continue
             ids = prompt + list(prefix)
             logits = target.forward(torch.tensor([ids]), target.new_cache(len(ids)), logits_at=slice(-1, None))
-            probs = params.probs(logits.logits[0, -1]).tolist()
+            last = logits.logits[0, -1]
+            if params.processes:  # bias and penalties, the plain way: this prefix is the whole history
+                last = reference(last, ids, len(prompt), params)
+            probs = params.probs(last).tolist()
             for token, p in enumerate(probs):
                 grown[prefix + (token,)] = mass * p
         joint = grown
@@ -123,6 +127,13 @@ CASES = {
                                                     AdaptiveK(STEEP, AcceptanceStats(), cheap=False)),
                         SamplingParams(temperature=1.0), 3, adaptive=True),
     "draft-auto": Case(lambda t, d: DraftModelProposer(d, V), SamplingParams(temperature=1.0), 3, adaptive=True),
+    # bias and penalties processed per tree node with its own history; the drafts' q stay unprocessed
+    "prompt-lookup-tree-penalties": Case(lambda t, d: PromptLookupProposer(branches=3), SamplingParams(
+        temperature=1.0, logit_bias={6: 0.8, 3: -1.5}, presence_penalty=0.6, frequency_penalty=0.5,
+        repetition_penalty=1.4), 3),
+    "draft-penalties": Case(lambda t, d: DraftModelProposer(d, V), SamplingParams(
+        temperature=0.9, top_k=6, min_p=0.05, presence_penalty=-0.4, frequency_penalty=0.8, repetition_penalty=0.8),
+        3),
 }
 
 

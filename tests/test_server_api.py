@@ -297,6 +297,71 @@ def post(server, path: str, body, **kwargs) -> httpx.Response:
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kwargs)
 
 
+def test_bias_penalties_and_stop_token_ids_are_honoured_with_speculation(server, llm):
+    """The target's logits processed by what each guess's history holds: the server's speculative output is the
+    library's plain decoding under the same processing, which differs from plain decoding without it."""
+    client = server.client()
+    llm.stop_token_ids = frozenset()  # as the server with ignore_eos
+    plain = llm.generate(PROMPTS[0], method="none", max_new_tokens=24)
+    processing = dict(logit_bias={plain.token_ids[0]: -100.0}, presence_penalty=0.8, frequency_penalty=0.6,
+                      repetition_penalty=1.3, min_p=0.05)
+    expected = llm.generate(PROMPTS[0], method="none", max_new_tokens=24, **processing)
+    assert expected.token_ids[0] != plain.token_ids[0] and expected.text != plain.text
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+        logit_bias={str(plain.token_ids[0]): -100}, presence_penalty=0.8, frequency_penalty=0.6,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05,
+                    "speculation": {"method": "prompt-lookup", "k": 3}})
+    assert r.choices[0].text == expected.text and r.usage.model_extra["drafted"] > 0
+    stop = expected.token_ids[5]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                  logit_bias={str(plain.token_ids[0]): -100}, presence_penalty=0.8,
+                                  frequency_penalty=0.6, extra_body={"ignore_eos": True, "repetition_penalty": 1.3,
+                                                                     "min_p": 0.05, "stop_token_ids": [stop]})
+    cut = expected.token_ids.index(stop)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == cut + 1
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True, "min_tokens": 12, "stop_token_ids": [stop]})
+    assert r.usage.completion_tokens >= 12  # the stop token was banned until then
+    for body, param in [({"logit_bias": {"99999999": 5}}, "logit_bias"), ({"logit_bias": {"x": 5}}, "logit_bias"),
+                        ({"logit_bias": {"3": 101}}, "logit_bias"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                        ({"presence_penalty": 3}, "presence_penalty"),
+                        ({"repetition_penalty": 0}, "repetition_penalty")]:
+        response = post(server, "/v1/completions", {**COMPLETION, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_logprobs_of_chat_and_completions_streamed_and_not(server, llm):
+    """Each token's log-probability under the target and its likeliest alternatives, as OpenAI shapes them for each
+    route; with speculation the library's plain decoding reports the same numbers."""
+    client = server.client()
+    llm.stop_token_ids = frozenset()
+    plain = llm.generate(PROMPTS[0], method="none", max_new_tokens=12, logprobs=2)
+    assert plain.logprobs is not None and len(plain.logprobs) == 12
+    c = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True, "speculation": {"method": "prompt-lookup", "k": 3}})
+    got = c.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx([t.logprob for t in plain.logprobs], abs=1e-6)
+    # each token's own text (a piece of a multi-byte character shows as U+FFFD, as in vLLM), offsets add up
+    assert got.tokens == [llm.tokenizer.decode([t.token]) for t in plain.logprobs]
+    assert got.text_offset == [sum(map(len, got.tokens[:i])) for i in range(12)]
+    assert all(len(top) == 2 and max(top.values()) >= lp - 1e-9 for top, lp in zip(got.top_logprobs,
+                                                                                    got.token_logprobs, strict=True))
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=10, temperature=0,
+                  logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 10 and whole.usage.completion_tokens == 10
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-9 for e in content)
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    r = post(server, "/v1/chat/completions", {**CHAT, "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs needs logprobs" in r.text
+    assert post(server, "/v1/completions", {**COMPLETION, "logprobs": 21}).status_code == 400
+
+
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 
@@ -308,16 +373,6 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", "required"),
     ("chat", "functions", [{"name": "f"}]),
-    ("chat", "logit_bias", {"5": -100}),
-    ("chat", "logprobs", True),
-    ("chat", "top_logprobs", 2),
-    ("completion", "logprobs", 0),
-    ("completion", "logprobs", 3),
-    ("chat", "min_tokens", 5),
-    ("chat", "repetition_penalty", 1.2),
-    ("completion", "presence_penalty", 0.5),
-    ("completion", "frequency_penalty", -1),
-    ("chat", "stop_token_ids", [3]),
     ("chat", "guided_json", {"type": "object"}),
     ("completion", "guided_choice", ["a", "b"]),
     ("chat", "chat_template", "{{ messages }}"),
@@ -325,7 +380,6 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
     ("completion", "best_of", 3),
     ("completion", "echo", True),
     ("completion", "suffix", "end"),
-    ("chat", "min_p", 0.1),
 ])
 def test_unsupported_fields_are_400s_naming_them(server, route, field, value):
     """Every field the audit found silently ignored: a 400 that names it and says it is not supported."""

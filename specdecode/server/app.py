@@ -126,15 +126,21 @@ class Server:
         method, k = self.speculation(req)
         temperature = 1.0 if req.temperature is None else req.temperature
         try:
+            bias, stop_ids = req.token_ids(self.llm.model.config.vocab_size)
             params = SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                                    top_k=req.top_k or 0)
+                                    top_k=req.top_k or 0, min_p=req.min_p or 0.0, logit_bias=tuple(bias.items()),
+                                    presence_penalty=req.presence_penalty or 0.0,
+                                    frequency_penalty=req.frequency_penalty or 0.0,
+                                    repetition_penalty=req.repetition_penalty or 1.0,
+                                    min_tokens=req.min_tokens or 0)
             proposer = self.llm.proposer(method, self.config.draft, k=k)  # set up at start: cached now
             acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
                                                                  AcceptanceStats())
             return method, engine_request.Request(
                 self.context, proposer, prompt, max_new_tokens=limit, params=params,
                 k=policy_for(k, proposer, self.engine.view, acceptance),
-                stop_token_ids=() if req.ignore_eos else self.llm.stop_token_ids, seed=req.seed)
+                stop_token_ids={*stop_ids, *(() if req.ignore_eos else self.llm.stop_token_ids)}, seed=req.seed,
+                logprobs=req.logprob_count)
         except ValueError as e:
             raise bad_request(str(e)) from None
         except FileNotFoundError as e:  # what the method needs is missing here (e.g. layer-skip's calibration text)
@@ -289,7 +295,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
             job.events.put_nowait(None)  # wakes the loop below: nobody is left to answer
 
         watcher = asyncio.create_task(watch())
-        text = []
+        text: list[str] = []
+        logprobs: list[dict] | None = None if job.row.logprobs is None else []
         try:
             while True:
                 event = await job.events.get()
@@ -297,10 +304,12 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
                     return Response(status_code=499)  # nginx's "client closed request", for the access log
                 if isinstance(event, Piece):
                     text.append(event.text)
+                    if logprobs is not None:
+                        logprobs += event.logprobs or []
                 elif isinstance(event, Failed):
                     raise event.error
                 else:
-                    choice = schemas.choice(kind, "".join(text), event.finish_reason, stream=False)
+                    choice = schemas.choice(kind, "".join(text), event.finish_reason, stream=False, logprobs=logprobs)
                     return JSONResponse(schemas.envelope(kind, rid, created, config.model_name, [choice],
                                                          stream=False, usage=event.usage))
         finally:
@@ -313,13 +322,16 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
                                     with_usage=with_usage)
             return f"data: {json.dumps(body)}\n\n"
 
+        sent = 0  # characters of text so far (completions' text_offset)
         try:
             if kind == "chat":  # OpenAI opens a chat stream with the role
                 yield chunk([schemas.choice(kind, "", None, stream=True, first=True)])
             while True:
                 event = await job.events.get()
                 if isinstance(event, Piece):
-                    yield chunk([schemas.choice(kind, event.text, None, stream=True)])
+                    yield chunk([schemas.choice(kind, event.text, None, stream=True, logprobs=event.logprobs,
+                                                offset=sent)])
+                    sent += len(event.text)
                 elif isinstance(event, Failed):
                     yield f"data: {json.dumps(event.error.body())}\n\n"
                     break

@@ -5,7 +5,7 @@ that sends `max_tokenz` or `response_format` must learn that it was not honoured
 Each field OpenAI or vLLM define falls in one of three groups:
 - honoured: the pydantic models in schemas.py validate and use it;
 - harmless: accepted and ignored, because it cannot change the output (`user`, `metadata`, ...);
-- not supported yet: accepted only with its neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: false`,
+- not supported yet: accepted only with its neutral value (`n: 1`, `logprobs: false`, `bad_words: []`,
   `tools: null`, ...), since clients often send defaults explicitly; any other value is a 400 naming the field.
 """
 
@@ -51,7 +51,7 @@ def _is(*values: Any) -> Neutral:
 CHANGES_DISTRIBUTION = "it changes the target's distribution, which the verifier does not apply yet"
 STRUCTURED = "structured output (grammar-constrained decoding) is not implemented yet"
 TOOLS = "tool and function calling are not implemented; describe the tools in the prompt instead"
-LOGPROBS = "log-probabilities are not returned yet"
+LOGPROBS = "log-probabilities of the prompt and raw token ids are not returned yet"
 
 # name -> (neutral value test, why not / what to do instead); shared by both routes
 UNSUPPORTED: dict[str, tuple[Neutral, str]] = {
@@ -59,16 +59,9 @@ UNSUPPORTED: dict[str, tuple[Neutral, str]] = {
     "best_of": (_one, "send several requests and pick the best yourself"),
     "use_beam_search": (_false, "beam search is not speculative decoding's job"),
     "length_penalty": (_one, "it only applies to beam search"),
-    "presence_penalty": (_zero, CHANGES_DISTRIBUTION),
-    "frequency_penalty": (_zero, CHANGES_DISTRIBUTION),
-    "repetition_penalty": (_one, CHANGES_DISTRIBUTION),
-    "logit_bias": (_empty, CHANGES_DISTRIBUTION),
-    "min_p": (_zero, CHANGES_DISTRIBUTION),
-    "min_tokens": (_zero, CHANGES_DISTRIBUTION),
     "bad_words": (_empty, CHANGES_DISTRIBUTION),
     "allowed_token_ids": (_null, CHANGES_DISTRIBUTION),
     "logits_processors": (_null, CHANGES_DISTRIBUTION),
-    "stop_token_ids": (_empty, "use `stop` strings (the model's end-of-turn tokens always stop)"),
     "include_stop_str_in_output": (_false, "the text always ends before a stop string"),
     "skip_special_tokens": (_true, "special tokens are always left out of the text"),
     "spaces_between_special_tokens": (_true, "special tokens are always left out of the text"),
@@ -87,8 +80,6 @@ UNSUPPORTED: dict[str, tuple[Neutral, str]] = {
     "structured_outputs": (_null, STRUCTURED),
 }
 UNSUPPORTED_CHAT: dict[str, tuple[Neutral, str]] = {
-    "logprobs": (_false, LOGPROBS),
-    "top_logprobs": (_null, LOGPROBS),
     "tools": (_empty, TOOLS),
     "tool_choice": (_is("none"), TOOLS),
     "functions": (_empty, TOOLS),
@@ -109,7 +100,6 @@ UNSUPPORTED_CHAT: dict[str, tuple[Neutral, str]] = {
     "echo": (_false, "the response holds the new text only"),
 }
 UNSUPPORTED_COMPLETION: dict[str, tuple[Neutral, str]] = {
-    "logprobs": (_null, LOGPROBS),  # 0 is not neutral here: it asks for the chosen tokens' log-probabilities
     "echo": (_false, "the response holds the new text only"),
     "suffix": (_is(""), "insertion (fill in the middle) is not supported"),
     "add_special_tokens": (_true, "the tokenizer always adds the model's special tokens to a text prompt"),

@@ -23,6 +23,7 @@ from ..engine import Engine
 from ..request import Request
 from .errors import APIError, internal_error, overloaded
 from .metrics import Metrics
+from .schemas import logprob_entries
 
 log = logging.getLogger("specdecode.server")
 
@@ -30,6 +31,7 @@ log = logging.getLogger("specdecode.server")
 @dataclass
 class Piece:
     text: str
+    logprobs: list[dict] | None = None  # entries of the tokens behind the step's text (schemas.logprob_entries)
 
 
 @dataclass
@@ -53,12 +55,19 @@ class LockedTokenizer:
         with self.lock:
             return self.tokenizer.decode(*args, **kwargs)
 
+    def token_text(self, ids: list[int]) -> list[str]:
+        """Each token's own text (a byte-fallback piece of a character shows as U+FFFD, as in vLLM)."""
+        with self.lock:
+            return [self.tokenizer.decode([i]) for i in ids]
+
 
 class Job:
     def __init__(self, row: Request, tokenizer: LockedTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop,
                  method: str = "none"):
         self.row, self.loop, self.method = row, loop, method  # method: the metrics' label
         self.text = RequestText(tokenizer, stops, row.stop_token_ids)
+        self.tokenizer = tokenizer
+        self.logprobs_sent = 0  # tokens whose log-probabilities went out
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.done = False
@@ -220,17 +229,30 @@ class Scheduler:
             self.metrics.first_token(job, now)
         piece = job.text.step(tokens, job.row.finish_reason)
         finish = job.text.finish
+        logprobs = self._logprobs(job)
         if piece:
             if job.last_piece_at is not None:
                 self.metrics.inter_token(job, now - job.last_piece_at)
             job.last_piece_at = now
-            job.emit(Piece(piece))
+        if piece or logprobs:
+            job.emit(Piece(piece, logprobs))
         if finish:
             self._leave(job)
             self.metrics.finished(job, finish, now, job.row.stats.new_tokens)
             if (speedup := job.row.stats.estimated_speedup) is not None:
                 self.metrics.estimated_speedup.labels(self.metrics.model_name, job.method).observe(speedup)
             self._close(job, finish, Done(finish, job.usage()))
+
+    @staticmethod
+    def _logprobs(job: Job) -> list[dict] | None:
+        """Entries of the tokens committed since the last ones sent, up to the text's end (a stop token, and what
+        a stop string cut, are not part of the answer)."""
+        if job.row.logprobs is None:
+            return None
+        kept = len(job.text.token_ids) - len(job.text.stop_token)
+        new = job.row.token_logprobs[job.logprobs_sent : kept]
+        job.logprobs_sent = max(job.logprobs_sent, kept)
+        return logprob_entries(new, job.tokenizer.token_text) if new else None
 
     def _leave(self, job: Job) -> None:
         if job.row in self.engine.rows:

@@ -11,14 +11,17 @@ import time
 import uuid
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..request import MAX_LOGPROBS, TokenLogprob
 from .errors import bad_request
 from .fields import screen, unknown
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # a stop string is held back from a stream until it cannot match: keep that short
 MAX_K = 64  # guesses per step a request may fix (a draft model proposes them one forward at a time)
+MAX_LOGIT_BIAS = 300  # as OpenAI
+MAX_STOP_TOKEN_IDS = 64
 
 
 class Strict(BaseModel):
@@ -53,10 +56,44 @@ class Common(Strict):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # extensions
+    # the target's logits processed by what was generated (processing.py), with each draft-tree node's own history
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as OpenAI sends it: a string) -> bias in [-100, 100]
+    # extensions (vLLM's names)
     speculation: Speculation | bool | None = None
     top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias):
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+        out = {}
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (strings of digits), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
+            out[key] = value
+        return out
+
+    def token_ids(self, vocab: int) -> tuple[dict[int, float], list[int]]:
+        """(logit_bias by token id, stop_token_ids), checked against the vocabulary's size."""
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        for name, ids in (("logit_bias", bias), ("stop_token_ids", self.stop_token_ids or [])):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise bad_request(f"{name} names token {outside[0]}, outside the vocabulary of {vocab} tokens",
+                                  param=name)
+        return bias, list(self.stop_token_ids or [])
 
     @field_validator("stop")
     @classmethod
@@ -95,6 +132,19 @@ class Message(Strict):
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to report (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def limit(self) -> int | None:
@@ -106,6 +156,11 @@ class ChatRequest(Common):
 
 class CompletionRequest(Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # 0: the chosen tokens' only
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def limit(self) -> int:
@@ -200,16 +255,44 @@ def now() -> int:
     return int(time.time())
 
 
-def choice(kind: str, text: str | None, finish_reason: str | None, *, stream: bool, first: bool = False) -> dict:
+def choice(kind: str, text: str | None, finish_reason: str | None, *, stream: bool, first: bool = False,
+           logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+    """One choice; logprobs: entries as `logprob_entries` makes them (None: not asked for), shaped as the route's
+    API wants them; offset: characters of text the stream sent before this choice's (completions' text_offset)."""
     if kind == "completion":
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None if logprobs is None else
+                completion_logprobs(logprobs, offset), "finish_reason": finish_reason}
+    chat_logprobs = None if logprobs is None else {"content": logprobs, "refusal": None}
     if not stream:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": chat_logprobs,
                 "finish_reason": finish_reason}
     delta: dict = {} if text is None else {"content": text}
     if first:
         delta["role"] = "assistant"
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "delta": delta, "logprobs": chat_logprobs, "finish_reason": finish_reason}
+
+
+def logprob_entries(logprobs: list[TokenLogprob], token_text) -> list[dict]:
+    """Chat's per-token entries (token, logprob, bytes, top_logprobs); token_text(ids) -> each id's text."""
+    texts = token_text([t.token for t in logprobs] + [alt for t in logprobs for alt, _ in t.top])
+    chosen, alternatives = texts[: len(logprobs)], iter(texts[len(logprobs):])
+
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [{**entry(text, t.logprob), "top_logprobs": [entry(next(alternatives), lp) for _, lp in t.top]}
+            for text, t in zip(chosen, logprobs, strict=True)]
+
+
+def completion_logprobs(entries: list[dict], offset: int) -> dict:
+    """The completions API's shape of the same entries: parallel lists, alternatives as {token: logprob}."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict], *, stream: bool,
