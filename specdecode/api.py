@@ -13,6 +13,7 @@ from .cost import CostModel
 from .detokenize import RequestText
 from .drafting import AUTO_BRANCHES, METHODS, SHIPPED_EAGLE, Drafting, check_same_tokenizer
 from .engine import Engine, Generation, policy_for
+from .grammar import GrammarTokenizer, StructuredOutput
 from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.loading import DTYPES, load_model
@@ -64,6 +65,7 @@ class LLM(Drafting):
         super().__init__(model, tokenizer, name)
         self.stop_token_ids = stop_token_ids(tokenizer)
         self._acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method and options
+        self._grammar: GrammarTokenizer | None = None
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
@@ -131,6 +133,7 @@ class LLM(Drafting):
         chat: bool = False,
         stream: bool = False,
         logprobs: int | None = None,
+        structured: StructuredOutput | dict[str, Any] | None = None,
         **proposer_options: Any,
     ) -> GenerationOutput | TextStream | list[GenerationOutput]:
         """Text for `prompt` (a string, token ids or chat messages), by default with prompt lookup and k='auto'
@@ -138,7 +141,9 @@ class LLM(Drafting):
         Sampling options besides temperature, top_k and top_p (min_p, logit_bias, presence_penalty,
         frequency_penalty, repetition_penalty, min_tokens): see SamplingParams; speculation stays lossless under
         them. logprobs=N: the output's `logprobs` holds each token's log-probability under the target and its N
-        likeliest alternatives. Method options (max_ngram, window, skip_layers, ...): see `proposer`."""
+        likeliest alternatives. structured={"json": schema} (or {"json": True}: any JSON object), {"regex": r} or
+        {"choice": [...]}: the output follows it (through the grammar; still lossless: exactly structured plain
+        decoding). Method options (max_ngram, window, skip_layers, ...): see `proposer`."""
         check_keywords("generate", proposer_options,
                        keyword_names(self.generate) | self.proposer_options() | SAMPLING_OPTIONS)
         if many_prompts(prompt):
@@ -146,10 +151,11 @@ class LLM(Drafting):
                 raise ValueError("stream=True takes one prompt: stream them one at a time")
             return self._generate_many(list(cast(Sequence[Prompt], prompt)), stop, method=method, draft=draft, k=k,
                                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                       top_p=top_p, seed=seed, chat=chat, logprobs=logprobs, **proposer_options)
+                                       top_p=top_p, seed=seed, chat=chat, logprobs=logprobs, structured=structured,
+                                       **proposer_options)
         gen = self.start(cast(Prompt, prompt), method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat, logprobs=logprobs,
-                         **proposer_options)
+                         structured=structured, **proposer_options)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         result = TextStream(self._pieces(gen, stops, method))
         if stream:
@@ -187,6 +193,12 @@ class LLM(Drafting):
                                  prompt_tokens=r.stats.prompt_tokens, stats=r.stats, logprobs=kept_logprobs(r, t))
                 for r, t in zip(requests, texts, strict=True)]
 
+    def grammar(self) -> GrammarTokenizer:
+        """The tokenizer as the structured-output grammars read it (built at first use, about half a second)."""
+        if self._grammar is None:
+            self._grammar = GrammarTokenizer(self.tokenizer, self.model.config.vocab_size, self.stop_token_ids)
+        return self._grammar
+
     def proposer_options(self) -> set[str]:
         """The method options generate() and start() pass on to `proposer`."""
         return keyword_names(self.proposer) - {"method", "draft", "k"}
@@ -205,6 +217,7 @@ class LLM(Drafting):
         seed: int | None = None,
         chat: bool = False,
         logprobs: int | None = None,
+        structured: StructuredOutput | dict[str, Any] | None = None,
         **proposer_options: Any,
     ) -> Generation:
         """A request on token ids, ready to run: each iteration runs one step and yields its new token ids
@@ -213,13 +226,14 @@ class LLM(Drafting):
                        keyword_names(self.start) | self.proposer_options() | SAMPLING_OPTIONS)
         engine, request = self._request(prompt, method=method, draft=draft, k=k, max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
-                                        logprobs=logprobs, **proposer_options)
+                                        logprobs=logprobs, structured=structured, **proposer_options)
         return Generation(engine, request)
 
     def _request(self, prompt: Prompt, *, method: str = DEFAULT_METHOD, draft: str | os.PathLike | LLM | None = None,
                  k: int | str = "auto", max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = False, engine: Engine | None = None,
-                 logprobs: int | None = None, **proposer_options: Any) -> tuple[Engine, Request]:
+                 logprobs: int | None = None, structured: StructuredOutput | dict[str, Any] | None = None,
+                 **proposer_options: Any) -> tuple[Engine, Request]:
         """A request, and the engine it will run in (`engine`, else a new one priced for a request alone)."""
         sampling = {name: proposer_options.pop(name) for name in list(proposer_options) if name in SAMPLING_OPTIONS}
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, **sampling)
@@ -231,7 +245,8 @@ class LLM(Drafting):
         key = f"{method}|{draft}|{sorted(proposer_options.items())}"
         policy = policy_for(k, proposer, engine.view, self.acceptance(key))
         request = Request(self.model.config.max_position_embeddings, proposer, ids, max_new_tokens=max_new_tokens,
-                          params=params, k=policy, stop_token_ids=self.stop_token_ids, seed=seed, logprobs=logprobs)
+                          params=params, k=policy, stop_token_ids=self.stop_token_ids, seed=seed, logprobs=logprobs,
+                          constraint=None if structured is None else self.grammar().constraint(structured))
         return engine, request
 
     def _pieces(self, gen: Generation, stops: list[str], method: str) -> Generator[str, None, GenerationOutput]:

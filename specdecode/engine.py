@@ -119,7 +119,8 @@ class Engine:
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
             try:
                 logits = out.logits[i]
-                verdict = verify(tree, row.target_logits(tree, logits[: len(tree)]), row.params, row.generator)
+                verdict = verify(tree, row.target_logits(tree, logits[: len(tree)]), row.params, row.generator,
+                                 row.constraint)
                 self.cache.keep(i, contexts[i], verdict.path)
                 if row.hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
                     kept = verdict.path

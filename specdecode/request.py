@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .grammar import Constraint
 from .policy import FixedK, Policy, StepRecord
 from .processing import process
 from .proposers import Proposer
@@ -90,10 +91,11 @@ class Request:
         stop_token_ids: Collection[int] = (),
         seed: int | None = None,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         """context: the target's context length; k: a fixed number of tokens to guess per step, or a Policy that
         decides each step (AdaptiveK); logprobs: None, or record each token's log-probability and this many
-        most likely alternatives (`token_logprobs`)."""
+        most likely alternatives (`token_logprobs`); constraint: the grammar of a structured output (grammar.py)."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if max_new_tokens < 1:
@@ -123,6 +125,7 @@ class Request:
         self.started = time.perf_counter()  # reset when the request joins an engine
         self.finished = False
         self.logprobs = logprobs
+        self.constraint = constraint
         self.token_logprobs: list[TokenLogprob] = []
 
     @property

@@ -10,16 +10,23 @@ When no child is accepted, the next token is drawn from the current p. A point-m
 has q(x) = 1, so it is accepted with probability p(x) and rejection zeroes p(x).
 This is exact when each child was drawn from its q independently of its rejected siblings
 (deterministic guesses, or draws with replacement), which is what every proposer here produces.
+
+Structured output (grammar.py): each node's logits are masked with the grammar's state at that node as the walk
+reaches it (only nodes on the accepted path are ever masked), and the state follows the accepted tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling import SamplingParams, sample
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 
 @dataclass
@@ -33,32 +40,41 @@ class Verdict:
 
 
 def verify(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    constraint: Constraint | None = None,
 ) -> Verdict:
-    """logits: [n, V], row i = the target's logits after node i."""
+    """logits: [n, V], row i = the target's logits after node i; constraint: a grammar the tokens must follow
+    (advanced here by every token of the verdict, the next token included)."""
     if params.greedy:
-        return _verify_greedy(tree, logits)
-    return _verify_sampled(tree, logits, params, generator)
+        verdict = _verify_greedy(tree, logits, constraint)
+    else:
+        verdict = _verify_sampled(tree, logits, params, generator, constraint)
+    if constraint is not None:
+        constraint.advance(verdict.next_token)
+    return verdict
 
 
-def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    best = logits.argmax(dim=-1).tolist()
+def _verify_greedy(tree: DraftTree, logits: torch.Tensor, constraint: Constraint | None) -> Verdict:
+    best = logits.argmax(dim=-1).tolist() if constraint is None else None
     node, path = 0, [0]
     while True:
-        target_token = best[node]
+        target_token = best[node] if best is not None else int(constraint.mask(logits[node]).argmax())
         child = next((c for c in tree.children(node) if tree.tokens[c] == target_token), None)
         if child is None:
             return Verdict(path, target_token)
+        if constraint is not None:
+            constraint.advance(target_token)
         path.append(child)
         node = child
 
 
 def _verify_sampled(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    constraint: Constraint | None,
 ) -> Verdict:
     node, path = 0, [0]
     while True:
-        p = params.probs(logits[node])
+        p = params.probs(logits[node] if constraint is None else constraint.mask(logits[node]))
         accepted = None
         for child in tree.children(node):
             x, q = tree.tokens[child], tree.draft_probs[child]
@@ -70,6 +86,8 @@ def _verify_sampled(
             p = residual(p, x, q)
         if accepted is None:
             return Verdict(path, sample(p, generator))
+        if constraint is not None:
+            constraint.advance(tree.tokens[accepted])
         path.append(accepted)
         node = accepted
 

@@ -362,20 +362,52 @@ def test_logprobs_of_chat_and_completions_streamed_and_not(server, llm):
     assert post(server, "/v1/completions", {**COMPLETION, "logprobs": 21}).status_code == 400
 
 
+def test_structured_output_through_response_format_and_guided_fields(server, llm):
+    """JSON schema (OpenAI's response_format and vLLM's guided_json), regex and choice: the text follows them, with
+    speculation exactly as structured plain decoding in the library writes it; bad grammars are 400s."""
+    client = server.client()
+    llm.stop_token_ids = frozenset()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    expected = llm.generate(PROMPTS[0], method="none", max_new_tokens=60, structured={"json": schema})
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0,
+                                  extra_body={"ignore_eos": True, "guided_json": schema,
+                                              "speculation": {"method": "prompt-lookup", "k": 3}})
+    assert r.choices[0].text == expected.text and expected.text.startswith("{")
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "ab", "schema": schema, "strict": True}})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert set(json.loads(text)) == {"a", "b"}
+    else:
+        assert text.startswith("{")
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                  extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert r.choices[0].text in ("red", "green", "blue") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0.9, seed=3,
+                                  extra_body={"guided_regex": "[a-c]{3}-[0-9]{2}"})
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    for body, param in [({"response_format": {"type": "bogus"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format"),
+                        ({"guided_json": {"type": "bogus"}}, "guided_json"),
+                        ({"guided_json": "{not json"}, "guided_json"),
+                        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex")]:
+        response = post(server, "/v1/completions", {**COMPLETION, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 
 
 @pytest.mark.parametrize("route,field,value", [
-    ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("chat", "response_format", {"type": "bogus"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", "required"),
     ("chat", "functions", [{"name": "f"}]),
-    ("chat", "guided_json", {"type": "object"}),
-    ("completion", "guided_choice", ["a", "b"]),
     ("chat", "chat_template", "{{ messages }}"),
+    ("chat", "guided_grammar", "start: 'a'"),
+    ("completion", "structured_outputs", {"json": {"type": "object"}}),
     ("completion", "n", 2),
     ("completion", "best_of", 3),
     ("completion", "echo", True),

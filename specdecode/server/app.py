@@ -30,6 +30,7 @@ from ..acceptance import AcceptanceStats
 from ..api import LLM
 from ..batch_cost import BatchCost
 from ..engine import Engine, policy_for
+from ..grammar import Constraint
 from ..sampling import SamplingParams
 from . import schemas
 from .body import MAX_REQUEST_BYTES, parse_json, read_body
@@ -71,6 +72,7 @@ class Server:
         self.llm, self.config = llm, config
         self.context = llm.model.config.max_position_embeddings
         warm_up(llm, config.allowed, config.draft)
+        llm.grammar()  # structured output's view of the tokenizer (half a second): at start, never in a request
         self.metrics = Metrics(config.model_name, self.context)
         self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
         self.engine = Engine(llm.model, cost)
@@ -140,12 +142,21 @@ class Server:
                 self.context, proposer, prompt, max_new_tokens=limit, params=params,
                 k=policy_for(k, proposer, self.engine.view, acceptance),
                 stop_token_ids={*stop_ids, *(() if req.ignore_eos else self.llm.stop_token_ids)}, seed=req.seed,
-                logprobs=req.logprob_count)
+                logprobs=req.logprob_count, constraint=self.constraint(req))
         except ValueError as e:
             raise bad_request(str(e)) from None
         except FileNotFoundError as e:  # what the method needs is missing here (e.g. layer-skip's calibration text)
             raise bad_request(f"speculation method {method!r} is not available on this server: {e}",
                               param="speculation") from None
+
+    def constraint(self, req: schemas.GenerationRequest) -> Constraint | None:
+        spec = req.structured()
+        try:
+            return None if spec is None else self.llm.grammar().constraint(spec)
+        except ValueError as e:
+            field = "response_format" if req.response_format is not None else next(
+                name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(req, name) is not None)
+            raise bad_request(str(e), param=field) from None
 
     def encode(self, req: schemas.GenerationRequest | schemas.TokenizeChat | schemas.TokenizeCompletion) -> list[int]:
         try:

@@ -49,7 +49,8 @@ def _is(*values: Any) -> Neutral:
 
 
 CHANGES_DISTRIBUTION = "it changes the target's distribution, which the verifier does not apply yet"
-STRUCTURED = "structured output (grammar-constrained decoding) is not implemented yet"
+STRUCTURED = ("this form of structured output is not supported: use response_format (json_object, json_schema) "
+              "or guided_json, guided_regex, guided_choice")
 TOOLS = "tool and function calling are not implemented; describe the tools in the prompt instead"
 LOGPROBS = "log-probabilities of the prompt and raw token ids are not returned yet"
 
@@ -69,10 +70,6 @@ UNSUPPORTED: dict[str, tuple[Neutral, str]] = {
     "prompt_logprobs": (_null, LOGPROBS),
     "return_tokens_as_token_ids": (_false, LOGPROBS),
     "priority": (_zero, "requests are served first come, first served"),
-    "response_format": (_is({"type": "text"}), STRUCTURED),
-    "guided_json": (_null, STRUCTURED),
-    "guided_regex": (_null, STRUCTURED),
-    "guided_choice": (_null, STRUCTURED),
     "guided_grammar": (_null, STRUCTURED),
     "guided_decoding_backend": (_null, STRUCTURED),
     "guided_whitespace_pattern": (_null, STRUCTURED),

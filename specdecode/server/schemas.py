@@ -7,6 +7,7 @@ field. The models themselves forbid extra fields, so nothing can slip through un
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Literal, TypeVar
@@ -22,6 +23,8 @@ MAX_STOP_CHARS = 256  # a stop string is held back from a stream until it cannot
 MAX_K = 64  # guesses per step a request may fix (a draft model proposes them one forward at a time)
 MAX_LOGIT_BIAS = 300  # as OpenAI
 MAX_STOP_TOKEN_IDS = 64
+MAX_GRAMMAR_CHARS = 8192  # a regular expression's length
+MAX_CHOICES = 256
 
 
 class Strict(BaseModel):
@@ -40,6 +43,24 @@ class Speculation(Strict):
         if isinstance(k, int) and not 0 <= k <= MAX_K:
             raise ValueError(f"k must be 'auto' or an integer in [0, {MAX_K}]")
         return k
+
+
+class JsonSchema(Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        return self
 
 
 class StreamOptions(Strict):
@@ -68,6 +89,36 @@ class Common(Strict):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    # structured output (grammar.py): OpenAI's response_format, or vLLM's guided_* fields (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+
+    def structured(self) -> dict | None:
+        """What the output must follow, as LLM.generate's `structured` takes it (None: free text)."""
+        asked = {name: value for name, value in (("response_format", self.response_format),
+                 ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                 ("guided_choice", self.guided_choice)) if value is not None}
+        if isinstance(self.response_format, ResponseFormat) and self.response_format.type == "text":
+            asked.pop("response_format")
+        if len(asked) > 1:
+            raise bad_request(f"ask for one structured output at a time, got {', '.join(asked)}",
+                              param=next(iter(asked)))
+        if not asked:
+            return None
+        name, value = asked.popitem()
+        if name == "response_format":
+            return {"json": value.json_schema.schema_ if value.json_schema else True}
+        if name == "guided_json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise bad_request("guided_json must be a JSON schema (an object, or a string holding one)",
+                                      param=name) from None
+            return {"json": value if isinstance(value, dict) else True}
+        return {"regex": value} if name == "guided_regex" else {"choice": value}
 
     @field_validator("logit_bias")
     @classmethod
