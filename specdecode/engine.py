@@ -57,12 +57,15 @@ class Engine:
         request.stats.prefill_seconds = time.perf_counter() - request.started
 
     def remove(self, request: Request) -> None:
-        """Drop a request (its cache row is freed now); the last row moves into its place."""
+        """Drop a request (its cache row is freed now); the last row moves into its place; an empty batch gives
+        its cache memory back."""
         i, last = self.rows.index(request), len(self.rows) - 1
         self.cache.move(last, i)
         self.cache.lengths[last] = 0
         self.rows[i] = self.rows[last]
         self.rows.pop()
+        if not self.rows:
+            self.cache.release()  # the batch emptied: its memory goes back (a burst's long rows included)
         request.finish()
 
     def choose(self, proposals: list[DraftTree], contexts: list[int]) -> list[DraftTree]:

@@ -139,3 +139,37 @@ def test_batch_keep_moves_a_tree_path_and_checks_every_range(indices: list[int])
     cache.keep(1, 5, indices)
     assert cache.lengths[1] == 5 + len(indices)
     assert cache.kv[0, 0, 1, 0, : cache.lengths[1], 0].tolist() == [0, 1, 2, 3, 4, *(5 + i for i in indices)]
+
+
+def test_an_engine_gives_its_cache_memory_back_when_its_batch_empties() -> None:
+    """A long request grows the batch's cache (rows and positions); once every request has left, the cache is back
+    to its starting size, and the next request runs as before."""
+    from specdecode.batch_cost import BatchCost
+    from specdecode.cost import CostModel
+    from specdecode.engine import Engine, generate_ids
+    from specdecode.proposers import NoProposer
+    from specdecode.request import Request
+    from specdecode.sampling import SamplingParams
+
+    from .helpers import tiny_model
+
+    model = tiny_model(0, vocab_size=56, max_position_embeddings=2048)
+    engine = Engine(model, BatchCost.single(CostModel.flat()))
+    start = engine.cache.kv.numel()
+
+    def request(n: int) -> Request:
+        return Request(2048, NoProposer(), [i % 50 for i in range(n)], max_new_tokens=4, params=SamplingParams(), k=0)
+
+    long, short = request(900), request(5)
+    engine.add(long)
+    engine.add(short)
+    grown = engine.cache.kv.numel()
+    assert grown >= 4 * start
+    engine.step()
+    engine.remove(long)
+    assert engine.cache.kv.numel() == grown  # a row still runs: nothing moves under it
+    engine.remove(short)
+    assert engine.cache.kv.numel() == start and engine.cache.lengths == [0] * engine.cache.batch_size
+    again = request(5)
+    engine.add(again)
+    assert engine.step()[0][1] == generate_ids(model, again.tokens[:5], max_new_tokens=1)[0]

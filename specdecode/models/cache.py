@@ -79,6 +79,7 @@ class BatchKVCache:
         self.kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
         self.lengths = [0] * batch_size
         self.limit = limit
+        self.initial = (batch_size, max_len)  # what `release` shrinks back to
         self._write: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (rows, positions, keys visible)
 
     @property
@@ -104,6 +105,17 @@ class BatchKVCache:
             kv[:, :, : self.batch_size, :, : self.max_len] = self.kv
         self.kv = kv
         self.lengths += [0] * (new_rows - len(self.lengths))
+
+    def release(self) -> None:
+        """Shrink back to the size it started with once no row holds anything (a burst of long requests must not
+        keep its memory: the freed tensor goes back to the system)."""
+        if any(self.lengths) or (self.batch_size, self.max_len) == self.initial:
+            return
+        shape = list(self.kv.shape)
+        shape[2], shape[4] = self.initial
+        with torch.inference_mode(False):
+            self.kv = torch.zeros(shape, dtype=self.kv.dtype, device=self.kv.device)
+        self.lengths = [0] * self.initial[0]
 
     def begin_step(self, starts: torch.Tensor, n: int) -> int:
         """A batched forward of n tokens per row starts: row b writes at starts[b]..; returns the keys seen."""
