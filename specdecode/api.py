@@ -82,7 +82,13 @@ class LLM(Drafting):
         return cls(model, tokenizer, name=str(name_or_path))
 
     # ---------------------------------------------------------------------------------- prompts
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool = False, *, chat_template: str | None = None,
+               add_generation_prompt: bool = True, continue_final_message: bool = False,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a prompt; chat messages (or a string with chat=True) through the chat template: the
+        tokenizer's own, or `chat_template` (Jinja, run in transformers' sandbox), with the assistant's turn opened
+        (add_generation_prompt) or the last message continued (continue_final_message); template_kwargs: more
+        variables for the template (e.g. enable_thinking)."""
         if isinstance(prompt, str) and not chat:
             return list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, str):
@@ -90,9 +96,19 @@ class LLM(Drafting):
         if prompt and isinstance(prompt[0], dict):
             if not all(isinstance(m, dict) for m in prompt):
                 raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")
-            if not self.tokenizer.chat_template:
+            if not (chat_template or self.tokenizer.chat_template):
                 raise ValueError(f"{self.name}'s tokenizer has no chat template: pass a plain string without chat")
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
+            if add_generation_prompt and continue_final_message:
+                raise ValueError("add_generation_prompt and continue_final_message exclude each other: a new "
+                                 "assistant turn, or the last message continued")
+            import jinja2
+
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    list(prompt), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, return_dict=False, **(template_kwargs or {}))
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the chat template failed: {e}") from None
             return list(ids)
         if not all(isinstance(t, int) or hasattr(t, "__index__") for t in prompt):
             raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")

@@ -87,12 +87,19 @@ class ServerProcess:
         return self.proc.returncode
 
 
+SERVER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+REQUEST_TEMPLATE = "{% for m in messages %}{{ m['content'] }} | {% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Two servers started together on the tiny checkpoint: the main one and a one-slot one without a queue."""
     checkpoint, cache, llm = server_files(tmp_path_factory.mktemp("server"), max_batches=(16, 1))
     main = ServerProcess(checkpoint, cache, "--max-batch", "16", "--max-queue", "8")
-    small = ServerProcess(checkpoint, cache, "--max-batch", "1", "--max-queue", "0", "--shutdown-timeout", "20")
+    template = checkpoint.parent / "template.jinja"
+    template.write_text(SERVER_TEMPLATE)
+    small = ServerProcess(checkpoint, cache, "--max-batch", "1", "--max-queue", "0", "--shutdown-timeout", "20",
+                          "--chat-template", str(template), "--trust-request-chat-template")
     try:
         main.wait_ready()
         small.wait_ready()
@@ -405,7 +412,6 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", "required"),
     ("chat", "functions", [{"name": "f"}]),
-    ("chat", "chat_template", "{{ messages }}"),
     ("chat", "guided_grammar", "start: 'a'"),
     ("completion", "structured_outputs", {"json": {"type": "object"}}),
     ("completion", "n", 2),
@@ -570,6 +576,32 @@ def test_vllm_metrics_with_model_and_method_labels(server):
     assert server.metric("vllm:inter_token_latency_seconds_count", **labels) > 0
     assert server.metric("vllm:num_requests_running", model_name=MODEL) == 0
     assert 0 <= server.metric("vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
+
+
+def test_chat_templates_of_the_server_and_of_a_request(setup, server, llm):
+    """--chat-template replaces the tokenizer's; a request's own template only with --trust-request-chat-template;
+    continue_final_message continues the assistant's last message instead of opening a new turn."""
+    small = setup[1]  # started with --chat-template and --trust-request-chat-template
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    tokens = httpx.post(small.url + "/tokenize", json={"model": MODEL, "messages": messages},
+                        headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
+    assert tokens == llm.encode(messages, chat=True, chat_template=SERVER_TEMPLATE)
+    own = small.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                  extra_body={"chat_template": REQUEST_TEMPLATE})
+    assert own.usage.prompt_tokens == len(llm.encode(messages, chat=True, chat_template=REQUEST_TEMPLATE))
+    r = post(server, "/v1/chat/completions", {**CHAT, "chat_template": REQUEST_TEMPLATE})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    r = post(small, "/v1/chat/completions", {**CHAT, "chat_template": "{% for m in messages %}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    partial = [*messages, {"role": "assistant", "content": "The fox"}]
+    cont = server.client().chat.completions.create(
+        model=MODEL, messages=partial, max_tokens=4, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    expected = llm.encode(partial, chat=True, add_generation_prompt=False, continue_final_message=True)
+    assert cont.usage.prompt_tokens == len(expected) and llm.tokenizer.decode(expected).endswith("The fox")
+    r = post(server, "/v1/chat/completions", {**CHAT, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_full_queue_then_graceful_shutdown(setup):

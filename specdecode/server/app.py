@@ -52,6 +52,7 @@ class ServerConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS  # what requests may ask for: set up before the first request
     max_request_bytes: int = MAX_REQUEST_BYTES
     replica: str | None = None  # a name /health reports (one replica of several behind Ray Serve)
+    trust_request_chat_template: bool = False  # a request may bring its own chat template (Jinja, sandboxed)
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -161,14 +162,26 @@ class Server:
     def encode(self, req: schemas.GenerationRequest | schemas.TokenizeChat | schemas.TokenizeCompletion) -> list[int]:
         try:
             with self.encode_lock:
-                if isinstance(req, schemas.ChatRequest | schemas.TokenizeChat):
+                if isinstance(req, schemas.ChatRequest):
+                    if req.chat_template is not None and not self.config.trust_request_chat_template:
+                        raise bad_request("a request's own chat_template is refused unless the server runs with "
+                                          "--trust-request-chat-template (its --chat-template sets the default)",
+                                          param="chat_template")
+                    return self.llm.encode(req.chat(), chat=True, chat_template=req.chat_template,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message,
+                                           template_kwargs=req.chat_template_kwargs)
+                if isinstance(req, schemas.TokenizeChat):
                     return self.llm.encode(req.chat(), chat=True)
                 if isinstance(req, schemas.TokenizeCompletion):
                     return list(self.llm.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
                                 ["input_ids"])
                 return self.llm.encode(req.single_prompt())
         except ValueError as e:
-            raise bad_request(str(e), param="prompt") from None
+            message = str(e)
+            param = "chat_template" if "chat template" in message else \
+                "continue_final_message" if "exclude each other" in message else "prompt"
+            raise bad_request(message, param=param) from None
 
     def tokenize(self, raw: bytes) -> dict:
         req = schemas.parse_tokenize(parse_json(raw))

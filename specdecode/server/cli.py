@@ -44,6 +44,10 @@ def add_parser(sub) -> None:
                         "joins the Ray cluster at $RAY_ADDRESS, else starts a local one)")
     s.add_argument("--replica-cpus", type=float, default=1.0,
                    help="with --replicas: CPUs Ray reserves for each replica (its torch threads)")
+    s.add_argument("--chat-template", help="the chat template to use instead of the tokenizer's (a Jinja file, or the "
+                   "template itself)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request bring its own chat_template (run in transformers' Jinja sandbox)")
     s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY, else none)")
     add_precision_args(s)
@@ -69,7 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    methods=methods, k=args.k if args.k == "auto" else int(args.k), draft=args.draft,
                    max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
                    max_request_bytes=args.max_request_bytes, dtype=args.dtype, quantization=quantization(args),
-                   threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens)
+                   threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens,
+                   chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template)
     if args.replicas is not None:
         from .ray_app import run_replicas
 

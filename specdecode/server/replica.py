@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from ..api import LLM
@@ -16,7 +17,8 @@ log = logging.getLogger("specdecode.server")
 
 def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, ServerConfig, BatchCost]:
     """options: the keys cmd_serve fills (model, served_model_name, method, methods, k, draft, max_batch,
-    max_queue, api_key, max_request_bytes, dtype, quantization, threads, suffix_cache_tokens)."""
+    max_queue, api_key, max_request_bytes, dtype, quantization, threads, suffix_cache_tokens, chat_template,
+    trust_request_chat_template)."""
     if options.get("threads"):
         import torch
 
@@ -25,11 +27,24 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
     llm = LLM.load(options["model"], dtype=options.get("dtype", "float32"),
                    quantization=options.get("quantization", "auto"))
     llm.suffix_cache(options.get("suffix_cache_tokens"))
+    if options.get("chat_template"):
+        llm.tokenizer.chat_template = read_template(options["chat_template"])
     warm_up(llm, options["methods"], options.get("draft"))  # before the batch's timing: fail fast
     log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
     cost = BatchCost.for_model(llm.model, options["max_batch"], llm.cost_model())
     config = ServerConfig(model_name=options["served_model_name"], method=options["method"], k=options["k"],
                           draft=options.get("draft"), max_batch=options["max_batch"], max_queue=options["max_queue"],
                           api_key=options.get("api_key"), methods=tuple(options["methods"]),
-                          max_request_bytes=options["max_request_bytes"], replica=replica)
+                          max_request_bytes=options["max_request_bytes"], replica=replica,
+                          trust_request_chat_template=bool(options.get("trust_request_chat_template")))
     return llm, config, cost
+
+
+def read_template(template: str) -> str:
+    """--chat-template: a file's text, or the template itself (anything with Jinja's braces in it)."""
+    path = Path(template).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" in template:
+        return template
+    raise FileNotFoundError(f"--chat-template {template!r} is neither a file nor a Jinja template")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -25,6 +25,7 @@ MAX_LOGIT_BIAS = 300  # as OpenAI
 MAX_STOP_TOKEN_IDS = 64
 MAX_GRAMMAR_CHARS = 8192  # a regular expression's length
 MAX_CHOICES = 256
+MAX_TEMPLATE_CHARS = 65536
 
 
 class Strict(BaseModel):
@@ -183,6 +184,11 @@ class Message(Strict):
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # the chat template (vLLM's fields): a request's own template only where the server trusts them
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
