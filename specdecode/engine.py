@@ -42,13 +42,18 @@ class Engine:
         self.rows: list[Request] = []
         self.last_depths: list[int] = []  # per row, the depth verified in the last step (tests, metrics)
 
-    def add(self, request: Request) -> None:
-        """Prefill the request's prompt in a cache row of its own and let it join the batch."""
+    def add(self, request: Request, like: Request | None = None) -> None:
+        """Prefill the request's prompt in a cache row of its own and let it join the batch. like: a request in the
+        batch with the same prompt (another choice of an n > 1 request), whose prompt entries are copied instead
+        (unless this request's proposer needs the prompt's hidden states)."""
         prompt, model, row = request.tokens, self.model, len(self.rows)
         request.begin(len(prompt) + request.max_new_tokens + MAX_DRAFT_NODES)
         self.cache.reserve(row + 1, len(prompt) + MAX_DRAFT_NODES)
         self.cache.lengths[row] = 0
-        if len(prompt) > 1:  # the cache holds every committed token but the last (the next root)
+        copy = like is not None and not request.hidden_layers and like.tokens[: len(prompt)] == prompt
+        if like is not None and copy and len(prompt) > 1:  # its prompt's entries were written by its prefill and
+            self.cache.copy(self.rows.index(like), row, len(prompt) - 1)  # never after
+        elif len(prompt) > 1:  # the cache holds every committed token but the last (the next root)
             out = model.forward(torch.tensor([prompt[:-1]], device=model.device), self.cache.row(row), logits_at=None,
                                 hidden_layers=request.hidden_layers)
             if request.hidden_layers:

@@ -173,3 +173,39 @@ def test_an_engine_gives_its_cache_memory_back_when_its_batch_empties() -> None:
     again = request(5)
     engine.add(again)
     assert engine.step()[0][1] == generate_ids(model, again.tokens[:5], max_new_tokens=1)[0]
+
+
+def test_a_second_choice_copies_the_prompts_cache_instead_of_prefilling() -> None:
+    """Engine.add(like=...): the n choices of one prompt share its prefill (a copy of the sibling's rows), and
+    decode exactly what a request alone decodes, even when the sibling has already generated tokens."""
+    from specdecode.batch_cost import BatchCost
+    from specdecode.cost import CostModel
+    from specdecode.engine import Engine, generate_ids
+    from specdecode.proposers import NoProposer
+    from specdecode.request import Request
+    from specdecode.sampling import SamplingParams
+
+    from .helpers import tiny_model
+
+    model = tiny_model(1, vocab_size=56)
+    prompt = [3, 9, 4, 4, 17, 30, 2, 8, 8, 1]
+    expected = generate_ids(model, prompt, max_new_tokens=6)[0]
+    engine = Engine(model, BatchCost.single(CostModel.flat()))
+    first, second = (Request(512, NoProposer(), prompt, max_new_tokens=6, params=SamplingParams(), k=0)
+                     for _ in range(2))
+    engine.add(first)
+    engine.step()
+    engine.step()  # the sibling is two tokens ahead
+    forwards = []
+    original = model.forward
+    model.forward = lambda *a, **k: forwards.append(1) or original(*a, **k)  # type: ignore[method-assign]
+    try:
+        engine.add(second, like=first)
+        assert not forwards  # no prefill: its prompt's entries were copied
+    finally:
+        del model.forward
+    while engine.rows:
+        for row, _ in engine.step():
+            if row.finish_reason is not None:
+                engine.remove(row)
+    assert first.new_tokens == second.new_tokens == expected

@@ -269,7 +269,7 @@ def test_disconnect_mid_stream_frees_the_row(server):
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": MODEL, "prompt": "word " * 1200}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "speculation": {"method": "telepathy"}}, "speculation"),
     ({"model": MODEL, "prompt": "hi", "speculation": {"method": "draft"}}, "speculation"),
@@ -404,6 +404,31 @@ def test_structured_output_through_response_format_and_guided_fields(server, llm
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+def test_n_choices_streamed_and_not(server, llm):
+    """n > 1: n rows of the batch from one prefill, indexed choices, usage added up; greedy choices all equal plain
+    decoding, sampled ones differ and the first repeats the same seed's single answer."""
+    client = server.client()
+    llm.stop_token_ids = frozenset()
+    plain = llm.generate(PROMPTS[1], method="none", max_new_tokens=16)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, n=3,
+                                  extra_body={"ignore_eos": True, "speculation": {"method": "prompt-lookup", "k": 3}})
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.text == plain.text for c in r.choices)
+    assert r.usage.completion_tokens == 48 and r.usage.prompt_tokens == plain.prompt_tokens
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=20, temperature=1.0,
+                  seed=11, extra_body={"ignore_eos": True, "speculation": {"k": 2}})
+    two = client.chat.completions.create(n=2, **kwargs)
+    one = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in sorted(two.choices, key=lambda c: c.index)]
+    assert texts[0] == one.choices[0].message.content and texts[0] != texts[1]
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(n=2, stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == texts
+    r = post(server, "/v1/completions", {**COMPLETION, "n": 17})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 
@@ -414,7 +439,6 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
     ("chat", "functions", [{"name": "f"}]),
     ("chat", "guided_grammar", "start: 'a'"),
     ("completion", "structured_outputs", {"json": {"type": "object"}}),
-    ("completion", "n", 2),
     ("completion", "best_of", 3),
     ("completion", "echo", True),
     ("completion", "suffix", "end"),

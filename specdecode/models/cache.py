@@ -168,6 +168,12 @@ class BatchKVCache:
         self.reserve(row + 1, 1)
         return RowCache(self, row)
 
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Row `dst` holds row `src`'s first n entries (a shared prompt's prefill), `src` unchanged."""
+        self.reserve(dst + 1, n)
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.lengths[dst] = n
+
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s entries become row `dst`'s (packs the batch when a row leaves)."""
         if src == dst:

@@ -36,7 +36,7 @@ from . import schemas
 from .body import MAX_REQUEST_BYTES, parse_json, read_body
 from .errors import APIError, bad_request, internal_error
 from .metrics import CONTENT_TYPE, Metrics
-from .scheduler import Failed, Job, LockedTokenizer, Piece, Scheduler
+from .scheduler import Done, Failed, Job, LockedTokenizer, Piece, Scheduler
 from .warmup import DEFAULT_METHODS, warm_up
 
 
@@ -62,7 +62,7 @@ class ServerConfig:
 @dataclass
 class Prepared:
     req: schemas.Common
-    row: engine_request.Request
+    rows: list[engine_request.Request]  # one per choice (n)
     method: str
 
 
@@ -104,15 +104,17 @@ class Server:
         req = schemas.parse(cls, parse_json(raw))
         self.check_model(req.model)
         prompt = self.encode(req)
-        method, row = self.build_row(req, prompt)
-        return Prepared(req, row, method)
+        rows = [self.build_row(req, prompt, choice) for choice in range(req.n or 1)]
+        return Prepared(req, [row for _, row in rows], rows[0][0])
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
             raise model_not_found(model, self.config.model_name)
 
-    def build_row(self, req: schemas.GenerationRequest, prompt: list[int]) -> tuple[str, engine_request.Request]:
-        """Validate against the model and build the Request."""
+    def build_row(self, req: schemas.GenerationRequest, prompt: list[int],
+                  choice: int = 0) -> tuple[str, engine_request.Request]:
+        """Validate against the model and build the Request of one choice (with a seed: seed + choice, so the n
+        choices of a sampled request differ)."""
         limit = req.limit
         room = self.context - len(prompt)
         where = "messages" if isinstance(req, schemas.ChatRequest) else "prompt"
@@ -142,8 +144,8 @@ class Server:
             return method, engine_request.Request(
                 self.context, proposer, prompt, max_new_tokens=limit, params=params,
                 k=policy_for(k, proposer, self.engine.view, acceptance),
-                stop_token_ids={*stop_ids, *(() if req.ignore_eos else self.llm.stop_token_ids)}, seed=req.seed,
-                logprobs=req.logprob_count, constraint=self.constraint(req))
+                stop_token_ids={*stop_ids, *(() if req.ignore_eos else self.llm.stop_token_ids)},
+                seed=choice_seed(req.seed, choice), logprobs=req.logprob_count, constraint=self.constraint(req))
         except ValueError as e:
             raise bad_request(str(e)) from None
         except FileNotFoundError as e:  # what the method needs is missing here (e.g. layer-skip's calibration text)
@@ -205,6 +207,12 @@ class Server:
     def model_card(self) -> dict:
         return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
                 "root": self.llm.name, "max_model_len": self.context}
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a request (seed + choice: the choices differ, and choice 0 is the request's
+    own seed)."""
+    return seed if seed is None or choice == 0 else (seed + choice) % 2**64
 
 
 def model_not_found(model: str, served: str) -> APIError:
@@ -299,74 +307,90 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
     async def complete(request: Request, cls: schemas.RequestType, kind: str) -> Response:
         prepared = await run_in_threadpool(server.prepare, await body(request), cls)
         req = prepared.req
-        job = Job(prepared.row, server.tokenizer, req.stops, asyncio.get_running_loop(), method=prepared.method)
-        server.scheduler.submit(job)
+        events: asyncio.Queue = asyncio.Queue()  # the n choices' jobs answer into one queue, each with its index
+        jobs: list[Job] = []
+        for i, row in enumerate(prepared.rows):
+            jobs.append(Job(row, server.tokenizer, req.stops, asyncio.get_running_loop(), method=prepared.method,
+                            index=i, events=events, sibling=jobs[0] if jobs else None))
+        server.scheduler.submit_all(jobs)
         rid, created = schemas.new_id(kind), schemas.now()
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(job, kind, rid, created, usage), media_type="text/event-stream",
+            return StreamingResponse(stream(jobs, events, kind, rid, created, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await whole(request, job, kind, rid, created)
+        return await whole(request, jobs, events, kind, rid, created)
 
-    async def whole(request: Request, job: Job, kind: str, rid: str, created: int) -> Response:
-        """Collect the text; if the client goes away meanwhile, the job is cancelled at once (its row leaves
-        the batch before the next step), whatever the job is doing."""
+    def cancel_all(jobs: list[Job]) -> None:
+        for job in jobs:
+            server.scheduler.cancel(job)  # no-op for a job that finished
+
+    async def whole(request: Request, jobs: list[Job], events: asyncio.Queue, kind: str, rid: str,
+                    created: int) -> Response:
+        """Collect each choice's text; if the client goes away meanwhile, the jobs are cancelled at once (their rows
+        leave the batch before the next step), whatever they are doing."""
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            server.scheduler.cancel(job)
-            job.events.put_nowait(None)  # wakes the loop below: nobody is left to answer
+            cancel_all(jobs)
+            events.put_nowait(None)  # wakes the loop below: nobody is left to answer
 
         watcher = asyncio.create_task(watch())
-        text: list[str] = []
-        logprobs: list[dict] | None = None if job.row.logprobs is None else []
+        texts: list[list[str]] = [[] for _ in jobs]
+        logprobs: list[list[dict] | None] = [None if job.row.logprobs is None else [] for job in jobs]
+        done: dict[int, Done] = {}
         try:
-            while True:
-                event = await job.events.get()
+            while len(done) < len(jobs):
+                event = await events.get()
                 if event is None:
                     return Response(status_code=499)  # nginx's "client closed request", for the access log
                 if isinstance(event, Piece):
-                    text.append(event.text)
-                    if logprobs is not None:
-                        logprobs += event.logprobs or []
+                    texts[event.index].append(event.text)
+                    if (entries := logprobs[event.index]) is not None:
+                        entries += event.logprobs or []
                 elif isinstance(event, Failed):
                     raise event.error
                 else:
-                    choice = schemas.choice(kind, "".join(text), event.finish_reason, stream=False, logprobs=logprobs)
-                    return JSONResponse(schemas.envelope(kind, rid, created, config.model_name, [choice],
-                                                         stream=False, usage=event.usage))
+                    done[event.index] = event
+            choices = [schemas.choice(kind, "".join(texts[i]), done[i].finish_reason, stream=False,
+                                      logprobs=logprobs[i], index=i) for i in range(len(jobs))]
+            return JSONResponse(schemas.envelope(kind, rid, created, config.model_name, choices, stream=False,
+                                                 usage=schemas.merge_usage([done[i].usage for i in range(len(jobs))])))
         finally:
             watcher.cancel()
-            server.scheduler.cancel(job)  # no-op when it finished
+            cancel_all(jobs)
 
-    async def stream(job: Job, kind: str, rid: str, created: int, with_usage: bool) -> AsyncIterator[str]:
+    async def stream(jobs: list[Job], events: asyncio.Queue, kind: str, rid: str, created: int,
+                     with_usage: bool) -> AsyncIterator[str]:
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = schemas.envelope(kind, rid, created, config.model_name, choices, stream=True, usage=usage,
                                     with_usage=with_usage)
             return f"data: {json.dumps(body)}\n\n"
 
-        sent = 0  # characters of text so far (completions' text_offset)
+        sent = [0] * len(jobs)  # characters of text so far, per choice (completions' text_offset)
+        usages: dict[int, dict] = {}
         try:
-            if kind == "chat":  # OpenAI opens a chat stream with the role
-                yield chunk([schemas.choice(kind, "", None, stream=True, first=True)])
-            while True:
-                event = await job.events.get()
+            if kind == "chat":  # OpenAI opens a chat stream with the role, for each choice
+                for i in range(len(jobs)):
+                    yield chunk([schemas.choice(kind, "", None, stream=True, first=True, index=i)])
+            while len(usages) < len(jobs):
+                event = await events.get()
                 if isinstance(event, Piece):
                     yield chunk([schemas.choice(kind, event.text, None, stream=True, logprobs=event.logprobs,
-                                                offset=sent)])
-                    sent += len(event.text)
+                                                offset=sent[event.index], index=event.index)])
+                    sent[event.index] += len(event.text)
                 elif isinstance(event, Failed):
                     yield f"data: {json.dumps(event.error.body())}\n\n"
                     break
                 else:
-                    yield chunk([schemas.choice(kind, None, event.finish_reason, stream=True)])
-                    if with_usage:
-                        yield chunk([], usage=event.usage)
-                    break
+                    yield chunk([schemas.choice(kind, None, event.finish_reason, stream=True, index=event.index)])
+                    usages[event.index] = event.usage
+            else:
+                if with_usage:
+                    yield chunk([], usage=schemas.merge_usage([usages[i] for i in range(len(jobs))]))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the task is cancelled here) or the stream ended
-            server.scheduler.cancel(job)
+            cancel_all(jobs)
 
     return app
 

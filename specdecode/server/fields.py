@@ -1,11 +1,11 @@
 """Which request fields this server honours, which it refuses, and which typo a client probably made.
 
 OpenAI answers a field it does not know with a 400 ("Unrecognized request argument"), and so do we: a client
-that sends `max_tokenz` or `response_format` must learn that it was not honoured, not get plain prose back.
+that sends `max_tokenz` or `tools` must learn that it was not honoured, not get plain prose back.
 Each field OpenAI or vLLM define falls in one of three groups:
 - honoured: the pydantic models in schemas.py validate and use it;
 - harmless: accepted and ignored, because it cannot change the output (`user`, `metadata`, ...);
-- not supported yet: accepted only with its neutral value (`n: 1`, `logprobs: false`, `bad_words: []`,
+- not supported yet: accepted only with its neutral value (`best_of: 1`, `bad_words: []`,
   `tools: null`, ...), since clients often send defaults explicitly; any other value is a 400 naming the field.
 """
 
@@ -56,7 +56,6 @@ LOGPROBS = "log-probabilities of the prompt and raw token ids are not returned y
 
 # name -> (neutral value test, why not / what to do instead); shared by both routes
 UNSUPPORTED: dict[str, tuple[Neutral, str]] = {
-    "n": (_one, "this server returns one choice per request; send several requests for several choices"),
     "best_of": (_one, "send several requests and pick the best yourself"),
     "use_beam_search": (_false, "beam search is not speculative decoding's job"),
     "length_penalty": (_one, "it only applies to beam search"),

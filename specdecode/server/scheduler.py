@@ -32,12 +32,14 @@ log = logging.getLogger("specdecode.server")
 class Piece:
     text: str
     logprobs: list[dict] | None = None  # entries of the tokens behind the step's text (schemas.logprob_entries)
+    index: int = 0  # the choice's (a request with n > 1 has n jobs)
 
 
 @dataclass
 class Done:
     finish_reason: str
     usage: dict
+    index: int = 0
 
 
 @dataclass
@@ -63,12 +65,16 @@ class LockedTokenizer:
 
 class Job:
     def __init__(self, row: Request, tokenizer: LockedTokenizer, stops: list[str], loop: asyncio.AbstractEventLoop,
-                 method: str = "none"):
+                 method: str = "none", *, index: int = 0, events: asyncio.Queue | None = None,
+                 sibling: Job | None = None):
+        """index, events: the choice this job answers and the queue its response reads (shared by the n jobs of
+        one request); sibling: a job with the same prompt, whose prefilled cache this one may copy."""
         self.row, self.loop, self.method = row, loop, method  # method: the metrics' label
         self.text = RequestText(tokenizer, stops, row.stop_token_ids)
         self.tokenizer = tokenizer
         self.logprobs_sent = 0  # tokens whose log-probabilities went out
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.index, self.sibling = index, sibling
+        self.events: asyncio.Queue = asyncio.Queue() if events is None else events
         self.cancelled = False
         self.done = False
         self.arrived = time.perf_counter()
@@ -112,15 +118,22 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue a request's jobs (its n choices): all of them, or none (503) when the queue has no room."""
+        if len(jobs) > self.max_batch + self.max_queue:
+            raise APIError(400, f"n={len(jobs)} choices cannot fit this server's batch and queue "
+                                f"({self.max_batch} + {self.max_queue}); ask for fewer", param="n")
         with self._cond:
             if self.stopping:
                 self.metrics.requests.labels("rejected").inc()
                 raise APIError(503, "the server is shutting down", type="server_unavailable", code="shutting_down")
-            if len(self.waiting) + len(self.active) >= self.max_batch + self.max_queue:
+            if len(self.waiting) + len(self.active) + len(jobs) > self.max_batch + self.max_queue:
                 self.metrics.requests.labels("rejected").inc()
                 raise overloaded(f"the server is busy: {len(self.active)} requests running and {len(self.waiting)} "
                                  "waiting (the queue is full); retry shortly")
-            self.waiting.append(job)
+            self.waiting.extend(jobs)
             self.metrics.queue(len(self.active), len(self.waiting))
             self._cond.notify()
 
@@ -186,8 +199,9 @@ class Scheduler:
             if job.cancelled:
                 self._close(job, "cancelled", None)
                 continue
-            try:
-                self.engine.add(job.row)
+            sibling = job.sibling.row if job.sibling is not None else None
+            try:  # a sibling choice still running lends its prompt's cache: one prefill for the n choices
+                self.engine.add(job.row, like=sibling if sibling in self.engine.rows else None)
             except Exception as e:  # noqa: BLE001
                 self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
                 continue
@@ -235,13 +249,13 @@ class Scheduler:
                 self.metrics.inter_token(job, now - job.last_piece_at)
             job.last_piece_at = now
         if piece or logprobs:
-            job.emit(Piece(piece, logprobs))
+            job.emit(Piece(piece, logprobs, job.index))
         if finish:
             self._leave(job)
             self.metrics.finished(job, finish, now, job.row.stats.new_tokens)
             if (speedup := job.row.stats.estimated_speedup) is not None:
                 self.metrics.estimated_speedup.labels(self.metrics.model_name, job.method).observe(speedup)
-            self._close(job, finish, Done(finish, job.usage()))
+            self._close(job, finish, Done(finish, job.usage(), job.index))
 
     @staticmethod
     def _logprobs(job: Job) -> list[dict] | None:

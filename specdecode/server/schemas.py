@@ -25,6 +25,7 @@ MAX_LOGIT_BIAS = 300  # as OpenAI
 MAX_STOP_TOKEN_IDS = 64
 MAX_GRAMMAR_CHARS = 8192  # a regular expression's length
 MAX_CHOICES = 256
+MAX_N = 16
 MAX_TEMPLATE_CHARS = 65536
 
 
@@ -90,6 +91,7 @@ class Common(Strict):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    n: int | None = Field(None, ge=1, le=MAX_N)  # choices: one prefill, n rows of the batch
     # structured output (grammar.py): OpenAI's response_format, or vLLM's guided_* fields (one of them)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -313,20 +315,36 @@ def now() -> int:
 
 
 def choice(kind: str, text: str | None, finish_reason: str | None, *, stream: bool, first: bool = False,
-           logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+           logprobs: list[dict] | None = None, offset: int = 0, index: int = 0) -> dict:
     """One choice; logprobs: entries as `logprob_entries` makes them (None: not asked for), shaped as the route's
     API wants them; offset: characters of text the stream sent before this choice's (completions' text_offset)."""
     if kind == "completion":
-        return {"index": 0, "text": text or "", "logprobs": None if logprobs is None else
+        return {"index": index, "text": text or "", "logprobs": None if logprobs is None else
                 completion_logprobs(logprobs, offset), "finish_reason": finish_reason}
     chat_logprobs = None if logprobs is None else {"content": logprobs, "refusal": None}
     if not stream:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": chat_logprobs,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": chat_logprobs,
                 "finish_reason": finish_reason}
     delta: dict = {} if text is None else {"content": text}
     if first:
         delta["role"] = "assistant"
-    return {"index": 0, "delta": delta, "logprobs": chat_logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": chat_logprobs, "finish_reason": finish_reason}
+
+
+def merge_usage(usages: list[dict]) -> dict:
+    """One response's usage from its choices': the prompt counted once, the rest added up (the estimated speedup:
+    the mean of those priced)."""
+    if len(usages) == 1:
+        return usages[0]
+    out = dict(usages[0])
+    for key in ("completion_tokens", "drafted", "accepted", "target_forwards"):
+        out[key] = sum(u[key] for u in usages)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    out["tau"] = round(out["completion_tokens"] / out["target_forwards"], 4) if out["target_forwards"] else 0.0
+    out["acceptance_rate"] = round(out["accepted"] / out["drafted"], 4) if out["drafted"] else 0.0
+    priced = [u["estimated_speedup"] for u in usages if u["estimated_speedup"] is not None]
+    out["estimated_speedup"] = round(sum(priced) / len(priced), 4) if priced else None
+    return out
 
 
 def logprob_entries(logprobs: list[TokenLogprob], token_text) -> list[dict]:
