@@ -270,3 +270,68 @@ def recording(proposer):
 
     proposer.propose = logged
     return proposer, log
+
+
+def test_a_prompt_cached_in_chunks_between_steps_decodes_as_alone():
+    """Engine.start / prefill: a long prompt is cached a few tokens at a time between the batch's steps, in the row
+    after the batch's, which follows when a running row leaves; every request then decodes exactly what it
+    decodes alone, and a pending prompt can be dropped."""
+    model = tiny_model(5, vocab_size=24)
+    g = torch.Generator().manual_seed(2)
+    short, other, long = (torch.randint(0, 24, (n,), generator=g).tolist() for n in (5, 7, 60))
+    decoder = Engine(model, flat_cost())
+    rows = {name: make_row(model, p, "lookup", 3, max_new=m) for name, p, m in
+            (("short", short, 6), ("other", other, 30), ("long", long, 20))}
+    decoder.add(rows["short"])
+    decoder.add(rows["other"])
+    decoder.start(rows["long"])
+    chunks = 0
+    while decoder.pending is not None:
+        assert decoder.prefill(8) <= 8
+        chunks += 1
+        for row, _ in decoder.step():
+            if row.finish_reason:
+                decoder.remove(row)  # "short" leaves mid-prefill: the pending row moves up behind the batch
+    assert chunks == 8 and rows["short"].finish_reason  # 59 cached tokens, 8 a turn
+    out = run_all(decoder, [])
+    assert rows["short"].new_tokens == alone(model, short, 6)
+    assert out[id(rows["other"])] == alone(model, other, 30) and out[id(rows["long"])] == alone(model, long, 20)
+    decoder.start(make_row(model, long, "none", 0))
+    decoder.prefill(8)
+    decoder.cancel_pending()
+    assert decoder.pending is None and not decoder.rows and decoder.cache.lengths[0] == 0
+
+
+def test_the_scheduler_chunks_a_prompt_that_arrives_mid_stream():
+    """While a request runs, a turn caches about one decode step's worth of a new prompt (priced by the cost
+    table); with nothing running, a whole prompt of up to prefill_tokens at once."""
+    import asyncio
+
+    from specdecode.server.metrics import Metrics
+    from specdecode.server.scheduler import Job, Scheduler
+
+    model = tiny_model(5, vocab_size=24)
+    flat_to_8 = [[1.0, 1.0, 1.0, 1.0, 2.0]] * 2  # forwards of up to 8 tokens cost a 1-token step; 16 cost two
+    engine = Engine(model, BatchCost([1, 4, 16], [FrozenCost([1, 2, 4, 8, 16], [8, 64], flat_to_8)] * 3))
+    scheduler = Scheduler(engine, max_batch=4, max_queue=4, metrics=Metrics("tiny", 256))
+    loop = asyncio.new_event_loop()
+    tokenizer = type("T", (), {"decode": lambda self, ids, **k: "x" * len(ids)})()
+    try:
+        assert scheduler.prefill_budget() == scheduler.prefill_tokens == 1024  # nothing runs: whole prompts
+        running = Job(make_row(model, [1, 2, 3], "none", 0, max_new=200), tokenizer, [], loop)
+        scheduler.submit(running)
+        scheduler._prefill()
+        assert engine.rows == [running.row] and scheduler.prefill_budget() == 8
+        arriving = Job(make_row(model, list(range(20)) * 10, "none", 0), tokenizer, [], loop)
+        scheduler.submit(arriving)
+        scheduler._prefill()
+        assert engine.pending is arriving.row and engine.cache.lengths[1] == 8  # one chunk, then a step
+        turns = 0
+        while engine.pending is not None:
+            scheduler._step()
+            scheduler._prefill()
+            turns += 1
+        assert arriving.row in engine.rows and turns == 24  # 199 tokens, 8 a turn
+        assert running.row.stats.new_tokens == 24  # the running request kept stepping all along
+    finally:
+        loop.close()

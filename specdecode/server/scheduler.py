@@ -26,6 +26,7 @@ from .metrics import Metrics
 from .schemas import logprob_entries
 
 log = logging.getLogger("specdecode.server")
+MIN_PREFILL_CHUNK = 2  # prompt tokens a turn, at least, while requests run
 
 
 @dataclass
@@ -101,12 +102,13 @@ class Job:
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int, max_queue: int, metrics: Metrics,
                  prefill_tokens: int = 1024) -> None:
-        """prefill_tokens: prompt tokens prefilled between two steps (at least one request): a burst of long
-        prompts joins over a few steps, so the first of them start answering sooner and running requests
-        do not stall behind all the others' prefills."""
+        """prefill_tokens: the most prompt tokens cached in one turn of the loop while nothing is running (a burst
+        of prompts joins over a few turns, the first ones answering sooner); while requests run, a turn caches
+        about one decode step's worth (`prefill_budget`): a long prompt is prefilled in chunks between steps."""
         self.engine, self.max_batch, self.max_queue, self.metrics = engine, max_batch, max_queue, metrics
         self.prefill_tokens = prefill_tokens
         self.waiting: deque[Job] = deque()
+        self.prefilling: Job | None = None  # the job whose prompt the engine is caching (engine.pending)
         self.active: dict[int, Job] = {}  # id(row) -> job
         self.stopping = False
         self._cond = threading.Condition()
@@ -129,7 +131,8 @@ class Scheduler:
             if self.stopping:
                 self.metrics.requests.labels("rejected").inc()
                 raise APIError(503, "the server is shutting down", type="server_unavailable", code="shutting_down")
-            if len(self.waiting) + len(self.active) + len(jobs) > self.max_batch + self.max_queue:
+            if len(self.waiting) + len(self.active) + (self.prefilling is not None) + len(jobs) > \
+                    self.max_batch + self.max_queue:
                 self.metrics.requests.labels("rejected").inc()
                 raise overloaded(f"the server is busy: {len(self.active)} requests running and {len(self.waiting)} "
                                  "waiting (the queue is full); retry shortly")
@@ -154,7 +157,7 @@ class Scheduler:
 
     @property
     def load(self) -> dict[str, int]:
-        return {"running": len(self.active), "waiting": len(self.waiting)}
+        return {"running": len(self.active), "waiting": len(self.waiting) + (self.prefilling is not None)}
 
     # ------------------------------------------------------------------------------- the thread
     def run(self, alive: Callable[[], bool] = lambda: True) -> None:
@@ -162,53 +165,92 @@ class Scheduler:
         process's main thread than in another one, so `serve` calls this there and puts uvicorn in a thread."""
         while True:
             with self._cond:
-                while not self.stopping and not self.waiting and not self.active and alive():
+                while (not self.stopping and not self.waiting and not self.active and self.prefilling is None
+                       and alive()):
                     self._cond.wait(0.5)
                 if self.stopping or not alive():
                     self.stopping = True
                     break
-                admit: list[Job] = []
-                budget = self.prefill_tokens
-                while self.waiting and len(self.active) + len(admit) < self.max_batch:
-                    prompt = self.waiting[0].row.stats.prompt_tokens
-                    if admit and prompt > budget:
-                        break
-                    budget -= prompt
-                    admit.append(self.waiting.popleft())
-                self.metrics.queue(len(self.active), len(self.waiting))
             try:
-                self._admit(admit)
                 self._drop_cancelled()
+                self._prefill()
                 if self.active:
                     self._step()
             except Exception:  # a bug outside any one row: fail the batch, keep serving
                 error = internal_error("internal error in the batch step")
-                for job in list(self.active.values()):
+                for job in [*self.active.values(), *([self.prefilling] if self.prefilling else [])]:
                     self._leave(job)
                     self._close(job, "error", Failed(error))
         with self._cond:
-            jobs = [*self.waiting, *self.active.values()]
+            jobs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.active.values()]
             self.waiting.clear()
         for job in jobs:
             self._leave(job)
             self._close(job, "cancelled", Failed(APIError(503, "the server shut down before this request finished",
                                                           type="server_unavailable", code="shutting_down")))
 
-    def _admit(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            if job.cancelled:
-                self._close(job, "cancelled", None)
-                continue
-            sibling = job.sibling.row if job.sibling is not None else None
-            try:  # a sibling choice still running lends its prompt's cache: one prefill for the n choices
-                self.engine.add(job.row, like=sibling if sibling in self.engine.rows else None)
-            except Exception as e:  # noqa: BLE001
-                self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
-                continue
-            self.active[id(job.row)] = job
-            self.metrics.admitted(job, job.row.stats.prompt_tokens)
+    def prefill_budget(self) -> int:
+        """Prompt tokens to cache this turn: `prefill_tokens` while nothing runs; else the most (a power of two, at
+        least MIN_PREFILL_CHUNK) whose forward the cost table prices at no more than the batch's decode step: a turn
+        then takes at most about two steps, so a long prompt arriving mid-stream slows running streams to about half
+        their pace while it is cached, instead of stopping them for its whole prefill."""
+        if not self.active:
+            return self.prefill_tokens
+        rows = len(self.engine.rows)
+        step = self.engine.cost.seconds(rows, 1, max(self.engine.cache.lengths[:rows]))
+        cached = self.engine.cache.lengths[rows] if self.engine.pending is not None else 0  # the chunk's context
+        tokens = MIN_PREFILL_CHUNK
+        while (tokens * 2 <= self.prefill_tokens
+               and self.engine.cost.seconds(1, tokens * 2, cached + tokens * 2) <= step):
+            tokens *= 2
+        return tokens
+
+    def _prefill(self) -> None:
+        """Waiting prompts into the engine within this turn's budget, one at a time; each joins the batch once its
+        prompt is cached (a sibling choice's copy at once)."""
+        budget = self.prefill_budget()
+        while budget > 0:
+            if self.prefilling is None:
+                job = self._next_waiting()
+                if job is None:
+                    return
+                sibling = job.sibling.row if job.sibling is not None else None
+                try:  # a sibling choice still running lends its prompt's cache: one prefill for the n choices
+                    self.engine.start(job.row, like=sibling if sibling in self.engine.rows else None)
+                except Exception as e:  # noqa: BLE001
+                    self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
+                    continue
+                self.prefilling = job
+            if self.engine.pending is not None:
+                try:
+                    budget -= max(1, self.engine.prefill(budget))
+                except Exception as e:  # noqa: BLE001
+                    job, self.prefilling = self.prefilling, None
+                    self.engine.cancel_pending()
+                    self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
+                    continue
+            if self.engine.pending is None:  # the prompt is cached: the job joins the batch
+                job, self.prefilling = self.prefilling, None
+                self.active[id(job.row)] = job
+                self.metrics.admitted(job, job.row.stats.prompt_tokens)
+
+    def _next_waiting(self) -> Job | None:
+        """The first waiting job (cancelled ones are closed on the way) while the batch has room, else None."""
+        while True:
+            with self._cond:
+                if not self.waiting or len(self.active) >= self.max_batch:
+                    return None
+                job = self.waiting.popleft()
+                self.metrics.queue(len(self.active), len(self.waiting))
+            if not job.cancelled:
+                return job
+            self._close(job, "cancelled", None)
 
     def _drop_cancelled(self) -> None:
+        if self.prefilling is not None and self.prefilling.cancelled:
+            job = self.prefilling
+            self._leave(job)
+            self._close(job, "cancelled", None)
         for job in list(self.active.values()):
             if job.cancelled:
                 self._leave(job)
@@ -271,6 +313,9 @@ class Scheduler:
     def _leave(self, job: Job) -> None:
         if job.row in self.engine.rows:
             self.engine.remove(job.row)
+        elif job is self.prefilling:
+            self.prefilling = None
+            self.engine.cancel_pending()
         else:
             job.row.finish()
         self.active.pop(id(job.row), None)
