@@ -322,6 +322,9 @@ def test_the_scheduler_chunks_a_prompt_that_arrives_mid_stream():
         scheduler.submit(running)
         scheduler._prefill()
         assert engine.rows == [running.row] and scheduler.prefill_budget() == 8
+        scheduler.prefill_share = 0.75  # a chunk may cost 3 steps: 16 tokens (2 steps' worth)
+        assert scheduler.prefill_budget() == 16
+        scheduler.prefill_share = 0.5
         arriving = Job(make_row(model, list(range(20)) * 10, "none", 0), tokenizer, [], loop)
         scheduler.submit(arriving)
         scheduler._prefill()

@@ -53,6 +53,7 @@ class ServerConfig:
     max_request_bytes: int = MAX_REQUEST_BYTES
     replica: str | None = None  # a name /health reports (one replica of several behind Ray Serve)
     trust_request_chat_template: bool = False  # a request may bring its own chat template (Jinja, sandboxed)
+    prefill_share: float = 0.5  # while requests run, the most of a turn's time a new prompt's prefill may take
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -78,7 +79,7 @@ class Server:
         self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
         self.engine = Engine(llm.model, cost)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, prefill_share=config.prefill_share)
         # two tokenizers, as a fast tokenizer must not run in two threads at once: the routes' (worker threads,
         # one at a time) and the scheduler's (its detokenizing never waits behind a long prompt's encoding)
         self.encode_lock = threading.Lock()

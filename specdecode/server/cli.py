@@ -44,6 +44,10 @@ def add_parser(sub) -> None:
                         "joins the Ray cluster at $RAY_ADDRESS, else starts a local one)")
     s.add_argument("--replica-cpus", type=float, default=1.0,
                    help="with --replicas: CPUs Ray reserves for each replica (its torch threads)")
+    s.add_argument("--prefill-share", type=float, default=0.5,
+                   help="while requests run, the most of the time a new prompt's prefill may take, in chunks "
+                        "between steps (0.5: running streams keep half their pace; higher: new requests start "
+                        "sooner)")
     s.add_argument("--chat-template", help="the chat template to use instead of the tokenizer's (a Jinja file, or the "
                    "template itself)")
     s.add_argument("--trust-request-chat-template", action="store_true",
@@ -65,6 +69,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.k != "auto" and not str(args.k).isdigit():
         raise ValueError(f"--k must be 'auto' or an integer >= 0, got {args.k!r}")
+    if not 0 < args.prefill_share < 1:
+        raise ValueError(f"--prefill-share must be in (0, 1), got {args.prefill_share}")
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1024")
     methods = parse_methods(args.methods, args.method)
@@ -74,7 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
                    max_request_bytes=args.max_request_bytes, dtype=args.dtype, quantization=quantization(args),
                    threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens,
-                   chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template)
+                   chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                   prefill_share=args.prefill_share)
     if args.replicas is not None:
         from .ray_app import run_replicas
 

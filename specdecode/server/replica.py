@@ -18,7 +18,7 @@ log = logging.getLogger("specdecode.server")
 def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, ServerConfig, BatchCost]:
     """options: the keys cmd_serve fills (model, served_model_name, method, methods, k, draft, max_batch,
     max_queue, api_key, max_request_bytes, dtype, quantization, threads, suffix_cache_tokens, chat_template,
-    trust_request_chat_template)."""
+    trust_request_chat_template, prefill_share)."""
     if options.get("threads"):
         import torch
 
@@ -36,7 +36,8 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
                           draft=options.get("draft"), max_batch=options["max_batch"], max_queue=options["max_queue"],
                           api_key=options.get("api_key"), methods=tuple(options["methods"]),
                           max_request_bytes=options["max_request_bytes"], replica=replica,
-                          trust_request_chat_template=bool(options.get("trust_request_chat_template")))
+                          trust_request_chat_template=bool(options.get("trust_request_chat_template")),
+                          prefill_share=options.get("prefill_share", 0.5))
     return llm, config, cost
 
 

@@ -101,12 +101,16 @@ class Job:
 
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int, max_queue: int, metrics: Metrics,
-                 prefill_tokens: int = 1024) -> None:
+                 prefill_tokens: int = 1024, prefill_share: float = 0.5) -> None:
         """prefill_tokens: the most prompt tokens cached in one turn of the loop while nothing is running (a burst
-        of prompts joins over a few turns, the first ones answering sooner); while requests run, a turn caches
-        about one decode step's worth (`prefill_budget`): a long prompt is prefilled in chunks between steps."""
+        of prompts joins over a few turns, the first ones answering sooner); while requests run, prefill_share of
+        a turn's time at most goes to caching a new prompt (`prefill_budget`): a long prompt is prefilled in chunks
+        between steps (0.5: a chunk costs about a decode step; higher: new requests start sooner, running streams
+        slow down more)."""
+        if not 0 < prefill_share < 1:
+            raise ValueError(f"prefill_share must be in (0, 1), got {prefill_share}")
         self.engine, self.max_batch, self.max_queue, self.metrics = engine, max_batch, max_queue, metrics
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.prefill_share = prefill_tokens, prefill_share
         self.waiting: deque[Job] = deque()
         self.prefilling: Job | None = None  # the job whose prompt the engine is caching (engine.pending)
         self.active: dict[int, Job] = {}  # id(row) -> job
@@ -191,13 +195,14 @@ class Scheduler:
 
     def prefill_budget(self) -> int:
         """Prompt tokens to cache this turn: `prefill_tokens` while nothing runs; else the most (a power of two, at
-        least MIN_PREFILL_CHUNK) whose forward the cost table prices at no more than the batch's decode step: a turn
-        then takes at most about two steps, so a long prompt arriving mid-stream slows running streams to about half
-        their pace while it is cached, instead of stopping them for its whole prefill."""
+        least MIN_PREFILL_CHUNK) whose forward the cost table prices at no more than prefill_share / (1 -
+        prefill_share) decode steps (0.5: one step, so a turn takes about two and a long prompt arriving mid-stream
+        slows running streams to about half their pace while it is cached, instead of stopping them)."""
         if not self.active:
             return self.prefill_tokens
         rows = len(self.engine.rows)
         step = self.engine.cost.seconds(rows, 1, max(self.engine.cache.lengths[:rows]))
+        step *= self.prefill_share / (1 - self.prefill_share)
         cached = self.engine.cache.lengths[rows] if self.engine.pending is not None else 0  # the chunk's context
         tokens = MIN_PREFILL_CHUNK
         while (tokens * 2 <= self.prefill_tokens
