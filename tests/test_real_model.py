@@ -116,3 +116,28 @@ def test_greedy_speculative_equals_plain_on_spec_bench(llm, plain_runs, shallow_
 
 def test_registry_lists_default_model():
     assert NAME in REGISTRY
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 120},
+                                           "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+          "required": ["answer", "confidence"], "additionalProperties": False}
+
+
+def test_structured_output_with_eagle_and_prompt_lookup_equals_structured_plain_decoding():
+    """A JSON schema on held-out (Spec-Bench) prompts, the published model: the shipped EAGLE head's trees and
+    prompt lookup commit exactly structured plain decoding's tokens, and the finished answers are valid."""
+    require_smollm2()
+    llm = specdecode.load(NAME)
+    finished = drafted = 0
+    for prompt in spec_bench_prompts(3):
+        ask = f"{prompt}\n\nAnswer in JSON with the fields answer and confidence."
+        plain = llm.generate(ask, chat=True, method="none", max_new_tokens=80, structured={"json": ANSWER})
+        for method, k in (("eagle", 3), ("prompt-lookup", 4)):
+            spec = llm.generate(ask, chat=True, method=method, k=k, max_new_tokens=80, structured={"json": ANSWER})
+            assert spec.token_ids == plain.token_ids, (method, prompt)
+            drafted += spec.stats.drafted
+        if plain.finish_reason == "stop":
+            value = json.loads(plain.text)
+            assert set(value) == {"answer", "confidence"} and 0 <= value["confidence"] <= 100
+            finished += 1
+    assert finished >= 2 and drafted > 0

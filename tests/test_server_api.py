@@ -95,7 +95,7 @@ REQUEST_TEMPLATE = "{% for m in messages %}{{ m['content'] }} | {% endfor %}"
 def setup(tmp_path_factory):
     """Two servers started together on the tiny checkpoint: the main one and a one-slot one without a queue."""
     checkpoint, cache, llm = server_files(tmp_path_factory.mktemp("server"), max_batches=(16, 1))
-    main = ServerProcess(checkpoint, cache, "--max-batch", "16", "--max-queue", "8")
+    main = ServerProcess(checkpoint, cache, "--max-batch", "16", "--max-queue", "16")
     template = checkpoint.parent / "template.jinja"
     template.write_text(SERVER_TEMPLATE)
     small = ServerProcess(checkpoint, cache, "--max-batch", "1", "--max-queue", "0", "--shutdown-timeout", "20",
@@ -242,6 +242,50 @@ def test_concurrent_requests_equal_each_served_alone(server):
     rows = server.metric("specdecode_step_batch_size_sum") - rows_before
     assert rows / steps > 2  # they really shared batches
     assert server.health()["running"] == 0
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+
+
+def test_32_mixed_requests_at_once_equal_their_solo_runs_and_memory_comes_back(server):
+    """Long and short prompts, streamed and not, plain and speculative, JSON and choice grammars, penalties, and
+    clients that go away mid-stream, 32 at once (16 rows, 16 queued): each finished output equals its solo run,
+    nothing keeps running, and the server's memory returns to within 20% of what it held before."""
+    client = server.client()
+    long = " ".join(PROMPTS) * 6  # ~660 tokens: prefilled in chunks between the others' steps
+    kinds = [{}, {"speculation": {"method": "prompt-lookup", "k": 3}}, {"speculation": False},
+             {"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+             {"guided_choice": ["alpha", "beta", "gamma"]}, {"presence_penalty": 0.7, "repetition_penalty": 1.2}]
+    jobs = [((long if i % 5 == 0 else PROMPTS[i % 4]) + " " * (i // 8), 12 + i % 9, i % 2 == 0, kinds[i % 6],
+             i % 7 == 3) for i in range(32)]  # (prompt, max_tokens, stream, extra, disconnect)
+
+    def run(job) -> str | None:
+        prompt, n, stream, extra, leave = job
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True,
+                                                                                         **extra})
+        if not stream:
+            return client.completions.create(**kwargs).choices[0].text
+        with client.completions.create(stream=True, **kwargs) as chunks:
+            text = []
+            for chunk in chunks:
+                text += [c.text for c in chunk.choices]
+                if leave and len(text) >= 2:
+                    return None  # the client goes away mid-stream
+            return "".join(text)
+
+    alone = [run(job) for job in jobs]
+    base = rss_mb(server.proc.pid)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(run, jobs))
+    assert [t for t, job in zip(together, jobs, strict=True) if not job[4]] == \
+        [a for a, job in zip(alone, jobs, strict=True) if not job[4]]
+    deadline = time.monotonic() + 10
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health()["running"] == 0 and server.health()["waiting"] == 0
+    assert rss_mb(server.proc.pid) < 1.2 * base
 
 
 def test_disconnect_mid_stream_frees_the_row(server):
