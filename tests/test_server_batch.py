@@ -338,3 +338,54 @@ def test_the_scheduler_chunks_a_prompt_that_arrives_mid_stream():
         assert running.row.stats.new_tokens == 24  # the running request kept stepping all along
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("family", ["llama-int8-a8", "gemma-float32"])
+def test_native_batch_rows_compute_bit_for_bit_what_each_computes_alone(family):
+    """On the CPU in float32 a batch's rows run through the native blocks side by side (no padding): a chain, a
+    tree and a single token of three rows of different lengths give the very logits (and hidden states) each row
+    gives alone, Gemma's sliding window past its end included. So a request's greedy tokens never depend on the
+    batch it shares, nor on whether speculation is on."""
+    from specdecode import kernels
+    from specdecode.models import BatchKVCache
+    from specdecode.models.loading import quantize_
+    from specdecode.tree import DraftTree
+
+    from .test_gemma import GEMMA
+
+    if kernels.native() is None:
+        pytest.skip("native kernels unavailable")
+    if family == "llama-int8-a8":
+        model = quantize_(tiny_model(2, dtype=torch.float32, vocab_size=56), "int8-a8")
+    else:
+        model = tiny_model(2, vocab_size=56, **GEMMA).float()
+    cfg = model.config
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 56, (n,), generator=g).tolist() for n in (9, 14, 4)]
+    tree = DraftTree.from_paths(prompts[1][-1], [[5, 6, 7], [5, 8], [9]])
+    steps = [(DraftTree.chain(prompts[0][-1], [3, 4]), None), (tree, tree.attention_mask()),
+             (DraftTree.root_only(prompts[2][-1]), None)]
+    batch = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=3)
+    for b, prompt in enumerate(prompts):
+        model.forward(torch.tensor([prompt[:-1]]), batch.row(b), logits_at=None)
+    sizes = [len(t) for t, _ in steps]
+    n = max(sizes)
+    tokens, positions = torch.zeros(3, n, dtype=torch.long), torch.zeros(3, n, dtype=torch.long)
+    for b, ((t, _), prompt) in enumerate(zip(steps, prompts, strict=True)):
+        tokens[b, : len(t)] = torch.tensor(t.tokens)
+        positions[b, : len(t)] = len(prompt) - 1 + t.depths()
+    calls = []
+    original = type(model)._native_batch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(model), "_native_batch", lambda self, *a: calls.append(1) or original(self, *a))
+        out = model.forward_batch(tokens, batch, positions=positions, sizes=sizes,
+                                  tree_masks=[m for _, m in steps], hidden_layers=[0])
+    assert calls  # the native batch path ran
+    for b, ((t, mask), prompt) in enumerate(zip(steps, prompts, strict=True)):
+        alone = model.new_cache(64)
+        model.forward(torch.tensor([prompt[:-1]]), alone, logits_at=None)
+        ref = model.forward(torch.tensor([t.tokens]), alone, positions=len(prompt) - 1 + t.depths(), tree_mask=mask,
+                            hidden_layers=[0])
+        assert torch.equal(out.logits[b], ref.logits[0]), b
+        assert torch.equal(out.hidden[b][0], ref.hidden[0][0]), b
+        assert batch.lengths[b] == len(prompt) - 1 + len(t)

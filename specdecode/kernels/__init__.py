@@ -140,10 +140,18 @@ class Layer(ctypes.Structure):
 
 
 class View(ctypes.Structure):
-    """What a layer's attention reads besides weights: RoPE cos/sin [n, head_dim], the tree mask [n, n] (or NULL:
-    a chain) and the mask over all keys [n, start + n] (or NULL: every cached key visible)."""
+    """One attention type's RoPE table for the call's tokens: cos, sin [n, head_dim]."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "mask", "full_mask")]
+    _fields_ = [("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+
+
+class Span(ctypes.Structure):
+    """One sequence's tokens in the call (a batch's row): first, n, start (tokens cached before), kv_offset (floats
+    from a layer's keys to the row's), and per View the tree mask [n, n] (NULL: a chain) and the mask over all keys
+    [n, start + n] (NULL: every cached key visible)."""
+
+    _fields_ = [("first", ctypes.c_int), ("n", ctypes.c_int), ("start", ctypes.c_int), ("kv_offset", ctypes.c_int64),
+                ("masks", ctypes.c_void_p * 2), ("full_masks", ctypes.c_void_p * 2)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -154,8 +162,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_a8_matmul.argtypes = [i, p, i, i, p, p, p, p, i]
     lib.specdecode_a8_matmul.restype = i
     q = ctypes.c_int64
-    lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, ctypes.POINTER(View),
-                                      i, i, i, i, f, p]
+    lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, ctypes.POINTER(View),
+                                      ctypes.POINTER(Span), i, i, i, i, i, f, p]
     lib.specdecode_blocks.restype = i
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
     lib.specdecode_attention.restype = i
@@ -170,4 +178,4 @@ def reset() -> None:
         _state.clear()
 
 
-__all__ = ["Layer", "View", "Weight", "native", "simd", "source_key", "cpu_flags", "reset"]
+__all__ = ["Layer", "Span", "View", "Weight", "native", "simd", "source_key", "cpu_flags", "reset"]

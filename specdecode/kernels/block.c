@@ -265,11 +265,19 @@ static void gelu_gate(const float *gate, const float *up, float *out, int len) {
     }
 }
 
-/* What a layer reads besides its weights: the RoPE table of its attention type and who sees whom */
+/* The RoPE table of one attention type (Gemma: sliding or full), a row per token of the call */
 typedef struct {
-    const float *cos, *sin;                /* [n, hd] */
-    const uint8_t *mask, *full_mask;       /* see specdecode_attention */
+    const float *cos, *sin; /* [n, hd] */
 } View;
+
+/* One sequence's tokens in the call (a batch's row): tokens first..first+n, cached after `start` in the row whose
+   keys start kv_offset floats after the layer's, seen through masks[view] / full_masks[view] (see
+   specdecode_attention; index: the layer's View) */
+typedef struct {
+    int first, n, start;
+    int64_t kv_offset;
+    const uint8_t *masks[2], *full_masks[2];
+} Span;
 
 typedef struct {
     const float *attn_norm, *mlp_norm;
@@ -291,32 +299,41 @@ static void add_output(float *x, float *out, const float *norm, float eps, int n
     for (int64_t j = 0; j < (int64_t)n * H; j++) x[j] += out[j];
 }
 
-static int block(float *x, int n, int H, const Layer *l, const View *v, float *k_cache, float *v_cache,
-                 int max_len, int start, int n_heads, int n_kv, int hd, int inter, float scale, const Scratch *s) {
+/* One layer on the n tokens of every span: the norms, matmuls and activations over all of them at once (each token's
+   numbers independent of the others), RoPE, the cache writes and the attention span by span */
+static int block(float *x, int n, int H, const Layer *l, const View *v, const Span *spans, int n_spans,
+                 float *k_layer, float *v_layer, int max_len, int n_heads, int n_kv, int hd, int inter, float scale,
+                 const Scratch *s) {
     const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
 
     /* attention */
     rmsnorm(x, l->attn_norm, l->eps, n, H, s->xn);
     linear(l->wqkv, s->xn, n, s->big, s->scratch);
-    for (int i = 0; i < n; i++) {
-        float *row = s->big + (int64_t)i * qkv_dim;
-        const float *c = v->cos + (int64_t)i * hd, *sn = v->sin + (int64_t)i * hd;
-        if (l->q_norm) {
-            rmsnorm(row, l->q_norm, l->eps, n_heads, hd, row);
-            rmsnorm(row + q_dim, l->k_norm, l->eps, n_kv, hd, row + q_dim);
+    for (int r = 0; r < n_spans; r++) {
+        const Span *sp = spans + r;
+        float *k_cache = k_layer + sp->kv_offset, *v_cache = v_layer + sp->kv_offset;
+        for (int i = 0; i < sp->n; i++) {
+            const int t = sp->first + i;
+            float *row = s->big + (int64_t)t * qkv_dim;
+            const float *c = v->cos + (int64_t)t * hd, *sn = v->sin + (int64_t)t * hd;
+            if (l->q_norm) {
+                rmsnorm(row, l->q_norm, l->eps, n_heads, hd, row);
+                rmsnorm(row + q_dim, l->k_norm, l->eps, n_kv, hd, row + q_dim);
+            }
+            for (int h = 0; h < n_heads; h++) rope(row + h * hd, c, sn, hd);
+            for (int g = 0; g < n_kv; g++) {
+                float *k = row + q_dim + g * hd;
+                rope(k, c, sn, hd);
+                memcpy(k_cache + ((int64_t)g * max_len + sp->start + i) * hd, k, sizeof(float) * hd);
+                memcpy(v_cache + ((int64_t)g * max_len + sp->start + i) * hd, row + q_dim + kv_dim + g * hd,
+                       sizeof(float) * hd);
+            }
         }
-        for (int h = 0; h < n_heads; h++) rope(row + h * hd, c, sn, hd);
-        for (int g = 0; g < n_kv; g++) {
-            float *k = row + q_dim + g * hd;
-            rope(k, c, sn, hd);
-            memcpy(k_cache + ((int64_t)g * max_len + start + i) * hd, k, sizeof(float) * hd);
-            memcpy(v_cache + ((int64_t)g * max_len + start + i) * hd, row + q_dim + kv_dim + g * hd,
-                   sizeof(float) * hd);
-        }
+        if (specdecode_attention(s->big + (int64_t)sp->first * qkv_dim, qkv_dim, s->att + (int64_t)sp->first * q_dim,
+                                 q_dim, k_cache, v_cache, max_len, sp->start, sp->n, sp->masks[l->view],
+                                 sp->full_masks[l->view], n_heads, n_kv, hd, scale))
+            return 1;
     }
-    if (specdecode_attention(s->big, qkv_dim, s->att, q_dim, k_cache, v_cache, max_len, start, n, v->mask,
-                             v->full_mask, n_heads, n_kv, hd, scale))
-        return 1;
     linear(l->wo, s->att, n, s->out, s->scratch);
     add_output(x, s->out, l->post_attn_norm, l->eps, n, H);
 
@@ -336,12 +353,14 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, float *k
 }
 
 /* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
-   step. Layer i's keys start at kv + i * layer_stride, its values v_offset floats after them (one [kv_heads,
-   max_len, head_dim] block each), and it reads views[layer.view]; scale: the attention scores' (Llama: hd^-0.5);
-   states[i], where given (not NULL), receives x after layer i. Returns 1 when memory ran out. */
+   step. x [n, H]: the tokens of every span (one sequence, or each row of a batch: the same numbers as each alone).
+   Layer i's keys start at kv + i * layer_stride (a span's row kv_offset floats further), its values v_offset
+   floats after them (one [kv_heads, max_len, head_dim] block per row), and it reads views[layer.view]; scale: the
+   attention scores' (Llama: hd^-0.5); states[i], where given (not NULL), receives x after layer i. Returns 1 when
+   memory ran out. */
 int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, float *kv, int64_t layer_stride,
-                      int64_t v_offset, int max_len, int start, const View *views, int n_heads, int n_kv, int hd,
-                      int inter, float scale, float *const *states) {
+                      int64_t v_offset, int max_len, const View *views, const Span *spans, int n_spans, int n_heads,
+                      int n_kv, int hd, int inter, float scale, float *const *states) {
     const int q_dim = n_heads * hd, qkv_dim = q_dim + 2 * n_kv * hd;
     const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
     Scratch s = {malloc(sizeof(float) * (size_t)n * (H > inter ? H : inter)), malloc(sizeof(float) * (size_t)n * widest),
@@ -351,8 +370,8 @@ int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers,
     int failed = !s.xn || !s.big || !s.att || !s.scratch || !s.out;
     for (int i = 0; i < n_layers && !failed; i++) {
         float *k = kv + (int64_t)i * layer_stride;
-        failed = block(x, n, H, layers + i, views + layers[i].view, k, k + v_offset, max_len, start, n_heads, n_kv,
-                       hd, inter, scale, &s);
+        failed = block(x, n, H, layers + i, views + layers[i].view, spans, n_spans, k, k + v_offset, max_len,
+                       n_heads, n_kv, hd, inter, scale, &s);
         if (!failed && states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
     }
     free(s.xn); free(s.big); free(s.att); free(s.scratch); free(s.out);

@@ -138,7 +138,8 @@ class EagleHead(nn.Module):
             lib, block = blocks
             x = x.reshape(n, -1).contiguous()
             full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
-            block.run(lib, x, cache, start, [(cos, sin, None, full)], self.config.block)
+            block.run(lib, x, cache.kv, [native.RowSpan(0, n, start, 0, [(None, full)])], [(cos, sin)],
+                      self.config.block)
             x = x.view(1, n, -1)
         else:
             x = self.block(x, cos, sin, cache, 0, start, mask)

@@ -252,17 +252,16 @@ class Transformer(nn.Module):
         wanted = [i % num_layers for i in hidden_layers]  # negative indices count from the last layer
         x = self.embed_tokens(tokens)
         states = {}
-        native = self._native_blocks(tokens, cache)
-        if native is not None:  # the same blocks in one native call
-            lib, blocks = native
+        native_run = self._native_blocks(tokens, cache)
+        if native_run is not None:  # the same blocks in one native call
+            lib, blocks = native_run
             if start + n > cache.max_len:
                 raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
             flat = x.reshape(n, -1).float().contiguous()
-            tree = None if tree_mask is None else tree_mask.to(torch.uint8).contiguous()  # [n, n]
-            views = [self._native_view(start, positions, tree_mask, tree, sliding)
-                     for sliding in sorted({layer.sliding for layer in self.layers})]  # full first, then sliding
+            types = sorted({layer.sliding for layer in self.layers})  # full first, then sliding
+            span = native.RowSpan(0, n, start, 0, [self._native_masks(start, positions, tree_mask, t) for t in types])
             outputs = {i: torch.empty_like(flat) for i in wanted}
-            blocks.run(lib, flat, cache, start, views, self.config, outputs)
+            blocks.run(lib, flat, cache.kv, [span], [self.rope(positions, t) for t in types], self.config, outputs)
             states = {i: out.view(1, n, -1) for i, out in outputs.items()}
             x = flat.view(1, n, -1)
         else:
@@ -282,16 +281,14 @@ class Transformer(nn.Module):
             logits = self.output_logits(x[:, logits_at])
         return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
 
-    def _native_view(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
-                     tree: torch.Tensor | None, sliding: bool) -> native.View:
-        """One attention type's RoPE table and masks for the native blocks: the kernel reads the tree mask [n, n]
-        itself; only a window that hides some key needs the mask over all keys [n, start + n]."""
-        cos, sin = self.rope(positions, sliding)
+    def _native_masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+                      sliding: bool) -> native.Masks:
+        """One attention type's masks for a sequence's tokens in the native blocks: the kernel reads the tree mask
+        [n, n] itself; only a window that hides some key needs the mask over all keys [n, start + n]."""
         window = self.config.sliding_window if sliding else None
         if window is None or int(positions.max()) < window:
-            return cos, sin, tree, None
-        full = attention_mask(start, positions, tree_mask, window, self.device).to(torch.uint8).contiguous()
-        return cos, sin, None, full
+            return None if tree_mask is None else tree_mask.to(torch.uint8).contiguous(), None
+        return None, attention_mask(start, positions, tree_mask, window, self.device).to(torch.uint8).contiguous()
 
     def _native_blocks(self, tokens: torch.Tensor, cache):
         """(library, NativeBlocks) when this forward can run its blocks natively (models/native.py), else None."""
@@ -331,6 +328,9 @@ class Transformer(nn.Module):
             out = self.forward(tokens[:, :m].to(device), cache.row(0), positions=positions[0, :m].to(device),
                                tree_mask=None if mask is None else mask[:m, :m], hidden_layers=hidden_layers)
             return BatchForwardOutput([out.logits[0]], [[h[0] for h in out.hidden]])
+        native_run = native.runner(self, self.layers) if native.applies(self, tokens, cache) else None
+        if native_run is not None:  # every row's tokens through the native blocks: each computes what it would alone
+            return self._native_batch(native_run, tokens, cache, positions, sizes, tree_masks, hidden_layers)
         if tree_masks is not None and not isinstance(tree_masks, torch.Tensor):
             tree_masks = padded_masks(tree_masks, sizes, n)
         starts = torch.tensor(cache.lengths[:b], dtype=torch.long, device=device)
@@ -360,4 +360,32 @@ class Transformer(nn.Module):
         real = torch.arange(n, device=device)[None, :] < sizes_t[:, None]
         logits = self.output_logits(x[real])  # [sum(sizes), V]: padding gets no logits
         hidden = [[states[i][row, :size] for i in wanted] for row, size in enumerate(sizes)]
+        return BatchForwardOutput(list(logits.split(sizes)), hidden)
+
+    def _native_batch(self, native_run, tokens: torch.Tensor, cache: BatchKVCache, positions: torch.Tensor,
+                      sizes: list[int], tree_masks, hidden_layers: Sequence[int]) -> BatchForwardOutput:
+        """forward_batch in the native blocks: the rows' real tokens side by side (no padding), each row attending
+        to its own cache row; every operation is row-invariant, so a row's numbers are those of the row alone."""
+        lib, blocks = native_run
+        b = len(sizes)
+        starts = cache.lengths[:b]
+        cache.reserve(b, max(start + size for start, size in zip(starts, sizes, strict=True)))
+        flat_tokens = torch.cat([tokens[i, :m] for i, m in enumerate(sizes)])
+        flat_positions = torch.cat([positions[i, :m] for i, m in enumerate(sizes)]).to(self.device)
+        x = self.embed_tokens(flat_tokens[None].to(self.device))[0].float().contiguous()
+        types = sorted({layer.sliding for layer in self.layers})  # full first, then sliding
+        spans, first = [], 0
+        for i, (start, m) in enumerate(zip(starts, sizes, strict=True)):
+            mask = None if tree_masks is None else tree_masks[i]
+            mask = None if mask is None else mask[:m, :m]
+            pos = flat_positions[first : first + m]
+            spans.append(native.RowSpan(first, m, start, i, [self._native_masks(start, pos, mask, t) for t in types]))
+            first += m
+        wanted = [i % len(self.layers) for i in hidden_layers]
+        outputs = {i: torch.empty_like(x) for i in wanted}
+        blocks.run(lib, x, cache.kv, spans, [self.rope(flat_positions, t) for t in types], self.config, outputs)
+        for i, m in enumerate(sizes):
+            cache.lengths[i] += m
+        logits = self.output_logits(x)
+        hidden = [[outputs[layer][span.first : span.first + span.n] for layer in wanted] for span in spans]
         return BatchForwardOutput(list(logits.split(sizes)), hidden)

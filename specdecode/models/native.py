@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .. import kernels
-from .cache import KVCache
+from .cache import BatchKVCache, KVCache
 from .linear import Linear
 from .quant import QuantLinear
 
@@ -41,9 +42,22 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
     return None
 
 
-# one attention type's (cos [n, hd], sin [n, hd], tree mask [n, n] or None, mask over all keys [n, start + n] or
-# None): float32 and uint8, contiguous
-View = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# one attention type's RoPE table for the call's tokens: (cos [n, hd], sin [n, hd]), float32, contiguous
+View = tuple[torch.Tensor, torch.Tensor]
+# one attention type's masks for a span: (tree mask [n, n] or None: a chain, mask over all keys [n, start + n] or
+# None: every cached key visible), uint8, contiguous
+Masks = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass
+class RowSpan:
+    """One sequence's tokens in a call: x[first:first + n], cached after `start` in the cache's row `row`."""
+
+    first: int
+    n: int
+    start: int
+    row: int
+    masks: list[Masks]  # per View (full layers', then sliding layers' where the model has both)
 
 
 class NativeBlocks:
@@ -71,16 +85,22 @@ class NativeBlocks:
                                          int(block.mlp.gelu), int(block.sliding))
         return cls(layers, described, weights)
 
-    def run(self, lib, x: torch.Tensor, cache: KVCache, start: int, views: Sequence[View], cfg,
+    def run(self, lib, x: torch.Tensor, kv: torch.Tensor, spans: Sequence[RowSpan], views: Sequence[View], cfg,
             states: dict[int, torch.Tensor] | None = None) -> None:
-        """Every block on x [n, H] (updated in place), layer i's keys and values written into the cache's layer i;
-        views[0] for the full-attention layers, views[1] for the sliding ones (where the model has them); states[i]
-        ([n, H], contiguous), where given, receives x after layer i."""
+        """Every block on x [n, H] (updated in place): the tokens of each span, a sequence or a batch's row, layer
+        i's keys and values written into kv's layer i, the span's row ([layers, 2, rows, kv_heads, max_len,
+        head_dim]); views[0] for the full-attention layers, views[1] for the sliding ones (where the model has
+        them); states[i] ([n, H], contiguous), where given, receives x after layer i. A token's numbers are the
+        same in any company: a batch's rows compute what each computes alone."""
         n, hidden = x.shape
-        described = (kernels.View * 2)(*(kernels.View(*(None if t is None else t.data_ptr() for t in view))
-                                         for view in (views[0], views[-1])))
+        described = (kernels.View * 2)(*(kernels.View(cos.data_ptr(), sin.data_ptr()) for cos, sin in
+                                         (views[0], views[-1])))
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        rows = (kernels.Span * len(spans))(*(kernels.Span(
+            span.first, span.n, span.start, span.row * kv.stride(2),
+            (ptr(span.masks[0][0]), ptr(span.masks[-1][0])), (ptr(span.masks[0][1]), ptr(span.masks[-1][1])))
+            for span in spans))
         scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
-        kv = cache.kv  # [layers, 2, 1, kv_heads, max_len, head_dim]: each layer's keys and values one block each
         outputs = None
         if states:
             outputs = (ctypes.c_void_p * len(self.layers))()
@@ -88,8 +108,8 @@ class NativeBlocks:
                 outputs[i] = out.data_ptr()
         failed = lib.specdecode_blocks(
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
-            cache.max_len, start, described, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-            scale, outputs)
+            kv.shape[4], described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, scale, outputs)
         if failed:
             raise MemoryError("the native block could not allocate its scratch memory")
 
@@ -116,11 +136,13 @@ def runner(owner: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> tuple[c
 
 
 def cache_fits(cache) -> bool:
-    """The kernel reads each layer's keys (and values) of the sequence as one [kv_heads, max_len, head_dim] block."""
-    return isinstance(cache, KVCache) and cache.kv.dtype == torch.float32 and cache.kv[0, 0, 0].is_contiguous()
+    """The kernel reads each layer's keys (and values) of a sequence (a row of a batch's cache) as one [kv_heads,
+    max_len, head_dim] block."""
+    return (isinstance(cache, KVCache | BatchKVCache) and cache.kv.dtype == torch.float32
+            and cache.kv[0, 0, 0].is_contiguous())
 
 
 def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
     """Whether this forward can take the native path (before looking at the layers)."""
-    return (tokens.device.type == "cpu" and tokens.shape[0] == 1
+    return (tokens.device.type == "cpu" and (tokens.shape[0] == 1 or isinstance(cache, BatchKVCache))
             and model.dtype == torch.float32 and not torch.is_grad_enabled() and cache_fits(cache))
