@@ -126,8 +126,10 @@ class Engine:
         return joint_cut([row.policy for row in self.rows], proposals, contexts,
                          lambda width, context: self.cost.seconds(rows, width, context))
 
-    def step(self) -> list[StepResult]:
-        """One step of every request: its newly committed tokens, or the exception that failed it (it has left)."""
+    def step(self, prefill: int = 0) -> list[StepResult]:
+        """One step of every request: its newly committed tokens, or the exception that failed it (it has left).
+        prefill: up to this many tokens of the pending request's prompt cached in the same forward (where the
+        model carries a chunk along: the native blocks; else in a forward of their own)."""
         results: list[StepResult] = []
         self.view.rows = len(self.rows)
         planned: dict[int, DraftTree] = {}
@@ -157,11 +159,16 @@ class Engine:
             positions[i, m:] = contexts[i] + torch.arange(m, n)
         masks = [mask for _, _, mask in inputs]
         layers = list(dict.fromkeys(layer for row in self.rows for layer in row.hidden_layers))
+        pending, chunk = self.pending if prefill else None, None
+        carry = pending is not None and not pending.hidden_layers and self.model.carries_prefill(tokens, self.cache)
+        if pending is not None and carry:  # the prompt's next tokens ride along in the batch's forward: one pass
+            done = self.cache.lengths[b]   # over the weights for both
+            chunk = pending.tokens[done : min(len(pending.tokens) - 1, done + min(prefill, PREFILL_CHUNK))]
         started = time.perf_counter()
         try:
             out = self.model.forward_batch(tokens, self.cache, positions=positions, sizes=sizes,
                                            tree_masks=None if all(m is None for m in masks) else masks,
-                                           hidden_layers=layers)
+                                           hidden_layers=layers, prefill=chunk)
         except Exception as e:  # noqa: BLE001 - the step is lost for its rows; the engine goes on
             for row in list(self.rows):
                 self.remove(row)
@@ -190,6 +197,11 @@ class Engine:
         for row, result in results:  # failed rows leave now (their cache rows may be half-updated)
             if isinstance(result, Exception) and row in self.rows:
                 self.remove(row)
+        if pending is not None and pending is self.pending:
+            if not carry:  # a forward of its own (e.g. its proposer wants the prompt's hidden states whole)
+                self.prefill(prefill)
+            elif self.cache.lengths[len(self.rows)] >= len(pending.tokens) - 1:
+                self._join()  # its prompt is cached: it steps from the next step on
         return results
 
 

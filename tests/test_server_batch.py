@@ -302,40 +302,55 @@ def test_a_prompt_cached_in_chunks_between_steps_decodes_as_alone():
     assert decoder.pending is None and not decoder.rows and decoder.cache.lengths[0] == 0
 
 
-def test_the_scheduler_chunks_a_prompt_that_arrives_mid_stream():
-    """While a request runs, a turn caches about one decode step's worth of a new prompt (priced by the cost
-    table); with nothing running, a whole prompt of up to prefill_tokens at once."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["own-forward", "carried-in-the-step"])
+def test_the_scheduler_chunks_a_prompt_that_arrives_mid_stream(dtype):
+    """While a request runs, each step caches about one decode step's worth of a new prompt (priced by the cost
+    table): in the step's own forward where the native blocks run (float32 on the CPU), else in a forward of its
+    own after it; with nothing running, a whole prompt of up to prefill_tokens at once. Both requests then decode
+    exactly what they decode alone."""
     import asyncio
 
     from specdecode.server.metrics import Metrics
     from specdecode.server.scheduler import Job, Scheduler
 
-    model = tiny_model(5, vocab_size=24)
+    model = tiny_model(5, vocab_size=24, dtype=dtype)
     flat_to_8 = [[1.0, 1.0, 1.0, 1.0, 2.0]] * 2  # forwards of up to 8 tokens cost a 1-token step; 16 cost two
     engine = Engine(model, BatchCost([1, 4, 16], [FrozenCost([1, 2, 4, 8, 16], [8, 64], flat_to_8)] * 3))
     scheduler = Scheduler(engine, max_batch=4, max_queue=4, metrics=Metrics("tiny", 256))
     loop = asyncio.new_event_loop()
     tokenizer = type("T", (), {"decode": lambda self, ids, **k: "x" * len(ids)})()
+    carried = []
+    original = type(model).forward_batch
     try:
-        assert scheduler.prefill_budget() == scheduler.prefill_tokens == 1024  # nothing runs: whole prompts
-        running = Job(make_row(model, [1, 2, 3], "none", 0, max_new=200), tokenizer, [], loop)
-        scheduler.submit(running)
-        scheduler._prefill()
-        assert engine.rows == [running.row] and scheduler.prefill_budget() == 8
-        scheduler.prefill_share = 0.75  # a chunk may cost 3 steps: 16 tokens (2 steps' worth)
-        assert scheduler.prefill_budget() == 16
-        scheduler.prefill_share = 0.5
-        arriving = Job(make_row(model, list(range(20)) * 10, "none", 0), tokenizer, [], loop)
-        scheduler.submit(arriving)
-        scheduler._prefill()
-        assert engine.pending is arriving.row and engine.cache.lengths[1] == 8  # one chunk, then a step
-        turns = 0
-        while engine.pending is not None:
-            scheduler._step()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(model), "forward_batch",
+                       lambda self, *a, **k: carried.append(bool(k.get("prefill"))) or original(self, *a, **k))
+            assert scheduler.prefill_budget() == scheduler.prefill_tokens == 1024  # nothing runs: whole prompts
+            running = Job(make_row(model, [1, 2, 3], "none", 0, max_new=40), tokenizer, [], loop)
+            scheduler.submit(running)
             scheduler._prefill()
-            turns += 1
-        assert arriving.row in engine.rows and turns == 24  # 199 tokens, 8 a turn
-        assert running.row.stats.new_tokens == 24  # the running request kept stepping all along
+            assert engine.rows == [running.row] and scheduler.prefill_budget() == 8
+            scheduler.prefill_share = 0.75  # a chunk may cost 3 steps: 16 tokens (2 steps' worth)
+            assert scheduler.prefill_budget() == 16
+            scheduler.prefill_share = 0.5
+            prompt = (list(range(20)) * 10)[:199] + [3]
+            arriving = Job(make_row(model, prompt, "none", 0, max_new=10), tokenizer, [], loop)
+            scheduler.submit(arriving)
+            scheduler._prefill()
+            assert engine.pending is arriving.row and engine.cache.lengths[1] == 0  # the steps will cache it
+            turns = 0
+            while engine.pending is not None:
+                scheduler._step()
+                scheduler._prefill()
+                turns += 1
+                assert engine.pending is None or engine.cache.lengths[1] == 8 * turns
+        assert arriving.row in engine.rows and id(arriving.row) in scheduler.active
+        assert turns == 25 and running.row.stats.new_tokens == 25  # 199 tokens, 8 a step, the stream kept going
+        assert any(carried) == (dtype == torch.float32)
+        while scheduler.active:
+            scheduler._step()
+        assert running.row.new_tokens == alone(model, [1, 2, 3], 40)
+        assert arriving.row.new_tokens == alone(model, prompt, 10)
     finally:
         loop.close()
 

@@ -307,6 +307,7 @@ class Transformer(nn.Module):
         sizes: list[int],
         tree_masks: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         hidden_layers: Sequence[int] = (),
+        prefill: list[int] | None = None,
     ) -> BatchForwardOutput:
         """Run a ragged batch: row b's first sizes[b] tokens of `tokens` [B, n] follow its own
         cache.lengths[b] cached ones (the rest of the row is padding, seen by no real token).
@@ -318,9 +319,16 @@ class Transformer(nn.Module):
         hidden_layers: as in `forward`; returned per row, real tokens only.
         One row runs the single-sequence `forward` on the row in place (the native kernels on the CPU), so a lone
         request computes exactly what it computes in a batch of one.
+        prefill: prompt tokens of the cache's next row (B) to cache in the same call, after its cached ones (no
+            logits; the native blocks only: see `carries_prefill`).
         """
         b, n = tokens.shape
         device = self.device
+        if prefill:
+            run = native.runner(self, self.layers) if native.applies(self, tokens, cache) else None
+            if run is None:
+                raise ValueError("a prefill chunk rides along only in the native blocks (see carries_prefill)")
+            return self._native_batch(run, tokens, cache, positions, sizes, tree_masks, hidden_layers, prefill)
         if b == 1:
             m = sizes[0]
             mask = None if tree_masks is None else tree_masks[0]
@@ -362,16 +370,27 @@ class Transformer(nn.Module):
         hidden = [[states[i][row, :size] for i in wanted] for row, size in enumerate(sizes)]
         return BatchForwardOutput(list(logits.split(sizes)), hidden)
 
+    @torch.inference_mode()  # as forward_batch runs
+    def carries_prefill(self, tokens: torch.Tensor, cache: BatchKVCache) -> bool:
+        """Whether forward_batch can cache a prefill chunk in the same call (the native blocks run it)."""
+        return native.applies(self, tokens, cache) and native.runner(self, self.layers) is not None
+
     def _native_batch(self, native_run, tokens: torch.Tensor, cache: BatchKVCache, positions: torch.Tensor,
-                      sizes: list[int], tree_masks, hidden_layers: Sequence[int]) -> BatchForwardOutput:
+                      sizes: list[int], tree_masks, hidden_layers: Sequence[int],
+                      prefill: list[int] | None = None) -> BatchForwardOutput:
         """forward_batch in the native blocks: the rows' real tokens side by side (no padding), each row attending
-        to its own cache row; every operation is row-invariant, so a row's numbers are those of the row alone."""
+        to its own cache row, then the prefill chunk of row B; every operation is row-invariant, so a row's
+        numbers are those of the row alone."""
         lib, blocks = native_run
         b = len(sizes)
         starts = cache.lengths[:b]
-        cache.reserve(b, max(start + size for start, size in zip(starts, sizes, strict=True)))
-        flat_tokens = torch.cat([tokens[i, :m] for i, m in enumerate(sizes)])
-        flat_positions = torch.cat([positions[i, :m] for i, m in enumerate(sizes)]).to(self.device)
+        chunk = list(prefill or [])
+        done = cache.lengths[b] if chunk else 0
+        cache.reserve(b + bool(chunk), max([start + size for start, size in zip(starts, sizes, strict=True)]
+                                           + [done + len(chunk)]))
+        flat_tokens = torch.cat([tokens[i, :m] for i, m in enumerate(sizes)] + [torch.tensor(chunk, dtype=torch.long)])
+        flat_positions = torch.cat([positions[i, :m].to(self.device) for i, m in enumerate(sizes)]
+                                   + [torch.arange(done, done + len(chunk), device=self.device)])
         x = self.embed_tokens(flat_tokens[None].to(self.device))[0].float().contiguous()
         types = sorted({layer.sliding for layer in self.layers})  # full first, then sliding
         spans, first = [], 0
@@ -381,11 +400,17 @@ class Transformer(nn.Module):
             pos = flat_positions[first : first + m]
             spans.append(native.RowSpan(first, m, start, i, [self._native_masks(start, pos, mask, t) for t in types]))
             first += m
+        if chunk:  # a prompt's next tokens: a causal chain after its cached ones
+            pos = flat_positions[first:]
+            spans.append(native.RowSpan(first, len(chunk), done, b,
+                                        [self._native_masks(done, pos, None, t) for t in types]))
         wanted = [i % len(self.layers) for i in hidden_layers]
         outputs = {i: torch.empty_like(x) for i in wanted}
         blocks.run(lib, x, cache.kv, spans, [self.rope(flat_positions, t) for t in types], self.config, outputs)
         for i, m in enumerate(sizes):
             cache.lengths[i] += m
-        logits = self.output_logits(x)
-        hidden = [[outputs[layer][span.first : span.first + span.n] for layer in wanted] for span in spans]
+        if chunk:
+            cache.lengths[b] += len(chunk)
+        logits = self.output_logits(x[: first])  # the rows' tokens only: a prefill needs none
+        hidden = [[outputs[layer][span.first : span.first + span.n] for layer in wanted] for span in spans[:b]]
         return BatchForwardOutput(list(logits.split(sizes)), hidden)

@@ -212,7 +212,8 @@ class Scheduler:
 
     def _prefill(self) -> None:
         """Waiting prompts into the engine within this turn's budget, one at a time; each joins the batch once its
-        prompt is cached (a sibling choice's copy at once)."""
+        prompt is cached (a sibling choice's copy at once). While requests run, the pending prompt's chunk rides
+        in their step's forward (`_step`)."""
         budget = self.prefill_budget()
         while budget > 0:
             if self.prefilling is None:
@@ -227,6 +228,8 @@ class Scheduler:
                     continue
                 self.prefilling = job
             if self.engine.pending is not None:
+                if self.active:
+                    return  # the step carries this turn's chunk
                 try:
                     budget -= max(1, self.engine.prefill(budget))
                 except Exception as e:  # noqa: BLE001
@@ -234,10 +237,14 @@ class Scheduler:
                     self.engine.cancel_pending()
                     self._close(job, "error", Failed(internal_error("the prompt's prefill failed", e)))
                     continue
-            if self.engine.pending is None:  # the prompt is cached: the job joins the batch
-                job, self.prefilling = self.prefilling, None
-                self.active[id(job.row)] = job
-                self.metrics.admitted(job, job.row.stats.prompt_tokens)
+            self._joined()
+
+    def _joined(self) -> None:
+        """The prefilling job's prompt is cached (the engine has let it join): it is active."""
+        if self.prefilling is not None and self.engine.pending is None:
+            job, self.prefilling = self.prefilling, None
+            self.active[id(job.row)] = job
+            self.metrics.admitted(job, job.row.stats.prompt_tokens)
 
     def _next_waiting(self) -> Job | None:
         """The first waiting job (cancelled ones are closed on the way) while the batch has room, else None."""
@@ -265,7 +272,8 @@ class Scheduler:
         self.metrics.step_rows.observe(len(self.active))
         before = {key: (job.row.stats.drafted, job.row.stats.accepted) for key, job in self.active.items()}
         started = time.perf_counter()
-        results = self.engine.step()
+        results = self.engine.step(prefill=self.prefill_budget() if self.prefilling is not None else 0)
+        self._joined()
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         for row, result in results:
             job = self.active[id(row)]
