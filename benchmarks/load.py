@@ -114,17 +114,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(serve_args: list[str], log=None) -> tuple[subprocess.Popen, str]:
+    """`specdecode serve` with these arguments on a free loopback port, once its /health answers (its output into
+    `log`, an open file, or this process's)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--method", args.method,
-           "--k", "auto", "--port", str(port), "--max-batch", str(args.max_batch), "--log-level", "warning"]
-    if args.draft:
-        cmd += ["--draft", args.draft]
-    if args.replicas:
-        cmd += ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    cmd = [sys.executable, "-m", "specdecode.cli", "serve", *serve_args, "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=None if log is None else subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900  # the first start may convert the weights and measure batch costs
+    print("starting the server (the first start may convert the weights and measure batch costs)...",
+          file=sys.stderr)
+    deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError("the server exited during start-up")
@@ -136,6 +135,16 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         time.sleep(1)
     proc.kill()
     raise TimeoutError("the server did not start")
+
+
+def serve_args(args) -> list[str]:
+    """This load test's server: the model, method and batch it measures."""
+    out = ["--model", args.model, "--method", args.method, "--k", "auto", "--max-batch", str(args.max_batch)]
+    if args.draft:
+        out += ["--draft", args.draft]
+    if args.replicas:
+        out += ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
+    return out
 
 
 def report(results: dict, command: str) -> str:
@@ -197,7 +206,7 @@ def main() -> int:
         by_category.setdefault(q.category, []).append(q.prompt)
     prompts = [lst[i] for i in range(4) for lst in by_category.values() if i < len(lst)]  # categories interleaved
 
-    proc, url = (None, args.url) if args.url else start_server(args)
+    proc, url = (None, args.url) if args.url else start_server(serve_args(args))
     results = {"model": args.model, "method": args.method, "max_batch": args.max_batch, "replicas": args.replicas,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine_description(), "levels": []}
     try:

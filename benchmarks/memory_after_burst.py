@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +21,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from load import start_server  # noqa: E402 (benchmarks/load.py, beside this script)
 
 from specdecode.bench.hardware import machine_description  # noqa: E402
 
@@ -42,23 +42,9 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=3.0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
     args.out.mkdir(parents=True, exist_ok=True)
-    server = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--port",
-                               str(port), "--log-level", "warning"], stdout=(args.out / "server.log").open("w"),
-                              stderr=subprocess.STDOUT)
+    server, url = start_server(["--model", args.model], log=(args.out / "server.log").open("w"))
     try:
-        print("starting the server...", file=sys.stderr)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
 
         def complete(prompt: str, tokens: int) -> None:
             httpx.post(url + "/v1/completions", timeout=900, json={"model": args.model, "prompt": prompt,

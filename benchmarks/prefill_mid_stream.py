@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -26,16 +23,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from load import start_server  # noqa: E402 (benchmarks/load.py, beside this script)
+
 from specdecode.bench.hardware import machine_description  # noqa: E402
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "a", "careful", "reader",
          "counts", "every", "word", "twice"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -56,22 +49,9 @@ def main() -> None:
     ap.add_argument("--after", type=int, default=64, help="chunks of the stream before the long prompt is sent")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     args.out.mkdir(parents=True, exist_ok=True)
-    log = (args.out / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--model", args.model, "--port",
-                               str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ})
+    server, url = start_server(["--model", args.model], log=(args.out / "server.log").open("w"))
     try:
-        print("starting the server (model load, cost tables: seconds to a minute)...", file=sys.stderr)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
         long_prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_tokens))
         count = len(httpx.post(url + "/tokenize", json={"prompt": long_prompt}).json()["tokens"])
         arrival: dict[str, float] = {}
