@@ -304,25 +304,18 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, dh, mh, xq + (int64_t)r0 * K, \
                                         dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
                 const int rows = M - r0 < ROWS ? M - r0 : ROWS;
-                if (kind == 6) {
-                    if (rows >= 4) TILE_ROWS(6, 4); else if (rows == 3) TILE_ROWS(6, 3);
-                    else if (rows == 2) TILE_ROWS(6, 2); else TILE_ROWS(6, 1);
-                } else if (kind == 5) {
-                    if (rows >= 4) TILE_ROWS(5, 4); else if (rows == 3) TILE_ROWS(5, 3);
-                    else if (rows == 2) TILE_ROWS(5, 2); else TILE_ROWS(5, 1);
-                } else if (kind == 4) {
-                    if (rows >= 4) TILE_ROWS(4, 4); else if (rows == 3) TILE_ROWS(4, 3);
-                    else if (rows == 2) TILE_ROWS(4, 2); else TILE_ROWS(4, 1);
-                } else if (kind == 3) {
-                    if (rows >= 4) TILE_ROWS(3, 4); else if (rows == 3) TILE_ROWS(3, 3);
-                    else if (rows == 2) TILE_ROWS(3, 2); else TILE_ROWS(3, 1);
-                } else if (kind == 1) {
-                    if (rows >= 4) TILE_ROWS(1, 4); else if (rows == 3) TILE_ROWS(1, 3);
-                    else if (rows == 2) TILE_ROWS(1, 2); else TILE_ROWS(1, 1);
-                } else {
-                    if (rows >= 4) TILE_ROWS(2, 4); else if (rows == 3) TILE_ROWS(2, 3);
-                    else if (rows == 2) TILE_ROWS(2, 2); else TILE_ROWS(2, 1);
+/* KIND and R constants at each call: every (kind, rows) pair gets its own unrolled copy */
+#define TILE(KIND) do { if (rows >= 4) TILE_ROWS(KIND, 4); else if (rows == 3) TILE_ROWS(KIND, 3); \
+                        else if (rows == 2) TILE_ROWS(KIND, 2); else TILE_ROWS(KIND, 1); } while (0)
+                switch (kind) {
+                    case 1: TILE(1); break;
+                    case 3: TILE(3); break;
+                    case 4: TILE(4); break;
+                    case 5: TILE(5); break;
+                    case 6: TILE(6); break;
+                    default: TILE(2); break;
                 }
+#undef TILE
 #undef TILE_ROWS
             }
         }
