@@ -325,7 +325,7 @@ class Transformer(nn.Module):
         b, n = tokens.shape
         device = self.device
         if prefill:
-            run = native.runner(self, self.layers) if native.applies(self, tokens, cache) else None
+            run = self._native_blocks(tokens, cache)
             if run is None:
                 raise ValueError("a prefill chunk rides along only in the native blocks (see carries_prefill)")
             return self._native_batch(run, tokens, cache, positions, sizes, tree_masks, hidden_layers, prefill)
@@ -336,7 +336,7 @@ class Transformer(nn.Module):
             out = self.forward(tokens[:, :m].to(device), cache.row(0), positions=positions[0, :m].to(device),
                                tree_mask=None if mask is None else mask[:m, :m], hidden_layers=hidden_layers)
             return BatchForwardOutput([out.logits[0]], [[h[0] for h in out.hidden]])
-        native_run = native.runner(self, self.layers) if native.applies(self, tokens, cache) else None
+        native_run = self._native_blocks(tokens, cache)
         if native_run is not None:  # every row's tokens through the native blocks: each computes what it would alone
             return self._native_batch(native_run, tokens, cache, positions, sizes, tree_masks, hidden_layers)
         if tree_masks is not None and not isinstance(tree_masks, torch.Tensor):
@@ -373,7 +373,7 @@ class Transformer(nn.Module):
     @torch.inference_mode()  # as forward_batch runs
     def carries_prefill(self, tokens: torch.Tensor, cache: BatchKVCache) -> bool:
         """Whether forward_batch can cache a prefill chunk in the same call (the native blocks run it)."""
-        return native.applies(self, tokens, cache) and native.runner(self, self.layers) is not None
+        return self._native_blocks(tokens, cache) is not None
 
     def _native_batch(self, native_run, tokens: torch.Tensor, cache: BatchKVCache, positions: torch.Tensor,
                       sizes: list[int], tree_masks, hidden_layers: Sequence[int],

@@ -1,9 +1,11 @@
 """The model's blocks run by the native kernel (kernels/block.c): one call a step for all layers instead of ~30
-PyTorch operators per layer, for one sequence on the CPU in float32, with int4, int8 or float32 weights; Llama's
-block or Gemma 3's (QK-norm, sandwich norms, GeGLU, sliding and full layers each with their own View).
+PyTorch operators per layer, for one sequence or a batch's rows (spans) on the CPU in float32, with int4, int8 or
+float32 weights; Llama's block or Gemma 3's (QK-norm, sandwich norms, GeGLU, sliding and full layers each with
+their own View).
 
 `applies` and `NativeBlocks.build` say no where the kernel does not apply (another device or dtype, gradients,
-a batch, layers it does not know, or no native library: see kernels.native), and the PyTorch blocks run.
+a cache it cannot read, layers it does not know, or no native library: see kernels.native), and the PyTorch
+blocks run.
 """
 
 from __future__ import annotations
