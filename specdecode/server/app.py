@@ -154,12 +154,13 @@ class Server:
                               param="speculation") from None
 
     def constraint(self, req: schemas.GenerationRequest) -> Constraint | None:
-        spec = req.structured()
+        asked = req.structured()
+        if asked is None:
+            return None
+        field, spec = asked
         try:
-            return None if spec is None else self.llm.grammar().constraint(spec)
+            return self.llm.grammar().constraint(spec)
         except ValueError as e:
-            field = "response_format" if req.response_format is not None else next(
-                name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(req, name) is not None)
             raise bad_request(str(e), param=field) from None
 
     def encode(self, req: schemas.GenerationRequest | schemas.TokenizeChat | schemas.TokenizeCompletion) -> list[int]:

@@ -98,8 +98,9 @@ class Common(Strict):
     guided_regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
 
-    def structured(self) -> dict | None:
-        """What the output must follow, as LLM.generate's `structured` takes it (None: free text)."""
+    def structured(self) -> tuple[str, dict] | None:
+        """(the field that asked, what the output must follow as LLM.generate's `structured` takes it), or None:
+        free text."""
         asked = {name: value for name, value in (("response_format", self.response_format),
                  ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
                  ("guided_choice", self.guided_choice)) if value is not None}
@@ -112,7 +113,7 @@ class Common(Strict):
             return None
         name, value = asked.popitem()
         if name == "response_format":
-            return {"json": value.json_schema.schema_ if value.json_schema else True}
+            return name, {"json": value.json_schema.schema_ if value.json_schema else True}
         if name == "guided_json":
             if isinstance(value, str):
                 try:
@@ -120,8 +121,8 @@ class Common(Strict):
                 except ValueError:
                     raise bad_request("guided_json must be a JSON schema (an object, or a string holding one)",
                                       param=name) from None
-            return {"json": value if isinstance(value, dict) else True}
-        return {"regex": value} if name == "guided_regex" else {"choice": value}
+            return name, {"json": value if isinstance(value, dict) else True}
+        return name, {"regex": value} if name == "guided_regex" else {"choice": value}
 
     @field_validator("logit_bias")
     @classmethod
