@@ -25,14 +25,6 @@ if TYPE_CHECKING:
     from .tree import DraftTree
 
 
-def node_histories(tree: DraftTree) -> list[list[int]]:
-    """Per node, the tree tokens on the way down to it (the root's is empty: its token is already committed)."""
-    paths: list[list[int]] = [[]]
-    for i in range(1, len(tree)):
-        paths.append(paths[tree.parents[i]] + [tree.tokens[i]])
-    return paths
-
-
 def process(logits: torch.Tensor, tree: DraftTree, tokens: list[int], prompt_len: int, params: SamplingParams,
             stop_token_ids: Collection[int] = ()) -> torch.Tensor:
     """The target's logits [n, V] at the tree's nodes, processed for each node's history (a new tensor; the input
@@ -47,7 +39,7 @@ def process(logits: torch.Tensor, tree: DraftTree, tokens: list[int], prompt_len
         if int(ids.max()) >= vocab:
             raise ValueError(f"logit_bias names token {int(ids.max())}, outside the vocabulary of {vocab} tokens")
         out[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
-    paths = node_histories(tree) if n > 1 else [[]]
+    paths = tree.node_paths() if n > 1 else [[]]  # the root's token is committed already
     generated = len(tokens) - prompt_len
     if params.min_tokens and stop_token_ids:
         short = [i for i in range(n) if generated + len(paths[i]) < params.min_tokens]

@@ -114,15 +114,15 @@ class DraftTree:
 
     def paths(self) -> list[list[int]]:
         """Guessed tokens from the root to each leaf."""
-        leaves = [i for i in range(len(self.tokens)) if not self.children(i)]
-        out = []
-        for leaf in leaves:
-            path, node = [], leaf
-            while node > 0:
-                path.append(self.tokens[node])
-                node = self.parents[node]
-            out.append(path[::-1])
-        return [p for p in out if p]
+        to_node = self.node_paths()
+        return [to_node[i] for i in range(len(self.tokens)) if not self.children(i) and to_node[i]]
+
+    def node_paths(self) -> list[list[int]]:
+        """Per node, the guessed tokens from the root down to it (the root's: none; parents come before children)."""
+        out: list[list[int]] = [[]]
+        for i in range(1, len(self.tokens)):
+            out.append(out[self.parents[i]] + [self.tokens[i]])
+        return out
 
     def truncate(self, depth: int) -> DraftTree:
         """The nodes at most `depth` guesses deep (parents come first, so indices stay ordered)."""
