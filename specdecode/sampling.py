@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -79,9 +79,8 @@ class SamplingParams:
         return probs
 
 
-# what LLM.generate takes besides temperature, top_k and top_p, by name
-SAMPLING_OPTIONS = frozenset({"min_p", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                              "min_tokens"})
+# what LLM.generate takes by name besides temperature, top_k and top_p (its own keywords)
+SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingParams)) - {"temperature", "top_k", "top_p"}
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

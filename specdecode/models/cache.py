@@ -176,11 +176,9 @@ class BatchKVCache:
 
     def move(self, src: int, dst: int) -> None:
         """Row `src`'s entries become row `dst`'s (packs the batch when a row leaves)."""
-        if src == dst:
-            return
-        n = self.lengths[src]
-        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
-        self.lengths[dst], self.lengths[src] = n, 0
+        if src != dst:
+            self.copy(src, dst, self.lengths[src])
+            self.lengths[src] = 0
 
 
 class RowCache(KVCache):
