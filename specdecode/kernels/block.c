@@ -148,9 +148,10 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
 
 /* Attention of n new queries (rows of q, `q_stride` floats apart, heads side by side, RoPE applied) over the
    layer's cache, whose keys and values for the new tokens are already at start..start+n: out rows `att_stride`
-   apart. Visibility as in specdecode_block (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
-   [n, start + n]). A query's numbers never depend on n: the kernel the PyTorch blocks (Gemma) call too, so
-   that a tree verifies bit for bit what one-token steps compute. Returns 1 when scratch memory ran out. */
+   apart. Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
+   [n, start + n]). A query's numbers never depend on n: the kernel the PyTorch blocks call too (where a layer
+   keeps them out of the native path), so that a tree verifies bit for bit what one-token steps compute. Returns 1
+   when scratch memory ran out. */
 int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const float *k_cache,
                          const float *v_cache, int max_len, int start, int n, const uint8_t *mask,
                          const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale) {
