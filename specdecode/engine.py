@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Generator, Iterator
 
 import torch
 
+from . import kernels, threads
 from .acceptance import AcceptanceStats
 from .batch_cost import BatchCost, RowCost
 from .cost import CostModel, ForwardCost
@@ -46,6 +47,9 @@ class Engine:
         self.rows: list[Request] = []
         self.pending: Request | None = None  # a request whose prompt is being cached, in the row after the batch's
         self.last_depths: list[int] = []  # per row, the depth verified in the last step (tests, metrics)
+        # forwards run on the cores other processes leave free where the thread count cannot change a number
+        self.threads = (threads.governor() if model.device.type == "cpu" and model.dtype == torch.float32
+                        and kernels.native() is not None else None)
 
     def add(self, request: Request, like: Request | None = None) -> None:
         """Prefill the request's prompt in a cache row of its own and let it join the batch (`start` and `prefill`
@@ -73,15 +77,16 @@ class Engine:
             self._join()
 
     def prefill(self, tokens: int) -> int:
-        """Cache up to `tokens` more of the pending request's prompt, at most PREFILL_CHUNK in one forward (all of
-        it where its proposer needs the prompt's hidden states); it joins the batch once the prompt is cached.
+        """Cache up to `tokens` more of the pending request's prompt, at most PREFILL_CHUNK in one forward (a
+        proposer that reads hidden states gets them chunk by chunk); it joins the batch once the prompt is cached.
         Returns the tokens run."""
         request, row, model = self.pending, len(self.rows), self.model
         if request is None:
             return 0
         prompt, done = request.tokens, self.cache.lengths[row]
-        end = len(prompt) - 1 if request.hidden_layers else min(len(prompt) - 1, done + min(max(tokens, 1),
-                                                                                             PREFILL_CHUNK))
+        end = min(len(prompt) - 1, done + min(max(tokens, 1), PREFILL_CHUNK))
+        if self.threads is not None:
+            self.threads.update()
         out = model.forward(torch.tensor([prompt[done:end]], device=model.device), self.cache.row(row),
                             logits_at=None, hidden_layers=request.hidden_layers)
         if request.hidden_layers:
@@ -164,6 +169,8 @@ class Engine:
         if pending is not None and carry:  # the prompt's next tokens ride along in the batch's forward: one pass
             done = self.cache.lengths[b]   # over the weights for both
             chunk = pending.tokens[done : min(len(pending.tokens) - 1, done + min(prefill, PREFILL_CHUNK))]
+        if self.threads is not None:
+            self.threads.update()
         started = time.perf_counter()
         try:
             out = self.model.forward_batch(tokens, self.cache, positions=positions, sizes=sizes,
@@ -198,7 +205,7 @@ class Engine:
             if isinstance(result, Exception) and row in self.rows:
                 self.remove(row)
         if pending is not None and pending is self.pending:
-            if not carry:  # a forward of its own (e.g. its proposer wants the prompt's hidden states whole)
+            if not carry:  # a forward of its own (its proposer reads hidden states, which a batch does not return)
                 self.prefill(prefill)
             elif self.cache.lengths[len(self.rows)] >= len(pending.tokens) - 1:
                 self._join()  # its prompt is cached: it steps from the next step on

@@ -109,7 +109,7 @@ class Request:
             )
         self.policy = k if isinstance(k, Policy) else FixedK(k)
         self.proposer, self.params = proposer, params
-        self.hidden_layers = proposer.capabilities.hidden_layers
+        self.reads = proposer.capabilities.hidden_layers  # target layers its proposer may read
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tokens = list(prompt)
@@ -127,6 +127,12 @@ class Request:
         self.logprobs = logprobs
         self.constraint = constraint
         self.token_logprobs: list[TokenLogprob] = []
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Target layers whose hidden states the next forward returns for this request (none while its proposer
+        does not read them, e.g. a resting EAGLE head)."""
+        return self.reads if self.reads and self.proposer.reads_hidden() else ()
 
     @property
     def new_tokens(self) -> list[int]:

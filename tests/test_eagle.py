@@ -182,6 +182,37 @@ def test_head_rests_while_its_steps_do_not_pay(target, head, reference, monkeypa
     assert head.rest_state[0] < 1.0
 
 
+def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the_gap(target, head, reference,
+                                                                                     monkeypatch) -> None:
+    """A resting head reads no hidden states until HIDDEN_LEAD steps before it probes (the engine's forwards then
+    return none for it); its probe's cache restarts on the positions read since, and the output stays plain's."""
+    monkeypatch.delattr(head, "rest_state", raising=False)
+    monkeypatch.setattr(eagle_module, "HIDDEN_LEAD", 2)
+    steep = FrozenCost([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
+    gaps = restarts = 0
+    for prompt, expected in zip(PROMPTS, reference, strict=True):
+        proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
+        seen: list[tuple[int, int, int]] = []  # (first position, positions, rest) of each reading
+        observe = proposer.observe_hidden
+
+        def spy(start, hidden, observe=observe, seen=seen):
+            seen.append((start, hidden[0].shape[0], proposer.rest))
+            observe(start, hidden)
+
+        def probe(*a, _run=proposer._run):
+            nonlocal restarts
+            restarts += proposer.offset == proposer.known_from > 0
+            return _run(*a)
+
+        monkeypatch.setattr(proposer, "observe_hidden", spy)
+        monkeypatch.setattr(proposer, "_run", probe)
+        out, _ = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth, max_new_tokens=NEW)
+        assert out == expected
+        assert all(rest < 2 for _, _, rest in seen)  # read only within HIDDEN_LEAD steps of a probe
+        gaps += sum(b > a + n for (a, n, _), (b, _, _) in zip(seen, seen[1:]))
+    assert gaps > 0 and restarts > 0
+
+
 @pytest.mark.parametrize("context", [2, 5])
 def test_head_catching_up_on_a_window_stays_lossless_and_drafts(target, head, reference, monkeypatch, context) -> None:
     """A run catches up on at most HEAD_CONTEXT positions (a probe after a rest, a long prompt): the head's cache

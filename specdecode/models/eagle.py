@@ -122,10 +122,12 @@ class EagleHead(nn.Module):
         cache: KVCache,
         positions: torch.Tensor,
         mask: torch.Tensor | None = None,
+        logits_at: slice = slice(None),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries [1, n] after the cache's `length` ones; mask [n, length + n] bool (True = attend; None: a
-        causal chain). Returns (draft-vocab logits [1, n, Vd], the head's output [1, n, H]: the next depth's
-        feature)."""
+        causal chain). Returns (draft-vocab logits [1, len(logits_at), Vd], the head's output [1, n, H]: the
+        next depth's feature). logits_at: the entries that need logits (a catch-up over skipped positions needs
+        the last one's only: the output layer is most of the head's work)."""
         start, n = cache.length, features.shape[1]
         cos, sin = self.rope(positions)
         if mask is None and n > 1:
@@ -144,7 +146,7 @@ class EagleHead(nn.Module):
         else:
             x = self.block(x, cos, sin, cache, 0, start, mask)
         cache.length = start + n
-        return self.lm_head(self.norm(x)), x
+        return self.lm_head(self.norm(x[:, logits_at])), x
 
     def _native_block(self, cache: KVCache):
         """(library, NativeBlocks) where the block can run in the native kernel (float32 on the CPU), else None."""

@@ -51,9 +51,14 @@ class Proposer(ABC):
     ) -> DraftTree:
         """Guess up to `k` tokens deep after `tokens` (everything committed so far, root = tokens[-1])."""
 
+    def reads_hidden(self) -> bool:
+        """Whether it wants the hidden states of this step's committed positions (a resting EAGLE head does not)."""
+        return bool(self.capabilities.hidden_layers)
+
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """The target's hidden states ([n, H] per layer in `capabilities.hidden_layers`) of the committed positions
-        start..start+n-1: after the prefill, then after every verification (the root and accepted guesses)."""
+        start..start+n-1: after each prefill chunk, then after every verification (the root and accepted guesses),
+        where `reads_hidden` said so."""
 
     def observe(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor) -> None:  # noqa: B027
         """After verification: the tree the target saw (maybe cut by the policy), its verdict, and the

@@ -18,8 +18,8 @@ the target's forward of each tree (decayed sums, each step counted in plain step
 with a plain step's; while it is under 1 + MARGIN the head rests (does not run) for a number of steps that
 doubles each time (up to MAX_REST), then probes again. A head forward is a sizeable part of a fast target's
 step (int4 on a CPU: 1-4 ms of 6), and paying it for steps that gain too little made eagle slower than plain
-decoding. It catches up on the positions it skipped in one forward when it runs again (the last HEAD_CONTEXT
-of them: its cache restarts there).
+decoding. Resting, it does not read the target's hidden states until HIDDEN_LEAD steps before its probe; then
+it catches up in one forward on the positions it has (at most HEAD_CONTEXT: its cache restarts there).
 
 The head keeps a KV cache of its own: entries for committed positions hold target features and stay;
 draft entries sit after them and are dropped at the next proposal.
@@ -56,6 +56,9 @@ MAX_REST = 64  # most steps the head rests while its steps do not pay
 # them, so a probe costs a bounded forward, not one over the whole text (2-3% of a request on a fast target)
 HEAD_CONTEXT = 128
 MIN_EVIDENCE = 4  # steps judged before the head may rest: one step gains 0 or several tokens
+# a resting head reads the target's hidden states again this many steps before it probes (at least as many positions):
+# its catch-up starts there, a quarter of a HEAD_CONTEXT one, and the steps before pay no hidden-state copies
+HIDDEN_LEAD = 32
 
 
 class EagleProposer(Proposer):
@@ -74,7 +77,8 @@ class EagleProposer(Proposer):
         self.hidden_layers = tuple(head.config.target_layers)
         self.features: torch.Tensor | None = None  # [max_len, H]: fused target features per committed position
         self.raw: torch.Tensor | None = None  # [max_len, layers * H]: the target's hidden states, fused when needed
-        self.known = 0  # positions with hidden states
+        self.known = 0  # positions below this one have hidden states ...
+        self.known_from = 0  # ... from this one on (those before were skipped while the head rested)
         self.fused = 0  # positions [offset, fused) have features
         self.cached = 0  # positions below this one have committed entries in the head's cache
         self.offset = 0  # the position of the cache's first entry
@@ -102,16 +106,21 @@ class EagleProposer(Proposer):
         self.features = torch.zeros(max_len, h, dtype=self.head.dtype, device=self.head.device)
         self.raw = torch.zeros(max_len, h * len(self.hidden_layers), dtype=self.features.dtype, device=self.head.device)
         self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
-        self.known = self.cached = self.fused = self.offset = 0
+        self.known = self.known_from = self.cached = self.fused = self.offset = 0
         # what earlier requests found carries over (the head is shared): resting at the end of the last request,
         # this one starts resting too, and does not pay the head's pass over the whole prompt for nothing
         carried = getattr(self.head, "rest_state", None) if self.cost is not None else None
         self.value, self.backoff, self.tally = carried or (None, 0, (0.0, 0.0, 0))
         self.rest = self.backoff if self.value is not None and self.value < 1 + MARGIN else 0
 
+    def reads_hidden(self) -> bool:
+        return self.rest < HIDDEN_LEAD
+
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
         head costs nothing per step)."""
+        if start > self.known:  # positions known..start - 1 were skipped while resting: the head restarts after
+            self.known_from = start
         n, h = hidden[0].shape
         for j, layer in enumerate(hidden):  # each layer straight into its columns (no concatenated copy first)
             self.raw[start : start + n, j * h : (j + 1) * h] = layer
@@ -126,28 +135,30 @@ class EagleProposer(Proposer):
             self.features[start:end] = self.head.fuse(self.raw[start:end])
         self.fused = max(self.fused, end)
 
-    def _run(self, features: torch.Tensor, tokens: list[int], positions: list[int], mask: torch.Tensor | None):
+    def _run(self, features: torch.Tensor, tokens: list[int], positions: list[int], mask: torch.Tensor | None,
+             logits_at: slice = slice(None)):
         ids = torch.tensor([tokens], device=self.head.device)
         logits, hidden = self.head(features[None], self.embed(ids).to(features.dtype), self.cache,
-                                   torch.tensor(positions, device=self.head.device), mask)
+                                   torch.tensor(positions, device=self.head.device), mask, logits_at)
         return logits[0], hidden[0]
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         root = len(tokens) - 1  # entry t reads (feature t, token t + 1): the last one is entry root - 1
-        if k < 1 or root < 1 or self.known < root:
-            return DraftTree.root_only(tokens[-1])
-        if self.rest > 0:
+        if self.rest > 0:  # counted first: while resting the hidden states are not read, so `known` lags
             self.rest -= 1
+            return DraftTree.root_only(tokens[-1])
+        if k < 1 or root < 1 or self.known < root:
             return DraftTree.root_only(tokens[-1])
         proposing = time.perf_counter()
         start = max(min(self.cached, root - 1), self.offset)  # at least the root's entry runs
-        if root - start > HEAD_CONTEXT:
-            start = self.offset = root - HEAD_CONTEXT
+        if start < self.known_from or root - start > HEAD_CONTEXT:  # its cache restarts on what it has, bounded
+            start = self.offset = min(max(root - HEAD_CONTEXT, self.known_from), root - 1)
         self.cache.rollback(start - self.offset)
         self._fuse(start, root)
         started = time.perf_counter()
         self._costs.clear()
-        logits, hidden = self._run(self.features[start:root], tokens[start + 1 :], list(range(start, root)), None)
+        logits, hidden = self._run(self.features[start:root], tokens[start + 1 :], list(range(start, root)), None,
+                                   slice(-1, None))
         self.cached = root
         logits, hidden = logits[-1], hidden[-1]
         spent = time.perf_counter() - started

@@ -47,6 +47,9 @@ class SuffixEagleProposer(Proposer):
         self.eagle.begin(prompt, max_len)
         self.last = None
 
+    def reads_hidden(self) -> bool:
+        return self.eagle.reads_hidden()
+
     def observe_hidden(self, start, hidden) -> None:
         self.eagle.observe_hidden(start, hidden)
 
