@@ -195,11 +195,11 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
         seen: list[tuple[int, int, int]] = []  # (first position, positions, rest) of each reading
         observe = proposer.observe_hidden
 
-        def spy(start, hidden, observe=observe, seen=seen):
+        def spy(start, hidden, observe=observe, seen=seen, proposer=proposer):
             seen.append((start, hidden[0].shape[0], proposer.rest))
             observe(start, hidden)
 
-        def probe(*a, _run=proposer._run):
+        def probe(*a, _run=proposer._run, proposer=proposer):
             nonlocal restarts
             restarts += proposer.offset == proposer.known_from > 0
             return _run(*a)
