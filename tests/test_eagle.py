@@ -209,7 +209,7 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
         out, _ = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth, max_new_tokens=NEW)
         assert out == expected
         assert all(rest < 2 for _, _, rest in seen)  # read only within HIDDEN_LEAD steps of a probe
-        gaps += sum(b > a + n for (a, n, _), (b, _, _) in zip(seen, seen[1:]))
+        gaps += sum(b > a + n for (a, n, _), (b, _, _) in zip(seen, seen[1:], strict=False))
     assert gaps > 0 and restarts > 0
 
 
