@@ -15,6 +15,7 @@ root, L0[0..c], L1[c], ..., Lr[c], whose positions are consecutive.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
@@ -81,16 +82,8 @@ class LookaheadProposer(Proposer):
 
     # ------------------------------------------------------------------------------------ helpers
     def _window_nodes(self) -> ExtraNodes:
-        w, levels = self.window, len(self.levels)
         tokens = [tok for level in self.levels for tok in level]
-        offsets = [1 + r + c for r in range(levels) for c in range(w)]
-        mask = torch.zeros(levels * w, levels * w, dtype=torch.bool)
-        for r in range(levels):
-            for c in range(w):
-                i = r * w + c
-                mask[i, :c] = True  # level 0, earlier columns
-                mask[i, c : i : w] = True  # own column, lower levels (level 0 included)
-        return ExtraNodes(tokens, offsets, mask)
+        return ExtraNodes(tokens, *window_layout(self.window, len(self.levels)))
 
     def _ingest_text(self, tokens: list[int]) -> None:
         n = self.ngram
@@ -106,3 +99,16 @@ class LookaheadProposer(Proposer):
             conts.remove(cont)
         conts.insert(0, cont)
         del conts[self.cap :]
+
+
+@functools.cache  # a handful of (window, levels) pairs: building the mask each step was 2% of a step
+def window_layout(window: int, levels: int) -> tuple[list[int], torch.Tensor]:
+    """Offsets and mask of a window of `levels` levels x `window` columns (see the module docstring); read only."""
+    offsets = [1 + r + c for r in range(levels) for c in range(window)]
+    mask = torch.zeros(levels * window, levels * window, dtype=torch.bool)
+    for r in range(levels):
+        for c in range(window):
+            i = r * window + c
+            mask[i, :c] = True  # level 0, earlier columns
+            mask[i, c : i : window] = True  # own column, lower levels (level 0 included)
+    return offsets, mask

@@ -37,6 +37,9 @@ MATCH_CLASSES = (2, 3, 4, 6, 10, 16)  # match lengths that start a new acceptanc
 GLOBAL_BUCKET = 16  # added to the class of guesses from the global cache: they are learned apart
 DEFAULT_CACHE_TOKENS = 1_000_000  # global cache budget: about 36 MB of arrays
 LOCAL, GLOBAL = 1, 2  # node sources (bit flags)
+# guesses less likely than this are never worth their place in a forward (on a CPU a guessed token costs a tenth of
+# a plain step or more; where it costs next to nothing, 24 such nodes would add a quarter of a token)
+MIN_CHANCE = 0.01
 
 
 class SuffixCache:
@@ -168,7 +171,8 @@ class Candidates:
     def ranked(self) -> list[int]:
         """Nodes best first; every prefix is a tree (a child's chance never exceeds its parent's, and ties keep
         creation order: parents first, the request's own text first)."""
-        return sorted(range(1, len(self.tokens)), key=lambda i: (-self.chances[i], i))
+        order = np.argsort(-np.array(self.chances[1:]), kind="stable")  # stable: equal chances in creation order
+        return (order + 1).tolist()
 
 
 def distinct(rows: np.ndarray) -> tuple[list[list[int]], list[int]]:
@@ -248,7 +252,12 @@ class SuffixProposer(Proposer):
             if match is None:
                 continue
             bucket = offset + sum(match.length >= c for c in MATCH_CLASSES)
-            path = found.add(*distinct(match.continuations), self.reach(bucket), source)
+            reach = self.reach(bucket)
+            # a node's chance is at most its depth's reach: past the first depth where that is under MIN_CHANCE no
+            # guess is worth sending, and merging those columns was most of a step's proposing time (the depths
+            # before keep learning, so the cut moves deeper as soon as they pay)
+            deep = next((d for d, r in enumerate(reach) if r < MIN_CHANCE), len(reach))
+            path = found.add(*distinct(match.continuations[:, : max(deep, 1)]), reach, source)
             if path:
                 self.scorer.pending.append(Proposal(len(tokens), [path], bucket))
         return found
