@@ -133,6 +133,30 @@ def test_the_requests_own_text_comes_before_the_global_cache() -> None:
     assert cache.hits == 2
 
 
+def test_global_searches_rest_while_they_add_nothing_and_resume_on_a_hit() -> None:
+    """A global search whose guesses add no accepted token rests the next ones (0, 1, 2, 4 ... steps); a step whose
+    accepted tokens only the global cache offered ends the rest."""
+    from specdecode.proposers.suffix import GLOBAL_MAX_REST
+    from specdecode.verify import Verdict
+
+    cache = SuffixCache()
+    cache.index.add_sequence([1, 2, 30, 31])
+    proposer = SuffixProposer(cache)
+    proposer.begin([9, 8, 1, 2], 100)
+    searched = []
+    for _ in range(40):  # the global guess 30 is never accepted
+        tree = proposer.propose([9, 8, 1, 2], 2, GREEDY, None)
+        searched.append(proposer.searched_global)
+        proposer.observe(tree, Verdict([0], 5), None)
+    rests = [len(run) for run in "".join("x" if s else "." for s in searched).split("x")[1:-1]]
+    assert rests[:5] == [0, 1, 2, 4, 8] and max(rests) <= GLOBAL_MAX_REST
+    while not proposer.searched_global:
+        tree = proposer.propose([9, 8, 1, 2], 2, GREEDY, None)
+    proposer.observe(tree, Verdict([0, 1], 31), None)  # node 1 (30, global only) accepted
+    assert proposer.global_rest == 0 and proposer.global_backoff == 0 and cache.accepted == 1
+    assert proposer.propose([9, 8, 1, 2], 2, GREEDY, None) and proposer.searched_global
+
+
 def test_frequencies_rank_the_branches() -> None:
     """Continuations seen more often rank first, and a tree's size follows them (k nodes without a cost model)."""
     cache = SuffixCache()

@@ -35,6 +35,9 @@ from .base import Capabilities, Proposer
 MAX_DEPTH = 32  # deepest guess
 MATCH_CLASSES = (2, 3, 4, 6, 10, 16)  # match lengths that start a new acceptance class (1 token: class 0)
 GLOBAL_BUCKET = 16  # added to the class of guesses from the global cache: they are learned apart
+# most steps the global cache is not searched while its matches add no accepted token the request's own text did
+# not offer (a search is a sixth of a step's proposing time right after a forward)
+GLOBAL_MAX_REST = 16
 DEFAULT_CACHE_TOKENS = 1_000_000  # global cache budget: about 36 MB of arrays
 LOCAL, GLOBAL = 1, 2  # node sources (bit flags)
 # guesses less likely than this are never worth their place in a forward (on a CPU a guessed token costs a tenth of
@@ -202,6 +205,8 @@ class SuffixProposer(Proposer):
         self.indexed = self.prompt_len = 0
         self.finished = True
         self.last: tuple[DraftTree, list[int]] | None = None  # the tree sent and each node's sources
+        self.global_rest = self.global_backoff = 0  # steps left without a global search; the next rest
+        self.searched_global = False  # this step's candidates searched the global cache
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
@@ -218,6 +223,7 @@ class SuffixProposer(Proposer):
             self.stats = self.cache.fork()
         self.scorer = ProposalScorer(self.stats)
         self.finished = False
+        self.global_rest = self.global_backoff = 0
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         found = self.candidates(tokens, k)
@@ -243,8 +249,11 @@ class SuffixProposer(Proposer):
         self.scorer.update(tokens)
         found = Candidates()
         sources = [(LOCAL, self.local, 0)]
-        if self.cache is not None:
+        self.searched_global = self.cache is not None and not self.global_rest
+        if self.searched_global:
             sources.append((GLOBAL, self.cache.index, GLOBAL_BUCKET))
+        elif self.global_rest:
+            self.global_rest -= 1
         for source, index, offset in sources:
             match = index.match(tokens, depth)
             if source == GLOBAL:
@@ -274,10 +283,19 @@ class SuffixProposer(Proposer):
         if self.cache is None or self.last is None or self.last[0] is not tree:
             return
         sources = self.last[1]
-        only_global = sum(1 for node in verdict.path[1:] if sources[node] == GLOBAL)
+        self.judge_global(sum(1 for node in verdict.path[1:] if sources[node] == GLOBAL))
+        self.last = None
+
+    def judge_global(self, only_global: int) -> None:
+        """After a verified step: `only_global` accepted tokens came from the global cache alone. A search that
+        added none rests the next ones (0, 1, 2, 4, ... up to GLOBAL_MAX_REST steps); one that did ends the rest."""
         if only_global:
             self.cache.credit(only_global)
-        self.last = None
+            self.global_backoff = 0
+        elif self.searched_global:
+            self.global_rest, self.global_backoff = self.global_backoff, min(2 * self.global_backoff or 1,
+                                                                             GLOBAL_MAX_REST)
+        self.searched_global = False
 
     def finish(self, tokens: list[int]) -> None:
         if self.finished:

@@ -88,9 +88,8 @@ class SuffixEagleProposer(Proposer):
             return
         _, head, sources = self.last
         self.last = None
-        cache = self.suffix.cache
-        if cache is not None and (only_global := sum(sources[i] == GLOBAL for i in verdict.path[1:])):
-            cache.credit(only_global)
+        if self.suffix.cache is not None:
+            self.suffix.judge_global(sum(sources[i] == GLOBAL for i in verdict.path[1:]))
         if head is None:
             return
         path, node = [0], 0
