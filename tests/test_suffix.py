@@ -157,6 +157,20 @@ def test_global_searches_rest_while_they_add_nothing_and_resume_on_a_hit() -> No
     assert proposer.propose([9, 8, 1, 2], 2, GREEDY, None) and proposer.searched_global
 
 
+def test_held_outputs_join_the_cache_after_the_block_each_distinct_once() -> None:
+    cache = SuffixCache()
+    stats = cache.fork()
+    with cache.holding_outputs():
+        for output in ([1, 2, 3], [1, 2, 3], [4, 5]):
+            cache.finish(output, stats)
+        assert cache.index.tokens() == []  # none of this block's runs finds another's answer
+    assert cache.index.tokens() == [[1, 2, 3], [4, 5]]
+    with cache.holding_outputs(keep=False):
+        cache.finish([6, 7], stats)
+    cache.finish([8], stats)
+    assert cache.index.tokens() == [[1, 2, 3], [4, 5], [8]]
+
+
 def test_frequencies_rank_the_branches() -> None:
     """Continuations seen more often rank first, and a tree's size follows them (k nodes without a cost model)."""
     cache = SuffixCache()

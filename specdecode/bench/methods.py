@@ -31,7 +31,7 @@ class Method:
     @property
     def remembers_outputs(self) -> bool:
         """Matches the global cache of earlier outputs (suffix; hybrid's suffix half): a second run of a prompt would
-        find its own first answer there, so only a prompt's first run counts."""
+        find its own first answer there (the runner holds a prompt's outputs aside until its rounds end)."""
         return self.kind == "ours" and self.method in ("suffix", "hybrid")
 
     def run(self, runner: Runners, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:

@@ -132,8 +132,8 @@ def repeats_note(repeats: int) -> str:
     return (f"; each prompt ran {repeats} times per method in rounds (a fresh random order each) and the "
             "fastest is kept, as timeit does, for the prefill and the decode steps apart: the prefill is one long "
             "step that a burst of load hits alone, and the same work in every run (every run's seconds are in "
-            "results.json); methods that match earlier outputs (suffix, hybrid) keep their first run, as a second "
-            "would find the prompt's own first answer")
+            "results.json); the global cache of earlier outputs (suffix, hybrid) holds a prompt's outputs aside until "
+            "its last round, so no run finds that prompt's answer")
 
 
 def peer_lines(overall: dict[str, Cell]) -> list[str]:

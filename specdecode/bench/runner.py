@@ -6,6 +6,7 @@ import json
 import random
 import statistics
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,8 +48,9 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
             raise ValueError(f"question {q.question_id} is too long for the model's context ({context})")
 
     first = prompts[cfg.questions[0].question_id]
-    for m in cfg.methods:  # warm-up: one-off costs (weight packing, allocator growth) stay out of the numbers
-        m.run(runners, first, 8, cfg.temperatures[0], cfg.seed)
+    with held_outputs(llm, cfg.methods, keep=False):  # the warm-up's answers must not help the first prompt's runs
+        for m in cfg.methods:  # warm-up: one-off costs (weight packing, allocator growth) stay out of the numbers
+            m.run(runners, first, 8, cfg.temperatures[0], cfg.seed)
 
     records = []
     total = len(cfg.questions) * len(cfg.methods) * len(cfg.temperatures) * cfg.repeats
@@ -59,20 +61,21 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         for temperature in cfg.temperatures:
             for i, q in enumerate(cfg.questions):
                 runs: dict[str, list[dict]] = {m.label: [] for m in cfg.methods}
-                for r in range(cfg.repeats):
-                    progress.update(task, description=f"T={temperature} q{q.question_id} {q.category:<14} "
-                                    f"round {r + 1}/{cfg.repeats}" + running(speedups))
-                    # a fresh random order per prompt and round: neither drift nor what ran just before favours
-                    # a method
-                    rng = random.Random(f"{cfg.seed}-{temperature}-{i}" + (f"-{r}" if r else ""))
-                    done = run_round(runners, cfg.methods, prompts[q.question_id], cfg.max_new_tokens,
-                                     temperature, cfg.seed + i, rng)
-                    for label, rec in done.items():
-                        runs[label].append(rec)
-                    progress.advance(task, len(cfg.methods))
+                with held_outputs(llm, cfg.methods):  # no run of this prompt finds another's answer
+                    for r in range(cfg.repeats):
+                        progress.update(task, description=f"T={temperature} q{q.question_id} {q.category:<14} "
+                                        f"round {r + 1}/{cfg.repeats}" + running(speedups))
+                        # a fresh random order per prompt and round: neither drift nor what ran just before favours
+                        # a method
+                        rng = random.Random(f"{cfg.seed}-{temperature}-{i}" + (f"-{r}" if r else ""))
+                        done = run_round(runners, cfg.methods, prompts[q.question_id], cfg.max_new_tokens,
+                                         temperature, cfg.seed + i, rng)
+                        for label, rec in done.items():
+                            runs[label].append(rec)
+                        progress.advance(task, len(cfg.methods))
                 by_label = {}
                 for m in cfg.methods:
-                    rec = fastest(runs[m.label][:1] if m.remembers_outputs else runs[m.label])
+                    rec = fastest(runs[m.label])
                     rec.update(question_id=q.question_id, category=q.category, method=m.label, kind=m.kind,
                                k=m.k, temperature=temperature, prompt_tokens=len(prompts[q.question_id]))
                     records.append(rec)
@@ -131,6 +134,15 @@ def run_round(runners: Runners, methods: list[Method], prompt: list[int], max_ne
     for label, gen in gens.items():
         records[label] = Runners.record(gen, sum(seconds[label]), prefill_seconds=seconds[label][0])
     return {m.label: records[m.label] for m in methods}
+
+
+def held_outputs(llm: LLM, methods: list[Method], keep: bool = True) -> AbstractContextManager:
+    """While a prompt's rounds run, the global suffix cache keeps their outputs aside (they join it after the last
+    round; keep=False: never): every run of every method then starts from the outputs of earlier prompts only, so
+    the fastest of a method's runs can be kept as for the others."""
+    if any(m.remembers_outputs for m in methods):
+        return llm.suffix_cache().holding_outputs(keep)
+    return nullcontext()
 
 
 def fastest(runs: list[dict]) -> dict:

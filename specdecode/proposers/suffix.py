@@ -21,6 +21,8 @@ The global cache changes speed only: every committed token is the target's.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +59,7 @@ class SuffixCache:
         self.lookups = 0  # steps that searched the global cache
         self.hits = 0  # ... and found the text's end in it
         self.accepted = 0  # guesses accepted that only the global cache offered
+        self._held: list[tuple[int, ...]] | None = None  # outputs waiting for `holding_outputs` to end
 
     def count(self, hit: bool) -> None:
         with self._lock:
@@ -72,11 +75,31 @@ class SuffixCache:
             return self.stats.fork()
 
     def finish(self, output: list[int], stats: AcceptanceStats) -> None:
-        """A request ended: its output joins the cache, what it learned the long-run estimate."""
-        if output:
-            self.index.add_sequence(output)
+        """A request ended: its output joins the cache (or waits, see `holding_outputs`), what it learned the
+        long-run estimate."""
         with self._lock:
             self.stats.absorb(stats)
+            if self._held is not None:
+                self._held.append(tuple(output))
+                return
+        if output:
+            self.index.add_sequence(output)
+
+    @contextmanager
+    def holding_outputs(self, keep: bool = True) -> Iterator[None]:
+        """Outputs of requests that end inside the block join the cache when it ends, each distinct one once
+        (keep=False: they are dropped): a benchmark runs one prompt several times and by several methods at once,
+        and none of those runs may find another's answer in the cache."""
+        with self._lock:
+            self._held = []
+        try:
+            yield
+        finally:
+            with self._lock:
+                held, self._held = self._held or [], None
+            for output in dict.fromkeys(held if keep else []):
+                if output:
+                    self.index.add_sequence(list(output))
 
     @property
     def hit_rate(self) -> float:
