@@ -54,6 +54,47 @@ def best_count(chances: np.ndarray, cost: ForwardCost, context: int, overhead: n
 
 
 
+class Rest:
+    """Whether a proposer that costs time to run rests. Its steps' realized rate, tokens committed over the seconds
+    they took (proposing included, each step counted in plain steps of its own time, as the load moves; decayed
+    sums, since one step gains 0 or several tokens and a short run of misses must not send a proposer that pays on
+    average to rest), is compared with a plain step's: under 1 + MARGIN once `evidence` steps are judged, it rests
+    for 1, 2, 4 ... up to `most` steps, then probes again; a step that pays ends the backoff."""
+
+    def __init__(self, most: int, evidence: int = 4) -> None:
+        self.most, self.evidence = most, evidence
+        self.left = self.backoff = 0  # steps left to rest; the next rest (0: one step)
+        self.value: float | None = None  # realized rate over a plain step's
+        self.tally = (0.0, 0.0, 0)  # decayed tokens and plain steps' seconds of the judged steps, steps judged
+
+    def take(self) -> bool:
+        """A step: True while resting (the proposer is not run)."""
+        if self.left > 0:
+            self.left -= 1
+            return True
+        return False
+
+    def judge(self, cost: ForwardCost, accepted: int, seconds: float, nodes: int, context: int) -> None:
+        """A step that ran the proposer: it proposed for `seconds`, the target verified `nodes` tokens (the root
+        included) after `context` cached ones and accepted `accepted` guesses."""
+        plain_steps = (seconds + cost.forward_seconds(nodes, context)) / cost.forward_seconds(1, context)
+        total, spent, steps = self.tally
+        total, spent = 0.9 * total + 1 + accepted, 0.9 * spent + plain_steps
+        self.tally, self.value = (total, spent, steps + 1), total / spent
+        if self.value < 1 + MARGIN and steps + 1 >= self.evidence:
+            self.left, self.backoff = self.backoff, min(2 * self.backoff or 1, self.most)
+        else:
+            self.backoff = 0
+
+    def state(self) -> tuple[float | None, int, tuple[float, float, int]]:
+        return self.value, self.backoff, self.tally
+
+    def resume(self, state: tuple[float | None, int, tuple[float, float, int]]) -> None:
+        """Start from what an earlier request found: resting then, this one starts resting too."""
+        self.value, self.backoff, self.tally = state
+        self.left = self.backoff if self.value is not None and self.value < 1 + MARGIN else 0
+
+
 # -------------------------------------------------------------------------------------- policies
 class Policy(ABC):
     """Decides each step's speculation: how deep to ask the proposer, and how much of its tree to verify."""

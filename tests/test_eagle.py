@@ -196,7 +196,7 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
         observe = proposer.observe_hidden
 
         def spy(start, hidden, observe=observe, seen=seen, proposer=proposer):
-            seen.append((start, hidden[0].shape[0], proposer.rest))
+            seen.append((start, hidden[0].shape[0], proposer.resting.left))
             observe(start, hidden)
 
         def probe(*a, _run=proposer._run, proposer=proposer):
@@ -239,7 +239,7 @@ def test_head_judged_in_plain_steps_while_the_load_moves(target, head, monkeypat
         flat.load = load
         proposer.step_head = (0.0, 10)
         proposer._judge(nodes=2, accepted=1)
-        assert proposer.value == pytest.approx(2.0, rel=0.01) and proposer.rest == 0
+        assert proposer.resting.value == pytest.approx(2.0, rel=0.01) and proposer.resting.left == 0
 
 
 @pytest.mark.parametrize("greedy", [True, False])

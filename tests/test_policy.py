@@ -12,7 +12,7 @@ from specdecode.acceptance import AcceptanceStats, ProposalScorer
 from specdecode.batch_cost import nondecreasing
 from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import generate_ids
-from specdecode.policy import FIRST_PROBE_WITHIN, MARGIN, AdaptiveK, FixedK, StepRecord, best_count
+from specdecode.policy import FIRST_PROBE_WITHIN, MARGIN, AdaptiveK, FixedK, Rest, StepRecord, best_count
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.tree import DraftTree, ExtraNodes
 
@@ -417,3 +417,24 @@ def test_every_step_teaches_the_engine_its_cost_whatever_the_policy():
     cost = CostModel([1, 64], [0, 1000], [[1e-9, 1.5e-9], [1e-9, 1.5e-9]])  # far cheaper than any real forward
     generate_ids(target, [1, 2, 3], proposer=PromptLookupProposer(), k=FixedK(2), max_new_tokens=20, cost=cost)
     assert cost.load > 3.0  # moved toward what steps really cost (the correction is clamped at 4x a step)
+
+
+def test_rest_backs_off_while_steps_do_not_pay_and_a_paying_step_ends_it() -> None:
+    """Judged in plain steps of their own time: steps that gain nothing rest the proposer 1, 2, 4 ... `most` steps
+    (after `evidence` steps); a carried state starts a new request resting; steps that pay end the backoff."""
+    cost = CostModel([1, 2, 8], [0, 1000], [[1.0, 1.5, 4.0], [1.0, 1.5, 4.0]])
+    rest = Rest(most=4, evidence=2)
+    rests = []
+    for _ in range(6):  # 0 accepted of a 2-token verification: 1 token in 1.5 plain steps and more
+        while rest.take():
+            pass
+        rest.judge(cost, 0, 0.1, 2, 10)
+        rests.append(rest.left)
+    assert rests == [0, 0, 1, 2, 4, 4] and rest.value < 1  # the first rest is of no step
+    carried = Rest(most=4, evidence=2)
+    carried.resume(rest.state())
+    assert carried.take() and carried.left == 3
+    for _ in range(20):  # 7 accepted of 8 guesses: 8 tokens for 4 plain steps' time
+        rest.take()
+        rest.judge(cost, 7, 0.0, 8, 10)
+    assert rest.value > 1 + MARGIN and rest.backoff == 0 and rest.left == 0

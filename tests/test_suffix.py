@@ -15,6 +15,7 @@ from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.policy import FixedK
 from specdecode.proposers import SuffixCache, SuffixProposer
+from specdecode.proposers.suffix import MAX_DEPTH
 from specdecode.sampling import SamplingParams
 from specdecode.suffix_index import SEPARATOR, SuffixIndex
 
@@ -169,6 +170,20 @@ def test_held_outputs_join_the_cache_after_the_block_each_distinct_once() -> Non
         cache.finish([6, 7], stats)
     cache.finish([8], stats)
     assert cache.index.tokens() == [[1, 2, 3], [4, 5], [8]]
+
+
+def test_suffix_rests_while_its_steps_do_not_pay_and_stays_lossless(target, reference) -> None:
+    """Under a cost where no guess can pay, proposing is all a step adds: the proposer rests (1, 2, 4 ... MAX_REST
+    steps), runs on a fraction of the steps, and the output is plain decoding's."""
+    dear = FrozenCost([1, 2, 64], [0, 1000], [[1.0, 3.0, 64.0], [1.0, 3.0, 64.0]])
+    for prompt, expected in zip(PROMPTS, reference, strict=True):
+        proposer = SuffixProposer(None, cost=dear)
+        ran = []
+        candidates = proposer.candidates
+        proposer.candidates = lambda *a, candidates=candidates, ran=ran: ran.append(1) or candidates(*a)
+        out, stats = generate_ids(target, prompt, proposer=proposer, k=MAX_DEPTH, max_new_tokens=NEW)
+        assert out == expected and stats.drafted == 0
+        assert len(ran) < NEW // 2, len(ran)
 
 
 def test_frequencies_rank_the_branches() -> None:

@@ -36,7 +36,7 @@ import torch
 from ..cost import ForwardCost
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..policy import MARGIN, best_count, smoothed
+from ..policy import Rest, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
 from .base import Capabilities, Proposer
@@ -51,7 +51,7 @@ def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
     return total
 
 
-MAX_REST = 64  # most steps the head rests while its steps do not pay
+MAX_REST = 128  # most steps the head rests while its steps do not pay (a probe costs about a plain step)
 # most positions one run catches up on (after a rest, or over a long prompt): the head's cache then restarts on
 # them, so a probe costs a bounded forward, not one over the whole text (2-3% of a request on a fast target)
 HEAD_CONTEXT = 128
@@ -87,9 +87,7 @@ class EagleProposer(Proposer):
         self.calibration = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.last: tuple[DraftTree, bool, float] | None = None  # the last tree sent, its mode, predicted accepted
         self._costs: dict[int, float] = {}  # forward seconds by size, for the step being sized
-        self.rest = self.backoff = 0  # steps left to rest; the next rest (0: one step)
-        self.value: float | None = None  # realized rate of the head's steps over a plain step's (decayed sums)
-        self.tally = (0.0, 0.0, 0)  # decayed tokens committed and seconds spent in the head's steps, steps seen
+        self.resting = Rest(MAX_REST, MIN_EVIDENCE)
         self.step_head = (0.0, 0)  # the last proposal's head seconds and context
         self.node_chances: list[float] = []  # the last tree's guessed nodes' calibrated chances, in tree order
 
@@ -109,12 +107,13 @@ class EagleProposer(Proposer):
         self.known = self.known_from = self.cached = self.fused = self.offset = 0
         # what earlier requests found carries over (the head is shared): resting at the end of the last request,
         # this one starts resting too, and does not pay the head's pass over the whole prompt for nothing
+        self.resting = Rest(MAX_REST, MIN_EVIDENCE)
         carried = getattr(self.head, "rest_state", None) if self.cost is not None else None
-        self.value, self.backoff, self.tally = carried or (None, 0, (0.0, 0.0, 0))
-        self.rest = self.backoff if self.value is not None and self.value < 1 + MARGIN else 0
+        if carried is not None:
+            self.resting.resume(carried)
 
     def reads_hidden(self) -> bool:
-        return self.rest < HIDDEN_LEAD
+        return self.resting.left < HIDDEN_LEAD
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
@@ -144,8 +143,7 @@ class EagleProposer(Proposer):
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         root = len(tokens) - 1  # entry t reads (feature t, token t + 1): the last one is entry root - 1
-        if self.rest > 0:  # counted first: while resting the hidden states are not read, so `known` lags
-            self.rest -= 1
+        if self.resting.take():  # counted first: while resting the hidden states are not read, so `known` lags
             return DraftTree.root_only(tokens[-1])
         if k < 1 or root < 1 or self.known < root:
             return DraftTree.root_only(tokens[-1])
@@ -180,21 +178,11 @@ class EagleProposer(Proposer):
         self.last = None
 
     def _judge(self, nodes: int, accepted: int) -> None:
-        """Rest while the head's steps do not beat plain ones (see the module docstring). The rate is a ratio of
-        decayed sums (tokens over seconds), not a mean of per-step rates: a step gains 0 or several tokens, and
-        a short run of misses must not send a head that pays on average to rest."""
+        """Rest while the head's steps do not beat plain ones (policy.Rest; see the module docstring). Each step is
+        counted in plain steps of its own time: a step priced before the load moved must not be read at today's."""
         seconds, context = self.step_head
-        tokens, spent, steps = self.tally
-        plain = self.cost.forward_seconds(1, context)  # each step in plain steps of its own time: the load moves,
-        tokens = 0.9 * tokens + 1 + accepted  # and a step priced before it did must not be read at today's price
-        spent = 0.9 * spent + (seconds + self.cost.forward_seconds(nodes, context)) / plain
-        self.tally = (tokens, spent, steps + 1)
-        self.value = tokens / spent
-        if self.value < 1 + MARGIN and steps + 1 >= MIN_EVIDENCE:
-            self.rest, self.backoff = self.backoff, min(2 * self.backoff or 1, MAX_REST)
-        else:
-            self.backoff = 0
-        self.head.rest_state = (self.value, self.backoff, self.tally)
+        self.resting.judge(self.cost, accepted, seconds, nodes, context)
+        self.head.rest_state = self.resting.state()
 
     # ------------------------------------------------------------------------------------ sizing
     def _alpha(self, greedy: bool) -> float:

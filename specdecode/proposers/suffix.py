@@ -14,6 +14,10 @@ form a tree at every prefix (a child never beats its parent), and with a cost mo
 that maximises expected tokens per second of the target's forward, none when a plain step is better
 (`policy.best_count`); without one, `k` nodes. Ties go to the request's own text, which is searched first.
 
+Proposing is not free (two index searches and a trie: a few percent of a step on a fast target), so with a cost
+model the proposer rests while its steps do not pay (policy.Rest: 1, 2, 4 ... MAX_REST steps, then a probe), and
+the global cache is not searched while its matches add no accepted token (up to GLOBAL_MAX_REST steps).
+
 Guesses are point masses (q = 1), so greedy and sampled verification are exact through the one verify core.
 The global cache changes speed only: every committed token is the target's.
 """
@@ -21,6 +25,7 @@ The global cache changes speed only: every committed token is the target's.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ import numpy as np
 
 from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..cost import ForwardCost
-from ..policy import best_count
+from ..policy import Rest, best_count
 from ..suffix_index import SEPARATOR, SuffixIndex
 from ..tree import DraftTree
 from .base import Capabilities, Proposer
@@ -40,6 +45,9 @@ GLOBAL_BUCKET = 16  # added to the class of guesses from the global cache: they 
 # most steps the global cache is not searched while its matches add no accepted token the request's own text did
 # not offer (a search is a sixth of a step's proposing time right after a forward)
 GLOBAL_MAX_REST = 16
+# most steps the proposer rests while its steps do not pay (policy.Rest): proposing is a few percent of a step on a
+# fast target, and text that starts copying must not wait long for the next probe
+MAX_REST = 16
 DEFAULT_CACHE_TOKENS = 1_000_000  # global cache budget: about 36 MB of arrays
 LOCAL, GLOBAL = 1, 2  # node sources (bit flags)
 # guesses less likely than this are never worth their place in a forward (on a CPU a guessed token costs a tenth of
@@ -230,6 +238,8 @@ class SuffixProposer(Proposer):
         self.last: tuple[DraftTree, list[int]] | None = None  # the tree sent and each node's sources
         self.global_rest = self.global_backoff = 0  # steps left without a global search; the next rest
         self.searched_global = False  # this step's candidates searched the global cache
+        self.resting = Rest(MAX_REST)  # with a cost model: rests while its steps do not pay
+        self.step_seconds = (0.0, 0)  # the last proposal's seconds and context
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
@@ -247,13 +257,19 @@ class SuffixProposer(Proposer):
         self.scorer = ProposalScorer(self.stats)
         self.finished = False
         self.global_rest = self.global_backoff = 0
+        self.resting = Rest(MAX_REST)
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
+        if self.cost is not None and self.resting.take():
+            self.last = None
+            return DraftTree.root_only(tokens[-1])
+        started = time.perf_counter()
         found = self.candidates(tokens, k)
         ranked = found.ranked()[: self.nodes]
         n = min(k, len(ranked)) if self.cost is None else self.best_count(found, ranked, len(tokens))
         tree, sources = found.tree(tokens[-1], ranked[:n])
         self.last = (tree, sources)
+        self.step_seconds = (time.perf_counter() - started, len(tokens) - 1)
         return tree
 
     def best_count(self, found: Candidates, ranked: list[int], context: int) -> int:
@@ -303,11 +319,15 @@ class SuffixProposer(Proposer):
         return out
 
     def observe(self, tree, verdict, extra_logits) -> None:
-        if self.cache is None or self.last is None or self.last[0] is not tree:
+        if self.last is None or self.last[0] is not tree:
             return
         sources = self.last[1]
-        self.judge_global(sum(1 for node in verdict.path[1:] if sources[node] == GLOBAL))
         self.last = None
+        if self.cost is not None:  # rest while proposing and verifying cost more than the guesses win
+            seconds, context = self.step_seconds
+            self.resting.judge(self.cost, verdict.num_accepted, seconds, len(tree), context)
+        if self.cache is not None:
+            self.judge_global(sum(1 for node in verdict.path[1:] if sources[node] == GLOBAL))
 
     def judge_global(self, only_global: int) -> None:
         """After a verified step: `only_global` accepted tokens came from the global cache alone. A search that
