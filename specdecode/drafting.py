@@ -95,7 +95,7 @@ class Drafting:
                 raise ValueError("method 'draft' needs a draft model: pass draft=<registry name, HF dir or .gguf>")
             return DraftModelProposer(self.draft_model(draft).model, self.model.config.vocab_size)
         if method == "lookahead":
-            return LookaheadProposer(window=window, ngram=ngram, guesses=guesses, rests=k == "auto")
+            return LookaheadProposer(window=window, ngram=ngram, guesses=guesses)
         if method == "layer-skip":
             if skip_layers is not None:
                 return LayerSkipProposer(self.model, skip_layers)

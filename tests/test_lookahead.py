@@ -235,28 +235,3 @@ def test_window_too_big_for_the_cache_is_left_out(target: Transformer, reference
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=rf"{match} .*must be >= \d, got"):
         LookaheadProposer(**kwargs)
-
-
-def test_lookahead_rests_while_its_verified_steps_do_not_pay(target, reference) -> None:
-    """Under k="auto" (rests=True) the steps that verify its guesses and window are judged by what they won: under a
-    cost where the window makes every such step dear, it proposes on ever fewer steps; output stays plain's. With a
-    fixed k (rests=False, what the library builds then) it proposes every step."""
-    dear = CostModel([1, 2, 64], [0, 1000], [[1.0, 3.0, 64.0], [1.0, 3.0, 64.0]])
-    for rests in (True, False):
-        for prompt, expected in zip(PROMPTS, reference, strict=True):
-            proposer = LookaheadProposer(rests=rests)
-            proposer.bind(dear, None)
-            ran: list[bool] = []  # per step: did it propose (guesses or its window)?
-
-            def spy(*a, propose=proposer.propose, ran=ran):
-                tree = propose(*a)
-                ran.append(tree.num_drafted > 0 or tree.extra is not None)
-                return tree
-
-            proposer.propose = spy
-            out, _ = generate_ids(target, prompt, proposer=proposer, k=3, max_new_tokens=NEW)
-            assert out == expected
-            if rests:
-                assert proposer.resting.backoff > 1 and sum(ran) < len(ran) // 2, ran
-            else:
-                assert proposer.cost is None and all(ran[1:])

@@ -17,27 +17,19 @@ from __future__ import annotations
 
 import functools
 import random
-import time
 
 import torch
 
-from ..policy import Rest
 from ..tree import DraftTree, ExtraNodes
 from ..verify import Verdict
 from .base import Capabilities, Proposer
-
-# most steps it rests while the steps that verify its guesses and window do not pay (policy.Rest): the policy prices
-# each step ahead, this judges what they won (Spec-Bench extraction and translation under load: 0.96x without it)
-MAX_REST = 16
 
 
 class LookaheadProposer(Proposer):
     name = "lookahead"
     capabilities = Capabilities(cheap=True)
 
-    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 4, text_ngrams: bool = True,
-                 rests: bool = False) -> None:
-        """rests: under k="auto", rest while the steps that verify its guesses do not pay (policy.Rest)."""
+    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 4, text_ngrams: bool = True) -> None:
         if window < 1:
             raise ValueError(f"window (Jacobi columns) must be >= 1, got {window}")
         if ngram < 2:
@@ -46,11 +38,7 @@ class LookaheadProposer(Proposer):
             raise ValueError(f"guesses (pool continuations verified per step) must be >= 1, got {guesses}")
         self.window, self.ngram, self.guesses, self.text_ngrams = window, ngram, guesses, text_ngrams
         self.cap = 4 * guesses  # continuations kept per first token
-        self.rests, self.cost = rests, None  # the target's forward cost, bound per request where it rests
         self.begin([0], None)
-
-    def bind(self, cost, acceptance) -> None:
-        self.cost = cost if self.rests else None
 
     def begin(self, prompt: list[int], max_len: int | None) -> None:
         self.pool: dict[int, list[tuple[int, ...]]] = {}
@@ -62,15 +50,10 @@ class LookaheadProposer(Proposer):
         rng = random.Random(0)  # fixed: a request's guesses do not depend on what ran before it
         self.levels: list[list[int]] = [[rng.choice(prompt) for _ in range(self.window)]]
         self._extra: ExtraNodes | None = None  # what the last propose sent, to recognise it in observe
-        self.resting = Rest(MAX_REST)  # with a cost model: proposes nothing while its verified steps do not pay
-        self.step_seconds = (0.0, 0)  # the last proposal's seconds and context
         if self.text_ngrams:
             self._ingest_text(prompt)
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
-        if self.cost is not None and self.resting.take():
-            return DraftTree.root_only(tokens[-1])
-        started = time.perf_counter()
         if self.text_ngrams:
             self._ingest_text(tokens)
         paths = [list(cont[:k]) for cont in self.pool.get(tokens[-1], [])[: self.guesses]] if k > 0 else []
@@ -82,14 +65,9 @@ class LookaheadProposer(Proposer):
         # The window needs cache room after the guesses; near a tight cache it is left out this step.
         if self.max_len is None or len(tokens) - 1 + len(tree) + len(extra.tokens) <= self.max_len:
             tree.extra = self._extra = extra
-        self.step_seconds = (time.perf_counter() - started, len(tokens) - 1)
         return tree
 
     def observe(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor) -> None:
-        if self.cost is not None and (tree.num_drafted or tree.extra is not None):  # a step that verified guesses
-            seconds, context = self.step_seconds
-            nodes = len(tree) + (len(tree.extra.tokens) if tree.extra is not None else 0)
-            self.resting.judge(self.cost, verdict.num_accepted, seconds, nodes, context)
         if tree.extra is None or tree.extra is not self._extra:
             return  # the policy dropped the window this step: keep it as it is
         self._extra = None
