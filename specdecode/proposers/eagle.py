@@ -51,7 +51,7 @@ def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
     return total
 
 
-MAX_REST = 128  # most steps the head rests while its steps do not pay (a probe costs about a plain step)
+MAX_REST = 128  # most steps the head rests while its steps do not pay
 # most positions one run catches up on (after a rest, or over a long prompt): the head's cache then restarts on
 # them, so a probe costs a bounded forward, not one over the whole text (2-3% of a request on a fast target)
 HEAD_CONTEXT = 128
