@@ -246,7 +246,10 @@ class SuffixProposer(Proposer):
         return Capabilities(cheap=True, sizes_itself=self.cost is not None, max_depth=MAX_DEPTH)
 
     def bind(self, cost, acceptance) -> None:
-        self.cost = cost
+        """The request's engine prices its trees, where the proposer sizes them (made with a cost: k="auto"); made
+        without one (a fixed k) it sends k nodes a step and never rests."""
+        if self.cost is not None:
+            self.cost = cost
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         self.local = SuffixIndex(max_match=self.max_match)
