@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Generator, Iterator
 
 import torch
 
-from . import kernels, threads
+from . import threads
 from .acceptance import AcceptanceStats
 from .batch_cost import BatchCost, RowCost
 from .cost import CostModel, ForwardCost
@@ -48,8 +48,7 @@ class Engine:
         self.pending: Request | None = None  # a request whose prompt is being cached, in the row after the batch's
         self.last_depths: list[int] = []  # per row, the depth verified in the last step (tests, metrics)
         # forwards run on the cores other processes leave free where the thread count cannot change a number
-        self.threads = (threads.governor() if model.device.type == "cpu" and model.dtype == torch.float32
-                        and kernels.native() is not None else None)
+        self.threads = threads.governor() if model.native_kernels else None
 
     def add(self, request: Request, like: Request | None = None) -> None:
         """Prefill the request's prompt in a cache row of its own and let it join the batch (`start` and `prefill`

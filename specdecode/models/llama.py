@@ -184,10 +184,14 @@ class Transformer(nn.Module):
         layer = self.layers[0].attn.wqkv if len(self.layers) else self.lm_head
         return getattr(layer, "quantization", str(self.dtype).removeprefix("torch."))
 
+    @property
+    def native_kernels(self) -> bool:
+        """Whether its forwards run the native kernels (on the CPU in float32, where they built)."""
+        return self.device.type == "cpu" and self.dtype == torch.float32 and kernels.native() is not None
+
     def weights_kind(self) -> str:
         """How the weights are stored and multiplied (forward costs differ by it): e.g. 'int4 native avx2'."""
-        native = self.device.type == "cpu" and self.dtype == torch.float32 and kernels.native() is not None
-        path = f"native {kernels.simd()} {kernels.source_key()}" if native else "torch"
+        path = f"native {kernels.simd()} {kernels.source_key()}" if self.native_kernels else "torch"
         return f"{self.quantization} {path}"
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
