@@ -23,6 +23,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -135,6 +137,18 @@ def start_server(serve_args: list[str], log=None) -> tuple[subprocess.Popen, str
         time.sleep(1)
     proc.kill()
     raise TimeoutError("the server did not start")
+
+
+@contextmanager
+def running_server(serve_args: list[str], log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """start_server with its output in the file `log`; the server stops when the block ends."""
+    with log.open("w") as out:
+        proc, url = start_server(serve_args, log=out)
+        try:
+            yield proc, url
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
 
 def serve_args(args) -> list[str]:

@@ -22,7 +22,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from load import start_server  # noqa: E402 (benchmarks/load.py, beside this script)
+from load import running_server  # noqa: E402 (benchmarks/load.py, beside this script)
 
 from specdecode.bench.hardware import machine_description  # noqa: E402
 
@@ -43,8 +43,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    server, url = start_server(["--model", args.model], log=(args.out / "server.log").open("w"))
-    try:
+    with running_server(["--model", args.model], args.out / "server.log") as (server, url):
 
         def complete(prompt: str, tokens: int) -> None:
             httpx.post(url + "/v1/completions", timeout=900, json={"model": args.model, "prompt": prompt,
@@ -92,9 +91,6 @@ def main() -> None:
 """
         (args.out / "report.md").write_text(report)
         print(report)
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 if __name__ == "__main__":

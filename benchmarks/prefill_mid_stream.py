@@ -23,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from load import start_server  # noqa: E402 (benchmarks/load.py, beside this script)
+from load import running_server  # noqa: E402 (benchmarks/load.py, beside this script)
 
 from specdecode.bench.hardware import machine_description  # noqa: E402
 
@@ -50,8 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    server, url = start_server(["--model", args.model], log=(args.out / "server.log").open("w"))
-    try:
+    with running_server(["--model", args.model], args.out / "server.log") as (_, url):
         long_prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_tokens))
         count = len(httpx.post(url + "/tokenize", json={"prompt": long_prompt}).json()["tokens"])
         arrival: dict[str, float] = {}
@@ -110,9 +109,6 @@ Whole stream: p99 / median = {whole['p99_ms'] / whole['median_ms']:.2f}.
 """
         (args.out / "report.md").write_text(report)
         print(report)
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 if __name__ == "__main__":
