@@ -34,6 +34,10 @@ from .tree import DraftTree
 # guesses at 8% acceptance, each step 4% dearer than the table said, 0.96x of plain decoding)
 MARGIN = 0.04
 FIRST_PROBE_WITHIN = 16  # plain steps at most before a request's first probe, whatever earlier requests found
+# a free proposer asked this many steps in a row with nothing worth verifying is asked on probes only (every 8, 16,
+# ... IDLE_PROBE_MOST steps): proposing and scoring a lookahead window is ~1% of a step, steps that never pay it back
+IDLE_ASKS = 32
+IDLE_PROBE_MOST = 64
 
 
 def rate_to_beat(cost: ForwardCost, context: int) -> float:
@@ -164,6 +168,7 @@ class AdaptiveK(Policy):
         self.scorer = ProposalScorer(self.stats)
         self.plain_streak = 0
         self.asked = 0  # the depth asked of a cheap proposer this step (0: it was not asked)
+        self.idle_asks = 0  # steps in a row a cheap proposer was asked and nothing was verified
         self.verified_depths: list[int] = []  # per step, for stats and tests
 
     # what is learned about the proposer's cost and the probe interval lives with the learned stats
@@ -215,9 +220,17 @@ class AdaptiveK(Policy):
     def _cheap_depth(self, context: int, depth: int) -> int:
         """Ask for the whole depth (the tree is cut after it is seen) unless proposing itself costs more
         than it can win: Medusa's heads are a few matmuls, not nothing. A proposal costing under 1% of a
-        plain step is always made: scoring it teaches the policy for free."""
+        plain step is made while its proposals get verified: scoring it teaches the policy for free. After
+        IDLE_ASKS steps in a row with nothing verified, it is made on probes only (proposing and scoring are not
+        quite free), until a probe's proposal is verified."""
         overhead = self.propose_seconds or 0.0
-        if depth < 1 or overhead < 0.01 * self._target(1, context):
+        if depth < 1:
+            return depth
+        if overhead < 0.01 * self._target(1, context):
+            if self.idle_asks < IDLE_ASKS:
+                return depth
+            if self._between_probes() or not self._probe_due(IDLE_PROBE_MOST):
+                return 0
             return depth
         if self._between_probes():
             return 0
@@ -241,13 +254,14 @@ class AdaptiveK(Policy):
         self.plain_streak, self.probe_every = 0, 8
         return depth
 
-    def _probe_due(self) -> bool:
+    def _probe_due(self, most: int = 4096) -> bool:
         """Nothing is worth guessing: a plain step, or after `probe_every` of them a probe (True), the interval
-        doubling while probes find nothing worth guessing. Only then is it worth asking whether guesses could pay."""
+        doubling (up to `most`) while probes find nothing worth guessing. Only then is it worth asking whether
+        guesses could pay."""
         self.plain_streak += 1
-        if self.plain_streak <= self.probe_every:
+        if self.plain_streak <= min(self.probe_every, most):
             return False
-        self.plain_streak, self.probe_every = 0, min(2 * self.probe_every, 4096)
+        self.plain_streak, self.probe_every = 0, min(2 * self.probe_every, most)
         return True
 
     def could_pay(self, context: int, limit: int, overhead: float = 0.0) -> bool:
@@ -269,6 +283,9 @@ class AdaptiveK(Policy):
         self.verified_depths.append(depth)
         if self.cheap and self.asked:
             self.propose_seconds = smoothed(self.propose_seconds, step.draft_seconds)
+            if depth and self.idle_asks >= IDLE_ASKS:  # a probe found guesses worth verifying: asked every step again
+                self.probe_every = 8
+            self.idle_asks = 0 if depth else self.idle_asks + 1
         if not self.cheap and depth:
             self.draft_per_guess = smoothed(self.draft_per_guess, step.seconds_per_guess or step.draft_seconds / depth)
 

@@ -12,7 +12,8 @@ from specdecode.acceptance import AcceptanceStats, ProposalScorer
 from specdecode.batch_cost import nondecreasing
 from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import generate_ids
-from specdecode.policy import FIRST_PROBE_WITHIN, MARGIN, AdaptiveK, FixedK, Rest, StepRecord, best_count
+from specdecode.policy import (FIRST_PROBE_WITHIN, IDLE_ASKS, IDLE_PROBE_MOST, MARGIN, AdaptiveK, FixedK, Rest,
+                               StepRecord, best_count)
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.tree import DraftTree, ExtraNodes
 
@@ -259,6 +260,32 @@ def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> N
     policy.stats = confident(0.9)
     policy.propose_seconds = 0.1
     assert policy.depth_to_propose(10, 20) == 16 and policy.probe_every == 8  # good again: every step
+
+
+def test_free_proposals_that_are_never_verified_are_made_on_probes_only() -> None:
+    """Proposing and scoring cost ~1% of a step even where a proposal is under 1% (a lookahead window): after
+    IDLE_ASKS steps in a row with nothing verified, the proposer is asked on probes only, backing off up to
+    IDLE_PROBE_MOST steps, and every step again once a probe's proposal is verified."""
+    policy = AdaptiveK(linear_cost(0.05), confident(0.05), cheap=True)
+    tokens = [1, 2, 3]
+
+    def step(verified: int) -> int:
+        depth = policy.depth_to_propose(10, 20)
+        proposal = DraftTree.chain(tokens[-1], [6, 7]) if depth else DraftTree.root_only(tokens[-1])
+        start = len(tokens)
+        tokens.append(9)  # never the guess: a miss, scored at once
+        policy.observe(StepRecord(proposal, proposal.cut(verified if depth else 0), start, tokens, 10,
+                                  draft_seconds=0.004 if depth else 0.0))
+        return depth
+
+    asked = [i for i in range(IDLE_ASKS + 400) if step(verified=0)]
+    assert asked[:IDLE_ASKS] == list(range(IDLE_ASKS))  # free: asked every step while it may still pay
+    gaps = np.diff(asked[IDLE_ASKS - 1 :]).tolist()
+    assert gaps[:4] == [1 + 8, 1 + 16, 1 + 32, 1 + IDLE_PROBE_MOST] and set(gaps[4:]) == {1 + IDLE_PROBE_MOST}
+    while not step(verified=1):  # the next probe's guess is verified
+        pass
+    assert all(step(verified=0) for _ in range(IDLE_ASKS))  # asked every step again
+    assert not step(verified=0)
 
 
 def test_the_decision_is_made_again_while_earlier_proposals_are_scored() -> None:
