@@ -12,8 +12,17 @@ from specdecode.acceptance import AcceptanceStats, ProposalScorer
 from specdecode.batch_cost import nondecreasing
 from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import generate_ids
-from specdecode.policy import (FIRST_PROBE_WITHIN, IDLE_ASKS, IDLE_PROBE_MOST, MARGIN, AdaptiveK, FixedK, Rest,
-                               StepRecord, best_count)
+from specdecode.policy import (
+    FIRST_PROBE_WITHIN,
+    IDLE_ASKS,
+    IDLE_PROBE_MOST,
+    MARGIN,
+    AdaptiveK,
+    FixedK,
+    Rest,
+    StepRecord,
+    best_count,
+)
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.tree import DraftTree, ExtraNodes
 
