@@ -71,6 +71,12 @@ class BatchCost:
         w = (rows - sizes[lower]) / (sizes[upper] - sizes[lower])
         return (1 - w) * np.asarray(times[lower]) + w * np.asarray(times[upper])
 
+    def use_threads(self, threads: int) -> None:
+        """The next forwards run on this many threads: tables that know their one-thread shape price for it."""
+        for table in self.tables:
+            if isinstance(table, CostModel):
+                table.use_threads(threads)
+
     def observe(self, rows: int, tokens: int, context: int, seconds: float) -> None:
         """A real step: the table of that batch size (if measured) learns how far it strays."""
         if rows in self.batch_sizes:

@@ -18,16 +18,20 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import torch
 
+from . import threads
 from .cost_timing import (
     CALIBRATION_ROUNDS,
     CALIBRATION_SIZES,
     COST_SIZES,
+    ONE_THREAD_ROUNDS,
     SPREAD,
     THOROUGH_ROUNDS,
     machine_key,
     table_path,
     time_forwards,
+    time_one_thread_shape,
 )
 from .models import Transformer
 
@@ -41,9 +45,10 @@ DOUBTED = 8.0  # after a change of regime each size counts for at most this many
 # one burst of load could flatten the small sizes, which then looked free to verify; version 2 took unpaired
 # medians, up to 10% optimistic for small sizes at long context; version 3 forced the table non-decreasing,
 # pricing 2 tokens 14% under and 3-6 tokens 5% over what they cost); version 5 adds each size's weight
-# (version 4 tables are thorough ones, read as they are)
-TABLE_VERSION = 5
-READABLE_VERSIONS = (4, 5)
+# (version 4 tables are thorough ones, read as they are); version 6 adds the one-thread shape (version 5 tables are
+# timed again, in seconds)
+TABLE_VERSION = 6
+READABLE_VERSIONS = (4, 6)
 
 
 class ForwardCost(Protocol):
@@ -85,12 +90,20 @@ class CostModel:
     machine: str = ""
     version: int = 1
     weight: list[float] | None = None  # per size
+    # per size, how much steeper its price is on one thread than on the `threads` the table was timed on (None:
+    # not timed; see cost_timing.time_one_thread_shape): the engine's forwards run on fewer beside a busy core
+    one_thread: list[float] | None = None
+    threads: int = 0
     load: float = field(default=1.0, compare=False, repr=False)
     learned: int = field(default=0, compare=False, repr=False)  # shape updates since made or read from disk
 
     def __post_init__(self) -> None:
         if self.weight is not None and len(self.weight) != len(self.sizes):
             raise ValueError(f"a cost table needs one weight per size: {len(self.weight)} for {len(self.sizes)}")
+        if self.one_thread is not None and len(self.one_thread) != len(self.sizes):
+            raise ValueError(f"a cost table needs one thread factor per size: {len(self.one_thread)} for "
+                             f"{len(self.sizes)}")
+        self._threads_now = self.threads  # what the next forwards run on
         self.seconds = [list(row) for row in self.seconds]  # learned in place: rows must not be shared
         self._plain: float | None = None  # recent plain steps' seconds over the table's price
         self._since_plain = PAIR_WITHIN + 1  # steps since the last plain one
@@ -99,11 +112,14 @@ class CostModel:
 
     def _refresh(self) -> None:
         """Interpolate once per change (priced several times a step): seconds at 0..sizes[-1] tokens for each
-        context, as measured (`_rows`: what steps are compared with) and with the uncertainty margin (`_upper`)."""
+        context on the threads the forwards run on now, as measured (`_rows`: what steps are compared with) and with
+        the uncertainty margin (`_upper`)."""
         self._unpriced = 0.0  # how far the prices moved since (relative)
         margin = [self.margin(i) for i in range(len(self.sizes))]
-        upper = [[t * (1 + m) for t, m in zip(row, margin, strict=True)] for row in self.seconds]
-        self._dense, self._beyond = self._interpolate(self.seconds)
+        factor = self.thread_factors()
+        now = [[t * f for t, f in zip(row, factor, strict=True)] for row in self.seconds]
+        upper = [[t * (1 + m) for t, m in zip(row, margin, strict=True)] for row in now]
+        self._dense, self._beyond = self._interpolate(now)
         self._upper_dense, self._upper_beyond = self._interpolate(upper)
         self._rows = list(zip(self._dense.tolist(), self._beyond.tolist(), strict=True))  # one size, in Python
         self._upper_rows = list(zip(self._upper_dense.tolist(), self._upper_beyond.tolist(), strict=True))
@@ -113,6 +129,22 @@ class CostModel:
         dense = np.array([np.interp(np.arange(s[-1] + 1), s, row) for row in seconds])
         beyond = np.array([(row[-1] - row[-2]) / (s[-1] - s[-2]) for row in seconds])
         return dense, beyond
+
+    def use_threads(self, threads: int) -> None:
+        """The next forwards run on this many threads (the engine's governor): sizes are priced for it."""
+        if threads != self._threads_now:
+            self._threads_now = threads
+            self._refresh()
+
+    def thread_factors(self) -> list[float]:
+        """Per size, its price on the threads now over the table's: 1 on the table's threads (or more), the
+        one-thread shape on one, in between as the share of the work the missing threads did (Amdahl: at t of T
+        threads a size's extra cost scales with T / t - 1 over T - 1)."""
+        ref, now = self.threads, self._threads_now
+        if self.one_thread is None or ref <= 1 or not 0 < now < ref:
+            return [1.0] * len(self.sizes)
+        share = (ref / now - 1) / (ref - 1)
+        return [1 + (x - 1) * share for x in self.one_thread]
 
     def margin(self, i: int) -> float:
         """How much dearer size i is priced for guessing: the standard error of its price beyond the thorough
@@ -245,8 +277,12 @@ class CostModel:
         `specdecode tune cost` runs it with THOROUGH_ROUNDS)."""
         contexts, seconds, weight = time_forwards(model, repeats, sizes=sizes, long=long, sparse_above=sparse_above,
                                                   bounded=bounded, description=description)
+        one_thread = None
+        if threads.may_change(model):  # the governor may run the forwards on fewer threads than now
+            one_thread = time_one_thread_shape(model, sizes, contexts[-1], ONE_THREAD_ROUNDS)
         return cls(list(sizes), contexts, seconds, machine=machine_key(model), version=TABLE_VERSION,
-                   weight=[min(w, WEIGHT_CAP) for w in weight])
+                   weight=[min(w, WEIGHT_CAP) for w in weight], one_thread=one_thread,
+                   threads=torch.get_num_threads())
 
     @classmethod
     def for_model(cls, model: Transformer, cache_dir: Path | None = None) -> CostModel:

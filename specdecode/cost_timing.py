@@ -25,6 +25,7 @@ THOROUGH_ROUNDS = 32
 # 2-core machine); the steps the engine runs refine it (CostModel.observe)
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 CALIBRATION_ROUNDS = 4
+ONE_THREAD_ROUNDS = 3  # paired rounds of each size on one thread and on all (a second or two at first use)
 # how far one paired ratio strays (relative): the thorough table's 32 rounds know a small size to +-3%
 SPREAD = 0.17
 
@@ -105,6 +106,42 @@ def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: 
     scale = (SPREAD / max(spread(ratios), 0.01)) ** 2
     weight = [float(repeats)] + [len(ratios[0][si]) * scale for si in range(1, len(sizes))]
     return contexts, seconds, weight
+
+
+def time_one_thread_shape(model: Transformer, sizes: tuple[int, ...], context: int, rounds: int,
+                          description: str = "timing forwards on one thread") -> list[float]:
+    """Per size, how much dearer relative to a plain step it is on one thread than on the threads set: its paired
+    ratio to a 1-token forward on 1 thread over the same on all of them (1.0 for the plain step), `rounds` of
+    each, interleaved. Beside a busy core the forwards run on the cores left free (threads.py), and there the
+    sizes are not priced alike: a 7-token forward of SmolLM2 int4 costs 1.9x a plain one on 2 threads, 2.5x on 1
+    (a verification is compute the second core shared; a plain step is mostly reading the weights)."""
+    most = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    cache = model.new_cache(context + sizes[-1])
+    model.forward(torch.randint(0, vocab, (1, context), generator=g), cache, logits_at=None)
+    order = random.Random(0)
+    ratios: dict[tuple[int, int], list[float]] = {(t, n): [] for t in (1, most) for n in sizes if n > 1}
+    try:
+        with progress_bar(description, 2 * len(ratios) * (rounds + 1)) as advance:
+            def timed(n: int) -> float:
+                tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
+                started = time.perf_counter()
+                model.forward(tokens, cache)
+                elapsed = time.perf_counter() - started
+                cache.rollback(context)
+                advance()
+                return elapsed
+
+            for rep in range(rounds + 1):  # the first round warms up each thread count's sizes
+                for t, n in order.sample(sorted(ratios), len(ratios)):
+                    torch.set_num_threads(t)
+                    took = {m: timed(m) for m in order.sample([1, n], 2)}
+                    if rep:
+                        ratios[t, n].append(took[n] / took[1])
+    finally:
+        torch.set_num_threads(most)
+    return [1.0 if n == 1 else statistics.median(ratios[1, n]) / statistics.median(ratios[most, n]) for n in sizes]
 
 
 def spread(ratios: list[list[list[float]]]) -> float:

@@ -136,6 +136,8 @@ class Engine:
         model carries a chunk along: the native blocks; else in a forward of their own)."""
         results: list[StepResult] = []
         self.view.rows = len(self.rows)
+        if self.threads is not None:  # before planning: the steps are priced for the threads they run on
+            self.cost.use_threads(self.threads.update())
         planned: dict[int, DraftTree] = {}
         for i, row in enumerate(self.rows):
             try:
@@ -168,8 +170,6 @@ class Engine:
         if pending is not None and carry:  # the prompt's next tokens ride along in the batch's forward: one pass
             done = self.cache.lengths[b]   # over the weights for both
             chunk = pending.tokens[done : min(len(pending.tokens) - 1, done + min(prefill, PREFILL_CHUNK))]
-        if self.threads is not None:
-            self.threads.update()
         started = time.perf_counter()
         try:
             out = self.model.forward_batch(tokens, self.cache, positions=positions, sizes=sizes,

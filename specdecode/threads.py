@@ -30,6 +30,17 @@ STAT = Path("/proc/stat")
 BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 
 
+def adaptive() -> bool:
+    """Whether the engine may change its thread count (SPECDECODE_ADAPTIVE_THREADS=0 keeps the count set)."""
+    return os.environ.get("SPECDECODE_ADAPTIVE_THREADS", "1") != "0"
+
+
+def may_change(model) -> bool:
+    """Whether the forwards of this model may run on fewer threads than now: the governor acts, the kernels do not
+    depend on the count, and there are threads to drop."""
+    return adaptive() and model.native_kernels and torch.get_num_threads() > 1
+
+
 def usable_cores() -> list[int]:
     """The CPUs this process may run on."""
     try:
@@ -63,7 +74,7 @@ class ThreadGovernor:
         self.cores, self.stat = usable_cores(), stat
         self.threads = self.most
         self.others = 0.0  # cores other processes kept busy over the last reading
-        self.enabled = os.environ.get("SPECDECODE_ADAPTIVE_THREADS", "1") != "0"
+        self.enabled = adaptive()
         self._last: tuple[float, float, float] | None = None  # (wall, busy, own CPU) at the last reading
         if self.enabled:
             try:

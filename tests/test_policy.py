@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from specdecode.acceptance import AcceptanceStats, ProposalScorer
 from specdecode.batch_cost import nondecreasing
@@ -117,6 +118,48 @@ def test_cost_model_is_measured_once_and_cached(tmp_path, monkeypatch) -> None:
     again = CostModel.for_model(model, tmp_path)
     assert again.version == TABLE_VERSION and again.seconds[0][0] < 1.0
     assert json.loads(files[0].read_text())["version"] == TABLE_VERSION
+
+
+def test_fewer_threads_price_each_size_by_its_one_thread_shape() -> None:
+    """Beside a busy core the forwards run on fewer threads (threads.py), where a verification is dearer relative to
+    a plain step than on all of them: the table prices each size by its one-thread shape there, and the online
+    corrections stay in the table's own terms."""
+    shape = [1.0, 1.2, 1.5, 1.4]
+    cost = CostModel([1, 2, 4, 8], [0, 1000], [[1.0, 1.1, 1.3, 2.0]] * 2, one_thread=shape, threads=2)
+    assert cost.forward_seconds(4, 0) == pytest.approx(1.3)
+    cost.use_threads(1)
+    assert cost.forward_seconds(1, 0) == pytest.approx(1.0) and cost.forward_seconds(4, 0) == pytest.approx(1.95)
+    assert cost.forward_seconds_many(np.array([1, 2, 4]), 0) == pytest.approx([1.0, 1.32, 1.95])
+    assert cost.table_seconds(3, 0) == pytest.approx((1.32 + 1.95) / 2)
+    for _ in range(200):  # steps that cost what the one-thread prices say teach the table nothing new
+        cost.observe(1, 0, 1.0)
+        cost.observe(4, 0, 1.95)
+    assert cost.seconds[0][2] == pytest.approx(1.3) and cost.load == pytest.approx(1.0)
+    cost.use_threads(2)
+    assert cost.forward_seconds(4, 0) == pytest.approx(1.3)
+    cost.use_threads(3)  # more than the table's: as timed
+    assert cost.forward_seconds(4, 0) == pytest.approx(1.3)
+    wide = CostModel([1, 4], [0, 1000], [[1.0, 1.3]] * 2, one_thread=[1.0, 1.6], threads=4)
+    wide.use_threads(2)  # two of four threads: a third of the one-thread steepening ((4 / 2 - 1) / (4 - 1))
+    assert wide.forward_seconds(4, 0) == pytest.approx(1.3 * 1.2)
+    unknown = CostModel([1, 4], [0, 1000], [[1.0, 1.3]] * 2, threads=2)  # an older table: priced as timed
+    unknown.use_threads(1)
+    assert unknown.forward_seconds(4, 0) == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="thread factor per size"):
+        CostModel([1, 4], [0, 1000], [[1.0, 1.3]] * 2, one_thread=[1.0], threads=2)
+
+
+def test_calibration_times_the_one_thread_shape_where_the_thread_count_may_change(tmp_path, monkeypatch) -> None:
+    model = tiny_model(0, vocab_size=40)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the set_num_threads calls restore
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(type(model), "native_kernels", property(lambda self: True))
+    monkeypatch.setenv("SPECDECODE_ADAPTIVE_THREADS", "1")
+    timed = CostModel.calibrate(model, rounds=1)
+    assert timed.threads == 2 and timed.one_thread is not None and len(timed.one_thread) == len(timed.sizes)
+    assert timed.one_thread[0] == 1.0 and all(x > 0 for x in timed.one_thread)
+    monkeypatch.setenv("SPECDECODE_ADAPTIVE_THREADS", "0")  # the count never changes: nothing to time
+    assert CostModel.calibrate(model, rounds=1).one_thread is None
 
 
 # ----------------------------------------------------------------------------------------- acceptance
