@@ -105,23 +105,26 @@ static inline __m256 dot8(const float *q, const float *k, int hd) {
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
-/* o = sum_j p_j v_j / sum_j p_j over 8 NV floats of the keys' value rows (`stride` floats apart), the sums kept in
-   registers (NV a constant at each call: the loops unroll). Both sums run over the visible keys in cache order, one at a time: a
-   tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart. */
+/* Keys j0..j1 of o = sum_j p_j v_j / sum_j p_j over 8 NV floats of the keys' value rows (`stride` floats apart): the
+   sums carried in acc (8 NV floats) and *total from the keys before, in registers over the range (NV a constant at
+   each call: the loops unroll). Both sums run over the visible keys in cache order, one at a time: a tree's path
+   lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart. A query's sums
+   are the same whatever ranges its keys are taken in (a range stores and reloads them exactly). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *vals, int64_t stride,
-                                                               int L, float *o, const int NV) {
+                                                               int j0, int j1, float *acc_mem, float *total,
+                                                               const int NV) {
     __m256 acc[16];
-    float total = 0.0f;
-    for (int e = 0; e < NV; e++) acc[e] = _mm256_setzero_ps();
-    for (int j = 0; j < L; j++) {
+    float sum = *total;
+    for (int e = 0; e < NV; e++) acc[e] = _mm256_loadu_ps(acc_mem + 8 * e);
+    for (int j = j0; j < j1; j++) {
         if (p[j] == 0.0f) continue;
-        total += p[j];
+        sum += p[j];
         const __m256 pj = _mm256_set1_ps(p[j]);
         const float *vj = vals + j * stride;
         for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * e), acc[e]);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int e = 0; e < NV; e++) _mm256_storeu_ps(o + 8 * e, _mm256_mul_ps(acc[e], inv));
+    for (int e = 0; e < NV; e++) _mm256_storeu_ps(acc_mem + 8 * e, acc[e]);
+    *total = sum;
 }
 #define FAST_ATTENTION 1
 #else
@@ -146,98 +149,149 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
     }
 }
 
+/* Scores of one query over the keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it applies (a
+   key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8 */
+static void scores(const float *q, const float *keys, int L, int max_len, int hd, float scale, float *p, float *pad,
+                   int j0, int j1) {
+#if FAST_ATTENTION
+    if (hd % 8 == 0) {
+        for (int j = j0; j < j1; j += 8) {
+            const float *kb = keys + (int64_t)j * hd;
+            if (j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
+                memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
+                memcpy(pad, kb, sizeof(float) * (size_t)(max_len - j) * hd);
+                kb = pad;
+            }
+            _mm256_storeu_ps(p + j, _mm256_mul_ps(dot8(q, kb, hd), _mm256_set1_ps(scale)));
+        }
+        return;
+    }
+#endif
+    for (int j = j0; j < j1 && j < L; j++) p[j] = dot(q, keys + (int64_t)j * hd, hd) * scale;
+}
+
+/* p (the scores of query i of the call) -> e^(p - max) over the keys it sees, 0 elsewhere; padded with zeros to a
+   multiple of 8 */
+static void softmax_weights(float *p, int L, int start, int n, int i, const uint8_t *mask, const uint8_t *full_mask) {
+    float best = -INFINITY;
+    int j0 = 0;
+#if FAST_ATTENTION
+    if (!full_mask) {  /* the cached keys are all visible: their max 8 at a time */
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        for (; j0 + 8 <= start; j0 += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + j0));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m8);
+        for (int t = 0; t < 8; t++) best = lanes[t] > best ? lanes[t] : best;
+    }
+#endif
+    for (int j = j0; j < L; j++) {
+        int visible;
+        if (full_mask) visible = full_mask[(int64_t)i * L + j];
+        else if (j < start) visible = 1;
+        else visible = mask ? mask[(int64_t)i * n + (j - start)] : (j - start <= i);
+        if (!visible) p[j] = -INFINITY;
+        else if (p[j] > best) best = p[j];
+    }
+    for (int j = L; j < ((L + 7) & ~7); j++) p[j] = -INFINITY;
+#if FAST_ATTENTION
+    for (int j = 0; j < L; j += 8) {
+        const __m256 v = _mm256_loadu_ps(p + j);
+        const __m256 hidden = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        const __m256 e = exp8(_mm256_sub_ps(v, _mm256_set1_ps(best)));
+        _mm256_storeu_ps(p + j, _mm256_andnot_ps(hidden, e));
+    }
+#else
+    for (int j = 0; j < L; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
+#endif
+}
+
+#define KEY_BLOCK 32 /* keys whose rows a task's queries take in turn: their keys and values stay in L1 */
+
 /* Attention of n new queries (rows of q, `q_stride` floats apart, heads side by side, RoPE applied) over the
    layer's cache, whose keys and values for the new tokens are already at start..start+n: out rows `att_stride`
    apart. Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
    [n, start + n]). A query's numbers never depend on n: the kernel the PyTorch blocks call too (where a layer
-   keeps them out of the native path), so that a tree verifies bit for bit what one-token steps compute. Returns 1
-   when scratch memory ran out. */
+   keeps them out of the native path), so that a tree verifies bit for bit what one-token steps compute.
+
+   A decode step (n = 1) is a task per head, so that every thread has work. A verification (n > 1) is a task per
+   (kv head, token), holding the heads that share the kv head: they take the keys in blocks of KEY_BLOCK in turn,
+   so each block is read from L2 (or memory) once for all of them, not once per head (at n = 8 the attention was
+   bound by those reads). Each query computes exactly what it computes alone. Returns 1 when scratch memory ran
+   out. */
 int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const float *k_cache,
                          const float *v_cache, int max_len, int start, int n, const uint8_t *mask,
                          const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale) {
-    const int L = start + n;
+    const int L = start + n, Lp = (L + 7) & ~7;
     int failed = 0;
-    const int group = n_heads / n_kv;
+    const int group = n_heads / n_kv, per_task = n > 1 ? group : 1, tasks = n > 1 ? n_kv * n : n_heads;
+    const int passes = hd % 128 == 0 ? hd / 128 : 1;  /* value sums kept in registers 64 or 128 floats at a time */
+    const int block = per_task > 1 ? KEY_BLOCK : Lp;  /* a query alone takes its keys in one pass */
 #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * ((size_t)L + 8));
+        float *p = malloc(sizeof(float) * (size_t)per_task * (Lp + 8));
         float *pad = malloc(sizeof(float) * 8 * (size_t)hd);
-        if (!p || !pad) {
+        float *acc = malloc(sizeof(float) * (size_t)per_task * hd), *totals = malloc(sizeof(float) * per_task * passes);
+        if (!p || !pad || !acc || !totals) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int task = 0; task < n_heads * n; task++) {
-            if (!p || !pad) continue;  /* this thread's scratch is missing: `failed` says so */
-            const int h = task / n, i = task % n, g = h / group;
-            const float *q = qs + (int64_t)i * q_stride + h * hd;
+        for (int task = 0; task < tasks; task++) {
+            if (!p || !pad || !acc || !totals) continue;  /* this thread's scratch is missing: `failed` says so */
+            const int h0 = n > 1 ? (task / n) * group : task, i = n > 1 ? task % n : 0, g = h0 / group;
             const float *keys = k_cache + (int64_t)g * max_len * hd, *vals = v_cache + (int64_t)g * max_len * hd;
+#define QUERY(h) (qs + (int64_t)i * q_stride + (int64_t)(h0 + (h)) * hd)
+#define WEIGHTS(h) (p + (size_t)(h) * (Lp + 8))
+            for (int j = 0; j < Lp; j += block)
+                for (int h = 0; h < per_task; h++)
+                    scores(QUERY(h), keys, L, max_len, hd, scale, WEIGHTS(h), pad, j, j + block < Lp ? j + block : Lp);
+            for (int h = 0; h < per_task; h++) softmax_weights(WEIGHTS(h), L, start, n, i, mask, full_mask);
 #if FAST_ATTENTION
-            if (hd % 8 == 0) {  /* every key's score by dot8, whatever L is: a key's number never depends on n */
-                for (int j = 0; j < L; j += 8) {
-                    const float *kb = keys + (int64_t)j * hd;
-                    if (j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
-                        memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
-                        memcpy(pad, kb, sizeof(float) * (size_t)(max_len - j) * hd);
-                        kb = pad;
-                    }
-                    _mm256_storeu_ps(p + j, _mm256_mul_ps(dot8(q, kb, hd), _mm256_set1_ps(scale)));
+            if (hd == 64 || hd % 128 == 0) {
+                const int width = hd == 64 ? 64 : 128;
+                memset(acc, 0, sizeof(float) * (size_t)per_task * hd);
+                memset(totals, 0, sizeof(float) * (size_t)per_task * passes);
+                for (int j = 0; j < L; j += block) {
+                    const int j1 = j + block < L ? j + block : L;
+                    for (int h = 0; h < per_task; h++)
+                        for (int e = 0; e < hd; e += width) {
+                            float *a = acc + (size_t)h * hd + e, *t = totals + h * passes + e / width;
+                            if (width == 64) weigh_values(WEIGHTS(h), vals, hd, j, j1, a, t, 8);
+                            else weigh_values(WEIGHTS(h), vals + e, hd, j, j1, a, t, 16);
+                        }
                 }
-            } else
-#endif
-                for (int j = 0; j < L; j++) p[j] = dot(q, keys + (int64_t)j * hd, hd) * scale;
-            float best = -INFINITY;
-            int j0 = 0;
-#if FAST_ATTENTION
-            if (!full_mask) {  /* the cached keys are all visible: their max 8 at a time */
-                __m256 m8 = _mm256_set1_ps(-INFINITY);
-                for (; j0 + 8 <= start; j0 += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + j0));
-                float lanes[8];
-                _mm256_storeu_ps(lanes, m8);
-                for (int t = 0; t < 8; t++) best = lanes[t] > best ? lanes[t] : best;
+                for (int h = 0; h < per_task; h++) {
+                    float *o = att + (int64_t)i * att_stride + (int64_t)(h0 + h) * hd;
+                    for (int e = 0; e < hd; e += width) {
+                        const __m256 inv = _mm256_set1_ps(1.0f / totals[h * passes + e / width]);
+                        for (int f = e; f < e + width; f += 8)
+                            _mm256_storeu_ps(o + f, _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)h * hd + f), inv));
+                    }
+                }
+                continue;
             }
 #endif
-            for (int j = j0; j < L; j++) {
-                int visible;
-                if (full_mask) visible = full_mask[(int64_t)i * L + j];
-                else if (j < start) visible = 1;
-                else visible = mask ? mask[(int64_t)i * n + (j - start)] : (j - start <= i);
-                if (!visible) p[j] = -INFINITY;
-                else if (p[j] > best) best = p[j];
-            }
-            for (int j = L; j < ((L + 7) & ~7); j++) p[j] = -INFINITY;
-#if FAST_ATTENTION
-            for (int j = 0; j < L; j += 8) {
-                const __m256 v = _mm256_loadu_ps(p + j);
-                const __m256 hidden = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-                const __m256 e = exp8(_mm256_sub_ps(v, _mm256_set1_ps(best)));
-                _mm256_storeu_ps(p + j, _mm256_andnot_ps(hidden, e));
-            }
-#else
-            for (int j = 0; j < L; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
-#endif
-            float *o = att + (int64_t)i * att_stride + h * hd;
-#if FAST_ATTENTION
-            if (hd == 64) weigh_values(p, vals, hd, L, o, 8);
-            else if (hd % 128 == 0)  /* 128 floats at a time: 16 registers of sums (Gemma 3: 256, two passes) */
-                for (int e = 0; e < hd; e += 128) weigh_values(p, vals + e, hd, L, o + e, 16);
-            else
-#endif
-            {
+            for (int h = 0; h < per_task; h++) {
+                const float *w = WEIGHTS(h);
+                float *o = att + (int64_t)i * att_stride + (int64_t)(h0 + h) * hd;
                 float total = 0.0f;
-                for (int j = 0; j < L; j++) total += p[j];
+                for (int j = 0; j < L; j++) total += w[j];
                 const float inv = 1.0f / total;
                 for (int e = 0; e < hd; e++) o[e] = 0.0f;
                 for (int j = 0; j < L; j++) {
-                    if (p[j] == 0.0f) continue;
-                    const float pj = p[j], *vj = vals + (int64_t)j * hd;
+                    if (w[j] == 0.0f) continue;
+                    const float pj = w[j], *vj = vals + (int64_t)j * hd;
                     for (int e = 0; e < hd; e++) o[e] += pj * vj[e];
                 }
                 for (int e = 0; e < hd; e++) o[e] *= inv;
             }
+#undef QUERY
+#undef WEIGHTS
         }
         free(p);
         free(pad);
+        free(acc);
+        free(totals);
     }
     return failed;
 }
@@ -300,6 +354,8 @@ static void add_output(float *x, float *out, const float *norm, float eps, int n
     for (int64_t j = 0; j < (int64_t)n * H; j++) x[j] += out[j];
 }
 
+#define GATE_PARTS 4
+
 /* One layer on the n tokens of every span: the norms, matmuls and activations over all of them at once (each token's
    numbers independent of the others), RoPE, the cache writes and the attention span by span */
 static int block(float *x, int n, int H, const Layer *l, const View *v, const Span *spans, int n_spans,
@@ -341,12 +397,19 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
     /* MLP */
     rmsnorm(x, l->mlp_norm, l->eps, n, H, s->xn);
     linear(l->w13, s->xn, n, s->big, s->scratch);
-    for (int i = 0; i < n; i++) {
+    /* the gate shared out among the threads in GATE_PARTS parts a token (a verification's gates, an expf each, took
+       8% of its time on one thread while the other waited); a part starts at a multiple of 8 and the last ends the
+       row, so every element is computed by the same instructions as in one pass over the row */
+    const int part = (inter / GATE_PARTS) & ~7;
+#pragma omp parallel for schedule(static) if (n > 1)
+    for (int task = 0; task < n * GATE_PARTS; task++) {
+        const int i = task / GATE_PARTS, j0 = (task % GATE_PARTS) * part;
+        const int j1 = task % GATE_PARTS == GATE_PARTS - 1 ? inter : j0 + part;
         const float *gate = s->big + (int64_t)i * 2 * inter, *up = gate + inter;
         float *hmid = s->xn + (int64_t)i * inter;
-        if (l->gelu) gelu_gate(gate, up, hmid, inter);
+        if (l->gelu) gelu_gate(gate + j0, up + j0, hmid + j0, j1 - j0);
         else
-            for (int j = 0; j < inter; j++) hmid[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+            for (int j = j0; j < j1; j++) hmid[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
     }
     linear(l->w2, s->xn, n, s->out, s->scratch);
     add_output(x, s->out, l->post_mlp_norm, l->eps, n, H);
