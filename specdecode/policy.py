@@ -298,6 +298,14 @@ class AdaptiveK(Policy):
         self.shared.absorb(self.stats)
 
 
+def nearly_free(seconds: Callable[[int, int], float], tokens: int, extra: int, context: int) -> bool:
+    """Do `extra` nodes beside a forward of `tokens` cost under MARGIN of it? A lookahead window rides along only
+    then: its guesses are worth what it costs where a forward is bound by reading the weights, so that more tokens
+    are nearly free (a GPU); on a 2-core CPU 8 window tokens beside 3 cost 1.9x (2.5x on one thread) and the
+    guesses it verifies win about one token a step."""
+    return seconds(tokens + extra, context) <= (1 + MARGIN) * seconds(tokens, context)
+
+
 def joint_cut(policies: Sequence[Policy], proposals: Sequence[DraftTree], contexts: Sequence[int],
               seconds: Callable[[int, int], float]) -> list[DraftTree]:
     """How much of each row's proposal a batch verifies; seconds(width, context): the batch's forward at that width.
@@ -305,14 +313,18 @@ def joint_cut(policies: Sequence[Policy], proposals: Sequence[DraftTree], contex
     Cheap proposals under an adaptive policy share one depth cap D, picked to maximise expected committed tokens
     of the whole batch per second of the batched forward, whose width is the largest row's (padding costs as much
     as a token); D = 0 unless guessing beats plain steps by MARGIN. A row then also fills the padding it would pay
-    for anyway. Other rows (fixed k, or a model draft already paid for) are verified as their policy says.
+    for anyway. A lookahead window rides along only where it is nearly free (`nearly_free`). Other rows (fixed k,
+    or a model draft already paid for) are verified as their policy says.
     With one row this is the adaptive policy's own choice of depth for its tree."""
     context = max(contexts)
     trees: list[DraftTree | None] = [None] * len(proposals)
+    proposals = list(proposals)
     floor, fixed_gain, free = 1, 0.0, []
     for i, (policy, tree) in enumerate(zip(policies, proposals, strict=True)):
         if isinstance(policy, AdaptiveK) and policy.cheap:
             if tree.num_drafted:
+                if tree.extra is not None and not nearly_free(seconds, len(tree), len(tree.extra.tokens), context):
+                    proposals[i] = tree.without_extra()
                 free.append(i)
                 continue
             tree = DraftTree.root_only(tree.tokens[0])  # nothing to verify: a lookahead window alone only costs

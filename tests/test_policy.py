@@ -266,8 +266,22 @@ def test_cheap_proposals_are_cut_after_seeing_them() -> None:
     assert policy.choose(good, 100).depth == 10
     window = ExtraNodes([1, 2], [1, 2], np.ones((2, 2), dtype=bool))
     poor = DraftTree([0, 1, 2], [-1, 0, 1], bucket=1, extra=window)
-    chosen = policy.choose(poor, 100)
+    chosen = AdaptiveK(linear_cost(0.1), stats, cheap=True).choose(poor, 100)
     assert chosen.num_drafted == 0 and chosen.extra is None  # a plain step drops the lookahead window too
+
+
+def test_a_lookahead_window_rides_along_only_where_it_is_nearly_free() -> None:
+    """Lookahead's premise is a forward bound by reading the weights, where more tokens cost next to nothing: there
+    the window goes with the verified guesses; where its tokens cost real time (a CPU), the guesses go alone."""
+    stats = AcceptanceStats(max_depth=16, decay=1.0)
+    stats.hits[1], stats.trials[1] = [150.0] * 16, [200.0] * 16
+    window = ExtraNodes([7, 8, 9, 10], [1, 2, 1, 2], np.ones((4, 4), dtype=bool))
+    tree = DraftTree.from_paths(0, [[1, 2, 3]], bucket=1)
+    tree.extra = window
+    free = AdaptiveK(linear_cost(0.002), stats, cheap=True).choose(tree, 100)
+    assert free.depth == 3 and free.extra is window  # 4 more tokens: 0.8% dearer
+    dear = AdaptiveK(linear_cost(0.05), stats, cheap=True).choose(tree, 100)
+    assert dear.depth > 0 and dear.extra is None  # 4 more tokens: 20% dearer, for guesses that pay alone
 
 
 def test_costly_drafts_probe_with_backoff() -> None:
