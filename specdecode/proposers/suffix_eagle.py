@@ -23,8 +23,11 @@ from ..tree import DraftTree
 from ..verify import Verdict
 from .base import Capabilities, Proposer
 from .eagle import EagleProposer
-from .suffix import GLOBAL, MAX_DEPTH, MAX_REST, SuffixProposer
+from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer
 
+# most steps the whole hybrid rests while its steps do not pay: its proposing runs the head besides the suffix
+# search (the suffix alone rests up to 4)
+MAX_REST = 16
 EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
 
 
