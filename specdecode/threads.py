@@ -18,8 +18,12 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .models import Transformer
 
 log = logging.getLogger("specdecode")
 
@@ -35,7 +39,7 @@ def adaptive() -> bool:
     return os.environ.get("SPECDECODE_ADAPTIVE_THREADS", "1") != "0"
 
 
-def may_change(model) -> bool:
+def may_change(model: Transformer) -> bool:
     """Whether the forwards of this model may run on fewer threads than now: the governor acts, the kernels do not
     depend on the count, and there are threads to drop."""
     return adaptive() and model.native_kernels and torch.get_num_threads() > 1
