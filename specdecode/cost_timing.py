@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .models import Transformer
+from .models import KVCache, Transformer
 from .paths import default_cache_dir
 from .progress import progress_bar
 
@@ -28,6 +28,24 @@ CALIBRATION_ROUNDS = 4
 ONE_THREAD_ROUNDS = 3  # paired rounds of each size on one thread and on all (a second or two at first use)
 # how far one paired ratio strays (relative): the thorough table's 32 rounds know a small size to +-3%
 SPREAD = 0.17
+
+
+def cached_context(model: Transformer, context: int, room: int, g: torch.Generator) -> KVCache:
+    """A cache holding `context` random tokens, with room for `room` more."""
+    cache = model.new_cache(context + room)
+    model.forward(torch.randint(0, model.config.vocab_size, (1, context), generator=g), cache, logits_at=None)
+    return cache
+
+
+def timed_forward(model: Transformer, cache: KVCache, context: int, n: int, g: torch.Generator) -> float:
+    """Seconds of one forward of n random tokens after the `context` cached ones (logits for every token, as a
+    verification does); the cache is rolled back to them."""
+    tokens = torch.randint(0, model.config.vocab_size, (1, n), generator=g).to(model.device)
+    started = time.perf_counter()
+    model.forward(tokens, cache)
+    elapsed = time.perf_counter() - started
+    cache.rollback(context)
+    return elapsed
 
 
 def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: tuple[int, ...] = COST_SIZES,
@@ -60,7 +78,6 @@ def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: 
         raise ValueError(f"context of {limit} tokens is too short to measure forward costs")
     contexts = [min(64, long // 4), long]
     g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
 
     def sparse(n: int) -> bool:
         return sparse_above is not None and n > sparse_above
@@ -74,17 +91,11 @@ def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: 
     with progress_bar(description, total) as advance:
         caches = []
         for c in contexts:
-            cache = model.new_cache(c + sizes[-1])
-            model.forward(torch.randint(0, vocab, (1, c), generator=g), cache, logits_at=None)
-            caches.append(cache)
+            caches.append(cached_context(model, c, sizes[-1], g))
             advance()
 
         def timed(ci: int, n: int) -> float:
-            tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
-            started = time.perf_counter()
-            model.forward(tokens, caches[ci])  # logits for every token, as a verification does
-            elapsed = time.perf_counter() - started
-            caches[ci].rollback(contexts[ci])
+            elapsed = timed_forward(model, caches[ci], contexts[ci], n, g)
             advance()
             return elapsed
 
@@ -117,19 +128,13 @@ def time_one_thread_shape(model: Transformer, sizes: tuple[int, ...], context: i
     (a verification is compute the second core shared; a plain step is mostly reading the weights)."""
     most = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    cache = model.new_cache(context + sizes[-1])
-    model.forward(torch.randint(0, vocab, (1, context), generator=g), cache, logits_at=None)
+    cache = cached_context(model, context, sizes[-1], g)
     order = random.Random(0)
     ratios: dict[tuple[int, int], list[float]] = {(t, n): [] for t in (1, most) for n in sizes if n > 1}
     try:
         with progress_bar(description, 2 * len(ratios) * (rounds + 1)) as advance:
             def timed(n: int) -> float:
-                tokens = torch.randint(0, vocab, (1, n), generator=g).to(model.device)
-                started = time.perf_counter()
-                model.forward(tokens, cache)
-                elapsed = time.perf_counter() - started
-                cache.rollback(context)
+                elapsed = timed_forward(model, cache, context, n, g)
                 advance()
                 return elapsed
 

@@ -284,7 +284,7 @@ class AdaptiveK(Policy):
         if self.cheap and self.asked:
             self.propose_seconds = smoothed(self.propose_seconds, step.draft_seconds)
             if depth and self.idle_asks >= IDLE_ASKS:  # a probe found guesses worth verifying: asked every step again
-                self.probe_every = 8
+                self._guessing(depth)
             self.idle_asks = 0 if depth else self.idle_asks + 1
         if not self.cheap and depth:
             self.draft_per_guess = smoothed(self.draft_per_guess, step.seconds_per_guess or step.draft_seconds / depth)
