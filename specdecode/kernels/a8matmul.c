@@ -11,7 +11,9 @@
    block's integer sums turn into floats once per row and 8 outputs: one convert, one multiply, two FMAs.
    QuantLinear stores its weights already in that order (kinds 3 and 4, "tiles"), so a block costs a few loads
    and masks and each weight vector meets every row while in a register; kinds 1 and 2 read GGUF's row order
-   and transpose per block (the reference the tiles are tested against).
+   and transpose per block (the reference the tiles are tested against). With AVX-512 (and PAIR_FROM rows or
+   more) two tiles meet each row at once in 512-bit vectors: a tile's broadcasts and scaling were as many
+   instructions as its dot products, and they now serve 16 outputs.
 
    Row independence (what keeps speculation lossless): every row's result comes from the same instructions in
    the same order whatever the number of rows in the call or beside it in its group of 4; the integer sums are
@@ -84,6 +86,10 @@ static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, f
 #define COLS 8 /* outputs per tile: one float lane each */
 #define ROWS 4 /* rows per pass over a tile's weights */
 #define PREFETCH_BLOCKS 32 /* how far ahead a tiled stream asks for its weights */
+/* rows from which AVX-512 meets two tiles at once: with fewer the weights' stream is the bound, and a thread reading
+   two tiles side by side streams worse than one (whole forwards of SmolLM2 int4 on a Zen 4 EPYC: 1 row 15-25%
+   slower, 4 rows 5%; 5-6 rows 5-8% faster, 8-32 rows 8-15%) */
+#define PAIR_FROM 5
 
 /* A tile's weights, one block (p: its first output's, stride: bytes per output): vector g (of 8) holds weights
    4g..4g+3 of each output, output c in bytes 4c..4c+3. */
@@ -277,6 +283,97 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
     }
 }
 
+#if SPECDECODE_AVX512
+/* Rows r..r+R of two whole tiles side by side (16 outputs, tiled kinds only): the same per-output arithmetic as
+   a8_tile_rows in 512-bit vectors, the first tile in the low 256 bits, so each broadcast of a row's 4 activations
+   meets 16 outputs in one vpdpbusd (on a 256-bit tile, broadcasts and scaling were as many instructions as the dot
+   products). w: the first tile; the second is 8 outputs (8 * stride bytes) on; dh, mh: the first tile's scales,
+   the second's nb (kind 6: 2 nb) groups of 8 on. Every output lane runs the operations a8_tile_rows gives it, in
+   the same order: the same floats, bit for bit. */
+static inline __m512i load_pair(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __m512 scales_pair(const int KIND, const void *s, int64_t apart, int64_t at) {
+    if (F32_SCALES(KIND)) {
+        const float *f = (const float *)s + at;
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f)), _mm256_loadu_ps(f + apart), 1);
+    }
+    const uint16_t *h = (const uint16_t *)s + at;
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)h)),
+                                                   _mm_loadu_si128((const __m128i *)(h + apart)), 1));
+}
+
+static inline __attribute__((always_inline)) void a8_pair_rows(
+    const int KIND, const uint8_t *w, int64_t stride, const void *dh, const void *mh, const int8_t *xq,
+    const float *dx, const float *sx, int K, float *y, int N, const int R) {
+    const int nb = K / QK, block_bytes = INT8(KIND) ? QK : QK / 2;
+    const int64_t second = COLS * stride, scales_apart = (int64_t)COLS * nb * (HALVES(KIND) ? 2 : 1);
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i isum[ROWS], isum2[ROWS];
+        const uint8_t *p = w + (int64_t)block_bytes * COLS * b;
+        for (int line = 0; line < block_bytes * COLS; line += 64) {
+            _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + second + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
+        if (!INT8(KIND)) {
+            const __m512i low = _mm512_set1_epi8(0x0f);
+            for (int g = 0; g < 4; g++) {
+                const __m512i raw = load_pair(p + 32 * g, p + second + 32 * g);
+                const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq + (int64_t)r * K + QK * b;
+                    int32_t a, c;
+                    memcpy(&a, x + 4 * g, 4);
+                    memcpy(&c, x + 16 + 4 * g, 4);
+                    isum[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(a)), hi,
+                                                  _mm512_set1_epi32(c));
+                }
+            }
+        } else {  /* (x + 128) * w, less 128 * sum(w): the same integers as |w| * (x * sign(w)), with no sign per row */
+            __m512i wsum = _mm512_setzero_si512(), wsum2 = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g++) {
+                const __m512i v = load_pair(p + 32 * g, p + second + 32 * g);
+                __m512i *ws = HALVES(KIND) && g >= 4 ? &wsum2 : &wsum;
+                *ws = _mm512_dpbusd_epi32(*ws, _mm512_set1_epi8(1), v);
+                for (int r = 0; r < R; r++) {
+                    uint32_t x4;
+                    memcpy(&x4, xq + (int64_t)r * K + QK * b + 4 * g, 4);
+                    __m512i *sum = HALVES(KIND) && g >= 4 ? isum2 + r : isum + r;
+                    *sum = _mm512_dpbusd_epi32(*sum, _mm512_set1_epi32((int)(x4 ^ 0x80808080u)), v);
+                }
+            }
+            const __m512i bias = _mm512_slli_epi32(wsum, 7), bias2 = _mm512_slli_epi32(wsum2, 7);
+            for (int r = 0; r < R; r++) {
+                isum[r] = _mm512_sub_epi32(isum[r], bias);
+                if (HALVES(KIND)) isum2[r] = _mm512_sub_epi32(isum2[r], bias2);
+            }
+        }
+        const __m512 d = scales_pair(KIND, dh, scales_apart, (int64_t)COLS * (HALVES(KIND) ? 2 * b : b));
+        for (int r = 0; r < R; r++) {
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[(int64_t)r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+        }
+        if (HALVES(KIND)) {
+            const __m512 d2 = scales_pair(KIND, dh, scales_apart, (int64_t)COLS * (2 * b + 1));
+            for (int r = 0; r < R; r++) {
+                const __m512 scale = _mm512_mul_ps(d2, _mm512_set1_ps(dx[(int64_t)r * nb + b]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r]), scale, acc[r]);
+            }
+        }
+        if (!INT8(KIND)) {
+            const __m512 m = scales_pair(KIND, mh, scales_apart, (int64_t)COLS * b);
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (int64_t)r * N, acc[r]);
+}
+#endif
+
 /* returns nonzero when scratch memory is short */
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
                      const void *d, const void *m, float *y, int N) {
@@ -289,8 +386,11 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #pragma omp parallel num_threads(threads)
     {
         float *dw = s_all ? s_all + 2 * s_size * omp_get_thread_num() : NULL, *mw = dw ? dw + s_size : NULL;
+        /* a unit of work: a tile, or on AVX-512 two whole tiles side by side (a last odd or partial tile alone) */
+        const int tiles = (N + COLS - 1) / COLS, pairs = SPECDECODE_AVX512 && TILED(kind) && M >= PAIR_FROM ? 2 : 1;
 #pragma omp for schedule(static)
-        for (int t = 0; t < (N + COLS - 1) / COLS; t++) {
+        for (int unit = 0; unit < (tiles + pairs - 1) / pairs; unit++)
+        for (int t = unit * pairs; t < (unit + 1) * pairs && t < tiles; t++) {
             const int n0 = t * COLS, ncols = N - n0 < COLS ? N - n0 : COLS;
             const uint8_t *w = (const uint8_t *)qs + n0 * stride;  /* in tiles too: a tile is 8 outputs' bytes */
             const size_t scale_bytes = F32_SCALES(kind) ? 4 : 2;  /* an output's scales: nb (kind 6: 2 nb) */
@@ -300,6 +400,26 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
                 unpack_scales(dh, nb, nb, ncols, dw);
                 if (kind == 1) unpack_scales(mh, nb, nb, ncols, mw);
             }
+#if SPECDECODE_AVX512
+            if (pairs == 2 && N - n0 >= 2 * COLS) {
+                for (int r0 = 0; r0 < M; r0 += ROWS) {
+#define PAIR_ROWS(KIND, R) a8_pair_rows(KIND, w, stride, dh, mh, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
+                                        sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
+                    const int rows = M - r0 < ROWS ? M - r0 : ROWS;
+#define PAIR(KIND) do { if (rows >= 4) PAIR_ROWS(KIND, 4); else if (rows == 3) PAIR_ROWS(KIND, 3); \
+                        else if (rows == 2) PAIR_ROWS(KIND, 2); else PAIR_ROWS(KIND, 1); } while (0)
+                    switch (kind) {
+                        case 3: PAIR(3); break;
+                        case 4: PAIR(4); break;
+                        case 5: PAIR(5); break;
+                        default: PAIR(6); break;
+                    }
+#undef PAIR
+#undef PAIR_ROWS
+                }
+                break;  /* both tiles of the unit done */
+            }
+#endif
             for (int r0 = 0; r0 < M; r0 += ROWS) {
 #define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, dh, mh, xq + (int64_t)r0 * K, \
                                         dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
