@@ -16,6 +16,10 @@ are not seen (recent text weighs more, which is what a cache of earlier outputs 
 
 Memory is bounded by `max_tokens`: the oldest sequences are evicted first (FIFO) once the live tokens exceed it.
 Every public method holds the index's lock, so the server's threads and a library user's may share one index.
+
+`TextIndex` answers the same question for one request's own text (a few thousand tokens, one thread) from plain
+dicts and lists: numpy's small operations cost more there than the Python loops they replace (a step's search
+230 -> 40 us), which is what prompt lookup's dict of n-grams had shown.
 """
 
 from __future__ import annotations
@@ -40,6 +44,36 @@ class Match:
 
     length: int  # tokens of context matched (the same for every occurrence)
     continuations: np.ndarray  # [occurrences, depth] int: the tokens after each, SEPARATOR-padded past an end
+
+    def distinct(self, columns: int) -> tuple[list[list[int]], list[int]]:
+        """The distinct continuations cut to `columns` tokens, ascending, and how often each occurred."""
+        return count_rows(self.continuations[:, :columns].tolist())
+
+
+@dataclass
+class TextMatch:
+    """A TextIndex's match: the positions of the occurrences in its text, read lazily."""
+
+    length: int
+    text: list[int]
+    positions: list[int]  # where each occurrence ends (its continuation starts after it)
+    depth: int
+
+    def distinct(self, columns: int) -> tuple[list[list[int]], list[int]]:
+        """As Match.distinct; a continuation that reaches the text's end is shorter (not padded)."""
+        width, text = min(columns, self.depth), self.text
+        return count_rows([text[p + 1 : p + 1 + width] for p in self.positions])
+
+
+def count_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct rows in ascending order (as np.unique(axis=0) sorts them) and how often each occurs; a dict
+    over a few dozen short rows costs a tenth of np.unique's structured sort."""
+    counts: dict[tuple[int, ...], int] = {}
+    for row in rows:
+        key = tuple(row)
+        counts[key] = counts.get(key, 0) + 1
+    keys = sorted(counts)
+    return [list(k) for k in keys], [counts[k] for k in keys]
 
 
 class _Level:
@@ -248,6 +282,61 @@ class SuffixIndex:
                 start = max(start, self._live_from)
                 out.append(self._buffer[start - self._base : end - self._base].tolist())
             return out
+
+
+class TextIndex:
+    """One request's text (prompt, then output as it commits), searchable as SuffixIndex is, with the same answers:
+    the most recent `max_occurrences` positions filed under the text's last 3 tokens (else its last one) that have
+    something after them, matched backwards up to `max_match` tokens, the longest kept. Not thread-safe: a request
+    is stepped by one thread at a time."""
+
+    def __init__(self, max_match: int = 32, max_occurrences: int = 64) -> None:
+        if max_match < 1 or max_occurrences < 1:
+            raise ValueError(f"max_match and max_occurrences must be >= 1, got {max_match}, {max_occurrences}")
+        self.max_match, self.max_occurrences = max_match, max_occurrences
+        self.text: list[int] = []
+        self._unigrams: dict[int, list[int]] = {}  # token -> its positions, ascending
+        self._trigrams: dict[tuple[int, int, int], list[int]] = {}  # 3 tokens -> positions of the last, ascending
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        text, unigrams, trigrams = self.text, self._unigrams, self._trigrams
+        start = len(text)
+        text.extend(int(t) for t in tokens)
+        for p in range(start, len(text)):
+            unigrams.setdefault(text[p], []).append(p)
+            if p >= 2:
+                trigrams.setdefault((text[p - 2], text[p - 1], text[p]), []).append(p)
+
+    def match(self, context: Sequence[int], depth: int) -> TextMatch | None:
+        """As SuffixIndex.match, where the context is this index's whole text (extended up to it by the caller)."""
+        text = self.text
+        end = len(text) - 1
+        if len(context) != len(text):
+            raise ValueError(f"a TextIndex matches its own text ({len(text)} tokens), not {len(context)} tokens")
+        if depth < 1 or end < 1:
+            return None
+        found: list[int] = []
+        for positions in (self._trigrams.get((text[-3], text[-2], text[-1])) if end >= 2 else None,
+                          self._unigrams.get(text[-1])):
+            if positions:
+                found = positions[-self.max_occurrences :]
+                if found[-1] == end:  # the text's own end: nothing after it
+                    found = found[:-1]
+            if found:
+                break
+        if not found:
+            return None
+        most = min(self.max_match, end + 1)
+        longest, chosen = 0, []
+        for p in found:
+            n = 0
+            while n < most and n <= p and text[p - n] == text[end - n]:
+                n += 1
+            if n > longest:
+                longest, chosen = n, [p]
+            elif n == longest:
+                chosen.append(p)
+        return TextMatch(longest, text, chosen, depth)
 
 
 def _trigram(a: int, b: int, c: int) -> int:

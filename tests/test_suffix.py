@@ -17,7 +17,7 @@ from specdecode.policy import FixedK
 from specdecode.proposers import SuffixCache, SuffixProposer
 from specdecode.proposers.suffix import MAX_DEPTH
 from specdecode.sampling import SamplingParams
-from specdecode.suffix_index import SEPARATOR, SuffixIndex
+from specdecode.suffix_index import SEPARATOR, SuffixIndex, TextIndex
 
 from .helpers import FrozenCost, tiny_model
 from .test_distribution import ALPHA, chi_square, exact_joint
@@ -55,6 +55,32 @@ def test_a_growing_sequence_is_matched_but_its_own_end_is_not() -> None:
     index.extend([5, 6])
     match = index.match([5, 6, 7, 5, 6], depth=4)
     assert match.length == 2 and match.continuations.tolist() == [[7, 5, 6, SEPARATOR]]
+
+
+@pytest.mark.parametrize("vocab", [3, 20, 500])
+def test_a_request_text_index_answers_as_the_suffix_index(vocab) -> None:
+    """The request's own index (dicts, no numpy) finds the same match length, occurrences and continuations as the
+    suffix index over the same text, at every length as the text grows (repetitive texts: many occurrences, long
+    matches; a small max_occurrences cuts them)."""
+    rng = random.Random(vocab)
+    for max_occurrences in (64, 5):
+        reference, text_index = SuffixIndex(max_occurrences=max_occurrences), TextIndex(max_occurrences=max_occurrences)
+        text: list[int] = []
+        pieces = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 12))] for _ in range(6)]
+        for _ in range(60):
+            grow = rng.choice(pieces) if rng.random() < 0.6 else [rng.randrange(vocab)]
+            text += grow
+            reference.extend(grow)
+            text_index.extend(grow)
+            for depth in (1, 6):
+                want, got = reference.match(text, depth), text_index.match(text, depth)
+                assert (want is None) == (got is None)
+                if want is not None:
+                    rows, counts = want.distinct(depth)
+                    assert got.length == want.length
+                    assert got.distinct(depth) == ([[t for t in r if t != SEPARATOR] for r in rows], counts)
+    with pytest.raises(ValueError, match="its own text"):
+        text_index.match(text[:-1], 3)
 
 
 def test_eviction_bounds_memory_and_forgets_the_oldest() -> None:

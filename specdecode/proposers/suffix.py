@@ -30,12 +30,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..cost import ForwardCost
 from ..policy import Rest, best_count
-from ..suffix_index import SEPARATOR, SuffixIndex
+from ..suffix_index import SEPARATOR, SuffixIndex, TextIndex
 from ..tree import DraftTree
 from .base import Capabilities, Proposer
 
@@ -207,19 +205,8 @@ class Candidates:
     def ranked(self) -> list[int]:
         """Nodes best first; every prefix is a tree (a child's chance never exceeds its parent's, and ties keep
         creation order: parents first, the request's own text first)."""
-        order = np.argsort(-np.array(self.chances[1:]), kind="stable")  # stable: equal chances in creation order
-        return (order + 1).tolist()
-
-
-def distinct(rows: np.ndarray) -> tuple[list[list[int]], list[int]]:
-    """The distinct rows in ascending order (as np.unique(axis=0) sorts them) and how often each occurs; a dict
-    over a few dozen short rows costs a tenth of np.unique's structured sort."""
-    counts: dict[tuple[int, ...], int] = {}
-    for row in rows.tolist():
-        key = tuple(row)
-        counts[key] = counts.get(key, 0) + 1
-    keys = sorted(counts)
-    return [list(k) for k in keys], [counts[k] for k in keys]
+        chances = self.chances  # a stable sort: equal chances stay in creation order
+        return sorted(range(1, len(chances)), key=chances.__getitem__, reverse=True)
 
 
 class SuffixProposer(Proposer):
@@ -232,7 +219,7 @@ class SuffixProposer(Proposer):
         if nodes < 1:
             raise ValueError(f"suffix needs nodes >= 1, got {nodes}")
         self.cache, self.nodes, self.cost, self.max_match = cache, nodes, cost, max_match
-        self.local = SuffixIndex(max_match=max_match)
+        self.local = TextIndex(max_match=max_match)
         self.stats = cache.fork() if cache is not None else AcceptanceStats(max_depth=MAX_DEPTH)
         self.scorer = ProposalScorer(self.stats)
         self.indexed = self.prompt_len = 0
@@ -254,7 +241,7 @@ class SuffixProposer(Proposer):
             self.cost = cost
 
     def begin(self, prompt: list[int], max_len: int) -> None:
-        self.local = SuffixIndex(max_match=self.max_match)
+        self.local = TextIndex(max_match=self.max_match)
         self.local.extend(prompt)
         self.indexed = self.prompt_len = len(prompt)
         if self.cache is not None:
@@ -281,7 +268,7 @@ class SuffixProposer(Proposer):
         """How many of the ranked nodes maximise expected tokens per second (0: a plain step)."""
         if not ranked:
             return 0
-        return best_count(np.array([found.chances[i] for i in ranked]), self.cost, context)[0]
+        return best_count([found.chances[i] for i in ranked], self.cost, context)[0]
 
     def candidates(self, tokens: list[int], depth: int) -> Candidates:
         """Both sources' continuations up to `depth` deep, merged; each source's most frequent path is scored
@@ -310,7 +297,7 @@ class SuffixProposer(Proposer):
             # guess is worth sending, and merging those columns was most of a step's proposing time (the depths
             # before keep learning, so the cut moves deeper as soon as they pay)
             deep = next((d for d, r in enumerate(reach) if r < MIN_CHANCE), len(reach))
-            path = found.add(*distinct(match.continuations[:, : max(deep, 1)]), reach, source)
+            path = found.add(*match.distinct(max(deep, 1)), reach, source)
             if path:
                 self.scorer.pending.append(Proposal(len(tokens), [path], bucket))
         return found
