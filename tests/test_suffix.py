@@ -198,9 +198,9 @@ def test_held_outputs_join_the_cache_after_the_block_each_distinct_once() -> Non
     assert cache.index.tokens() == [[1, 2, 3], [4, 5], [8]]
 
 
-def test_suffix_rests_while_its_steps_do_not_pay_and_stays_lossless(target, reference) -> None:
-    """Under a cost where no guess can pay, proposing is all a step adds: the proposer rests (1, 2, 4 ... MAX_REST
-    steps), runs on a fraction of the steps, and the output is plain decoding's."""
+def test_suffix_sends_nothing_where_no_guess_can_pay_and_stays_lossless(target, reference) -> None:
+    """Under a cost where no guess can pay, every step searches (its own text's matches keep teaching the reach) and
+    sends a plain step: nothing drafted, the output plain decoding's."""
     dear = FrozenCost([1, 2, 64], [0, 1000], [[1.0, 3.0, 64.0], [1.0, 3.0, 64.0]])
     for prompt, expected in zip(PROMPTS, reference, strict=True):
         proposer = SuffixProposer(None, cost=dear)
@@ -209,7 +209,7 @@ def test_suffix_rests_while_its_steps_do_not_pay_and_stays_lossless(target, refe
         proposer.candidates = lambda *a, candidates=candidates, ran=ran: ran.append(1) or candidates(*a)
         out, stats = generate_ids(target, prompt, proposer=proposer, k=MAX_DEPTH, max_new_tokens=NEW)
         assert out == expected and stats.drafted == 0
-        assert len(ran) < NEW // 2, len(ran)
+        assert len(ran) >= NEW - 1, len(ran)
 
 
 def test_frequencies_rank_the_branches() -> None:

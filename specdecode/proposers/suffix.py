@@ -14,9 +14,11 @@ form a tree at every prefix (a child never beats its parent), and with a cost mo
 that maximises expected tokens per second of the target's forward, none when a plain step is better
 (`policy.best_count`); without one, `k` nodes. Ties go to the request's own text, which is searched first.
 
-Proposing is not free (two index searches and a trie: a few percent of a step on a fast target), so with a cost
-model the proposer rests while its steps do not pay (policy.Rest: 1, 2, 4 ... MAX_REST steps, then a probe), and
-the global cache is not searched while its matches add no accepted token (up to GLOBAL_MAX_REST steps).
+Proposing costs about 1% of a step (60 us a step on SmolLM2 int4's 5-7 ms: the request's own text searched in
+dicts, a trie of a few dozen nodes), so the proposer runs every step, as prompt lookup does: resting while its steps
+did not pay (up to 4 steps, when a step's proposing took 200-350 us) cost it a twentieth of prompt lookup's tau in
+Spec-Bench summarization, RAG and math reasoning. The global cache is not searched while its matches add no
+accepted token (up to GLOBAL_MAX_REST steps).
 
 Guesses are point masses (q = 1), so greedy and sampled verification are exact through the one verify core.
 The global cache changes speed only: every committed token is the target's.
@@ -25,14 +27,13 @@ The global cache changes speed only: every committed token is the target's.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..cost import ForwardCost
-from ..policy import Rest, best_count
+from ..policy import best_count
 from ..suffix_index import SEPARATOR, SuffixIndex, TextIndex
 from ..tree import DraftTree
 from .base import Capabilities, Proposer
@@ -43,11 +44,6 @@ GLOBAL_BUCKET = 16  # added to the class of guesses from the global cache: they 
 # most steps the global cache is not searched while its matches add no accepted token the request's own text did
 # not offer (a search is a sixth of a step's proposing time right after a forward)
 GLOBAL_MAX_REST = 16
-# most steps the proposer rests while its steps do not pay (policy.Rest): proposing is a few percent of a step on a
-# fast target, and text that starts copying must not wait long for the next probe (resting up to 16 steps, suffix
-# lost a tenth of prompt lookup's tau in Spec-Bench summarization, reasoning, RAG and math reasoning: 0.92x-0.98x of
-# its speed; up to 4, 0.96x-1.00x)
-MAX_REST = 4
 DEFAULT_CACHE_TOKENS = 1_000_000  # global cache budget: about 36 MB of arrays
 LOCAL, GLOBAL = 1, 2  # node sources (bit flags)
 # guesses less likely than this are never worth their place in a forward (on a CPU a guessed token costs a tenth of
@@ -227,8 +223,6 @@ class SuffixProposer(Proposer):
         self.last: tuple[DraftTree, list[int]] | None = None  # the tree sent and each node's sources
         self.global_rest = self.global_backoff = 0  # steps left without a global search; the next rest
         self.searched_global = False  # this step's candidates searched the global cache
-        self.resting = Rest(MAX_REST)  # with a cost model: rests while its steps do not pay
-        self.step_seconds = (0.0, 0)  # the last proposal's seconds and context
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
@@ -249,19 +243,13 @@ class SuffixProposer(Proposer):
         self.scorer = ProposalScorer(self.stats)
         self.finished = False
         self.global_rest = self.global_backoff = 0
-        self.resting = Rest(MAX_REST)
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
-        if self.cost is not None and self.resting.take():
-            self.last = None
-            return DraftTree.root_only(tokens[-1])
-        started = time.perf_counter()
         found = self.candidates(tokens, k)
         ranked = found.ranked()[: self.nodes]
         n = min(k, len(ranked)) if self.cost is None else self.best_count(found, ranked, len(tokens))
         tree, sources = found.tree(tokens[-1], ranked[:n])
         self.last = (tree, sources)
-        self.step_seconds = (time.perf_counter() - started, len(tokens) - 1)
         return tree
 
     def best_count(self, found: Candidates, ranked: list[int], context: int) -> int:
@@ -315,9 +303,6 @@ class SuffixProposer(Proposer):
             return
         sources = self.last[1]
         self.last = None
-        if self.cost is not None:  # rest while proposing and verifying cost more than the guesses win
-            seconds, context = self.step_seconds
-            self.resting.judge(self.cost, verdict.num_accepted, seconds, len(tree), context)
         if self.cache is not None:
             self.judge_global(sum(1 for node in verdict.path[1:] if sources[node] == GLOBAL))
 
