@@ -51,11 +51,14 @@ class AcceptanceStats:
             hits[d] = hits[d] * decay + (d < matched)
             trials[d] = trials[d] * decay + (d < tried)
 
-    def rates(self, bucket: int) -> list[float]:
+    def rates(self, bucket: int, floor: list[float] | None = None) -> list[float]:
+        """floor: per depth, what this bucket is known to do at least as well as (suffix decoding: the class of
+        the next shorter matches); each depth is pulled toward it where it is above the estimate carried down."""
         hits, trials = self._rows(bucket)
         out, above = [], self.prior.get(bucket, 0.5)
-        for h, t in zip(hits, trials, strict=True):
-            above = (h + 2.0 * above) / (t + 2.0)
+        for d, (h, t) in enumerate(zip(hits, trials, strict=True)):
+            toward = above if floor is None or floor[d] < above else floor[d]
+            above = (h + 2.0 * toward) / (t + 2.0)
             out.append(above)
         return out
 
@@ -96,17 +99,33 @@ class Proposal:
     bucket: int
 
 
+SCORE_AHEAD = 4  # depths scored past the deepest guess verified: see ProposalScorer
+
+
 class ProposalScorer:
-    """Scores every proposal against the tokens committed after it, whatever part of it was verified."""
+    """Scores every proposal against the tokens committed after it, whatever part of it was verified, up to
+    SCORE_AHEAD depths past the deepest guess the step verified. A path that keeps matching is scored only once the
+    text covers all of it, so a 32-deep guess sent 2 deep in a copy taught nothing for the ten steps the text took
+    to cover it, and every one of those steps sent 2 guesses again; cut a few depths past what was verified it is
+    scored a step or two later (a cut chosen before the outcome biases no depth before it; deeper ones follow the
+    depth above, see AcceptanceStats)."""
 
     def __init__(self, stats: AcceptanceStats) -> None:
         self.stats = stats
         self.pending: list[Proposal] = []
 
-    def add(self, tree: DraftTree, tokens_so_far: int) -> None:
+    def add(self, tree: DraftTree, tokens_so_far: int, verified_depth: int | None = None) -> None:
+        """tree: all the proposer offered; verified_depth: the deepest guess the target saw (None: all)."""
         paths = tree.paths()
+        if verified_depth is not None:
+            paths = list({tuple(p[: verified_depth + SCORE_AHEAD]): None for p in paths})
         if paths:
-            self.pending.append(Proposal(tokens_so_far, paths, tree.bucket))
+            self.pending.append(Proposal(tokens_so_far, [list(p) for p in paths], tree.bucket))
+
+    def cut(self, count: int, verified_depth: int) -> None:
+        """The last `count` proposals added (to `pending` by the proposer itself) are cut as `add` cuts them."""
+        for prop in self.pending[len(self.pending) - count :]:
+            prop.paths = [p[: verified_depth + SCORE_AHEAD] for p in prop.paths]
 
     def update(self, tokens: list[int], final: bool = False) -> None:
         still = []

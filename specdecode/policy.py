@@ -285,7 +285,7 @@ class AdaptiveK(Policy):
         return joint_cut([self], [tree], [context], self.cost.forward_seconds)[0]
 
     def observe(self, step: StepRecord) -> None:
-        self.scorer.add(step.proposal, step.start)
+        self.scorer.add(step.proposal, step.start, step.verified.depth)
         self.scorer.update(step.tokens)
         depth = step.verified.depth
         self.verified_depths.append(depth)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.acceptance import AcceptanceStats, ProposalScorer
+from specdecode.acceptance import SCORE_AHEAD, AcceptanceStats, ProposalScorer
 from specdecode.batch_cost import nondecreasing
 from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import generate_ids
@@ -531,3 +531,19 @@ def test_rest_backs_off_while_steps_do_not_pay_and_a_paying_step_ends_it() -> No
         rest.take()
         rest.judge(cost, 7, 0.0, 8, 10)
     assert rest.value > 1 + MARGIN and rest.backoff == 0 and rest.left == 0
+
+
+def test_a_matching_guess_is_scored_a_few_depths_past_what_was_verified() -> None:
+    """A 32-deep guess sent 2 deep is scored once the text covers 2 + SCORE_AHEAD of it (a copy learns within a
+    step or two), its depths past that untouched; a proposal scored whole waits for the text to cover all of it."""
+    stats = AcceptanceStats(max_depth=32)
+    scorer = ProposalScorer(stats)
+    guess = list(range(1, 33))
+    scorer.add(DraftTree.from_paths(0, [guess]), 1, verified_depth=2)
+    scorer.add(DraftTree.from_paths(0, [guess], bucket=1), 1)
+    scorer.update([0, *guess[: 2 + SCORE_AHEAD]])
+    assert [p.bucket for p in scorer.pending] == [1]  # the whole one still waits
+    assert stats.trials[0][2 + SCORE_AHEAD - 1] == 1 and stats.trials[0][2 + SCORE_AHEAD] == 0
+    assert stats.hits[0][: 2 + SCORE_AHEAD] == [1.0] * (2 + SCORE_AHEAD)
+    scorer.update([0, *guess])
+    assert not scorer.pending and stats.hits[1] == [1.0] * 32

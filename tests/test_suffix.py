@@ -15,7 +15,7 @@ from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.policy import FixedK
 from specdecode.proposers import SuffixCache, SuffixProposer
-from specdecode.proposers.suffix import MAX_DEPTH
+from specdecode.proposers.suffix import GLOBAL_BUCKET, MAX_DEPTH
 from specdecode.sampling import SamplingParams
 from specdecode.suffix_index import SEPARATOR, SuffixIndex, TextIndex
 
@@ -402,3 +402,16 @@ def test_sampled_hybrid_matches_the_target_distribution() -> None:
     pvalue, tv = chi_square(counts, joint, samples)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}, total variation {tv:.3f}"
     assert tv < 0.1
+
+
+def test_a_longer_match_class_starts_from_the_rates_of_the_next_shorter() -> None:
+    """A class of longer matches with nothing learned yet is continued at least as often as the next shorter class
+    (a copy climbs through every class), not from the bare prior; a global class never borrows a local one's."""
+    proposer = SuffixProposer(None)
+    for _ in range(30):
+        proposer.stats.record(3, 8, 8)
+    assert proposer.reach(4)[5] > 0.5  # from class 3's rates (near 1), not 0.5 ** 6
+    assert proposer.reach(1)[5] < 0.05  # shorter classes learn nothing from longer ones
+    for _ in range(30):
+        proposer.stats.record(GLOBAL_BUCKET - 1, 8, 8)
+    assert proposer.reach(GLOBAL_BUCKET)[5] < 0.05

@@ -218,7 +218,7 @@ class SuffixProposer(Proposer):
         self.local = TextIndex(max_match=max_match)
         self.stats = cache.fork() if cache is not None else AcceptanceStats(max_depth=MAX_DEPTH)
         self.scorer = ProposalScorer(self.stats)
-        self.indexed = self.prompt_len = 0
+        self.indexed = self.prompt_len = self.scored = 0
         self.finished = True
         self.last: tuple[DraftTree, list[int]] | None = None  # the tree sent and each node's sources
         self.global_rest = self.global_backoff = 0  # steps left without a global search; the next rest
@@ -249,6 +249,7 @@ class SuffixProposer(Proposer):
         ranked = found.ranked()[: self.nodes]
         n = min(k, len(ranked)) if self.cost is None else self.best_count(found, ranked, len(tokens))
         tree, sources = found.tree(tokens[-1], ranked[:n])
+        self.scorer.cut(self.scored, tree.depth)
         self.last = (tree, sources)
         return tree
 
@@ -266,6 +267,7 @@ class SuffixProposer(Proposer):
             self.local.extend(tokens[self.indexed :])
             self.indexed = len(tokens)
         self.scorer.update(tokens)
+        self.scored = 0  # proposals this step added to the scorer (cut once the tree sent is known)
         found = Candidates()
         sources = [(LOCAL, self.local, 0)]
         self.searched_global = self.cache is not None and not self.global_rest
@@ -288,12 +290,17 @@ class SuffixProposer(Proposer):
             path = found.add(*match.distinct(max(deep, 1)), reach, source)
             if path:
                 self.scorer.pending.append(Proposal(len(tokens), [path], bucket))
+                self.scored += 1
         return found
 
     def reach(self, bucket: int) -> list[float]:
-        """[d - 1]: the learned chance that a guess of this class still holds d tokens deep."""
+        """[d - 1]: the learned chance that a guess of this class still holds d tokens deep. A longer match is
+        continued at least as often as a shorter one, so a class starts from the next shorter class's rates (a
+        copy's matches grow 2-3 tokens a step through every class; each learning from nothing kept guesses 2 deep
+        for a dozen steps of a copy)."""
+        shorter = self.stats.rates(bucket - 1) if bucket % GLOBAL_BUCKET else None
         out, reach = [], 1.0
-        for rate in self.stats.rates(bucket):
+        for rate in self.stats.rates(bucket, floor=shorter):
             reach *= rate
             out.append(reach)
         return out

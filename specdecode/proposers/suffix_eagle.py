@@ -93,6 +93,7 @@ class SuffixEagleProposer(Proposer):
             tree = DraftTree(own.tokens + head.tokens[1:], own.parents + parents,
                              own.draft_probs + head.draft_probs[1:])
             sources = sources + [EAGLE] * head.num_drafted
+        self.suffix.scorer.cut(self.suffix.scored, tree.depth)
         self.last = (tree, head, sources)
         self.step_seconds = (time.perf_counter() - started, len(tokens) - 1)
         return tree
