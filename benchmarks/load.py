@@ -6,9 +6,15 @@ speculation on (the server's default method, k=auto) and off (`"speculation": fa
 
 Starts the server on loopback (or uses --url), sends Spec-Bench first turns (chat, greedy, streamed, a fixed
 number of new tokens) from `c` concurrent clients, and for each level runs "off" and "on" alternately
-(`--rounds` times, the order flipped each round) so machine drift hits both. Per request it records time to
+(`--rounds` times, the order rotated each round) so machine drift hits both. Per request it records time to
 first token, the gaps between streamed chunks (ITL), time per output token after the first (TPOT) and the
 end-to-end time. Writes results.json and report.md. Not a test: nothing is asserted.
+
+Methods side by side on one server: `--modes off,suffix,prompt-lookup` (each request picks its method;
+the server sets them all up at start). `--workload repetitive` sends the repetitive workload's chats instead
+(`specdecode bench --workload`), answers ending where the model ends them (up to --max-tokens), and `--warm N`
+first sends N other prompts of the workload with every method, so the suffix cache of earlier outputs is warm
+(never with the measured prompts' own answers).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from specdecode.bench.data import load_questions  # noqa: E402
 from specdecode.bench.hardware import machine_description  # noqa: E402
+from specdecode.bench.workloads import WORKLOADS, load_workload  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,9 +52,10 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, speculation) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+async def one_request(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int, speculation,
+                      ignore_eos: bool = True) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     if speculation is not None:
         body["speculation"] = speculation
     started = time.perf_counter()
@@ -77,8 +85,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     }
 
 
-async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, speculation,
-                    api_key: str | None) -> dict:
+async def run_level(url: str, model: str, prompts: list[list[dict]], concurrency: int, max_tokens: int, speculation,
+                    api_key: str | None, ignore_eos: bool = True) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     queue = list(enumerate(prompts))
     results: dict[int, dict] = {}
@@ -86,7 +94,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
         async def worker() -> None:
             while queue:
                 i, prompt = queue.pop(0)
-                results[i] = await one_request(client, model, prompt, max_tokens, speculation)
+                results[i] = await one_request(client, model, prompt, max_tokens, speculation, ignore_eos)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -151,9 +159,12 @@ def running_server(serve_args: list[str], log: Path) -> Iterator[tuple[subproces
             proc.wait(30)
 
 
-def serve_args(args) -> list[str]:
-    """This load test's server: the model, method and batch it measures."""
+def serve_args(args, modes: list[str]) -> list[str]:
+    """This load test's server: the model, method and batch it measures, every method the modes name enabled."""
     out = ["--model", args.model, "--method", args.method, "--k", "auto", "--max-batch", str(args.max_batch)]
+    named = [m for m in modes if m not in ("off", "on")]
+    if named:
+        out += ["--methods", ",".join(dict.fromkeys([args.method, "none", *named]))]
     if args.draft:
         out += ["--draft", args.draft]
     if args.replicas:
@@ -161,27 +172,39 @@ def serve_args(args) -> list[str]:
     return out
 
 
+def speculation_of(mode: str):
+    """A mode's `speculation` field: off (plain), on (the server's method), or a method by name."""
+    return {"off": False, "on": None}.get(mode, {"method": mode, "k": "auto"})
+
+
 def report(results: dict, command: str) -> str:
+    modes = results.get("modes", ["off", "on"])
+    base = "off" if "off" in modes else modes[0]
+    workload = results.get("workload", "spec-bench")
+    prompts = (f"the {workload} workload's chats (answers end where the model ends them)"
+               if workload != "spec-bench" else "chat requests from Spec-Bench first turns")
+    warm = (f" Before the levels, {results['warm']} other prompts of the workload ran with every method (the suffix "
+            "cache of earlier outputs warm)." if results.get("warm") else "")
     lines = [
-        "# Server load: speculation on vs off",
+        "# Server load: speculation on vs off" if modes == ["off", "on"] else "# Server load: " + ", ".join(modes),
         "",
         f"Command: `{command}`",
         "",
         f"Model {results['model']}, method `{results['method']}` with k=auto when on, `\"speculation\": false` "
-        f"when off, same server (--max-batch {results['max_batch']}); chat requests from Spec-Bench first turns, "
-        f"greedy, {results['max_tokens']} new tokens each (ignore_eos), streamed; {results['rounds']} rounds per "
-        f"level, on/off order flipped each round. Machine: {results['machine']}.",
+        f"when off, a method by name with k=auto, all on the same server (--max-batch {results['max_batch']}); "
+        f"{prompts}, greedy, up to {results['max_tokens']} new tokens each, streamed; {results['rounds']} rounds "
+        f"per level, the modes' order rotated each round.{warm} Machine: {results['machine']}.",
         "",
-        "Latencies in ms. ITL: gap between streamed chunks (a chunk may carry several tokens when guesses are "
-        "accepted); TPOT: (end-to-end - TTFT) / (tokens - 1).",
+        f"Speedup: tokens/s over `{base}`'s at the same level. Latencies in ms. ITL: gap between streamed chunks (a "
+        "chunk may carry several tokens when guesses are accepted); TPOT: (end-to-end - TTFT) / (tokens - 1).",
         "",
         "| concurrency | speculation | requests | tokens/s | speedup | tau | accept | TTFT p50/p90/p99 | "
         "ITL p50/p90/p99 | TPOT p50/p90/p99 | E2E p50/p90/p99 |",
         "|---:|---|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for level in results["levels"]:
-        off = level["off"]["tokens_per_second"]
-        for mode in ("off", "on"):
+        reference = level[base]["tokens_per_second"]
+        for mode in modes:
             s = level[mode]
 
             def ms(name: str, s=s) -> str:
@@ -189,17 +212,35 @@ def report(results: dict, command: str) -> str:
 
             lines.append(
                 f"| {level['concurrency']} | {mode} | {s['requests']} | {s['tokens_per_second']:.1f} | "
-                f"{s['tokens_per_second'] / off:.2f}x | {s['tau']:.2f} | {s['acceptance_rate']:.2f} | {ms('ttft')} | "
-                f"{ms('itl')} | {ms('tpot')} | {ms('e2e')} |")
+                f"{s['tokens_per_second'] / reference:.2f}x | {s['tau']:.2f} | {s['acceptance_rate']:.2f} | "
+                f"{ms('ttft')} | {ms('itl')} | {ms('tpot')} | {ms('e2e')} |")
     same = all(level["outputs_match"] for level in results["levels"])
-    lines += ["", f"Greedy outputs with speculation on equal those with it off: {'yes' if same else 'NO'}."]
+    lines += ["", f"Greedy outputs equal across the modes: {'yes' if same else 'NO'}."]
     return "\n".join(lines) + "\n"
+
+
+def workload_prompts(name: str, count: int) -> list[list[dict]]:
+    """`count` chats, categories interleaved: Spec-Bench first turns, or a repetitive workload's."""
+    if name == "spec-bench":
+        questions = load_questions(per_category=max(1, -(-count // 13)))
+    else:
+        questions = load_workload(name, per_category=max(1, -(-count // len(WORKLOADS[name]))))
+    by_category: dict[str, list] = {}
+    for q in questions:
+        messages = q.prompt if isinstance(q.prompt, list) else [{"role": "user", "content": q.prompt}]
+        by_category.setdefault(q.category, []).append(messages)
+    most = max(len(v) for v in by_category.values())
+    return [lst[i] for i in range(most) for lst in by_category.values() if i < len(lst)]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--method", default="prompt-lookup")
+    p.add_argument("--modes", default="off,on", help="comma list: off (plain), on (--method), or method names; "
+                   "the server is started with every named method enabled")
+    p.add_argument("--workload", default="spec-bench", choices=["spec-bench", *WORKLOADS])
+    p.add_argument("--warm", type=int, default=0, help="workload prompts (not measured) sent first with every mode")
     p.add_argument("--draft")
     p.add_argument("--url", help="an already running server (default: start one)")
     p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"))
@@ -214,39 +255,44 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    questions = load_questions(per_category=4)
-    by_category: dict[str, list[str]] = {}
-    for q in questions:
-        by_category.setdefault(q.category, []).append(q.prompt)
-    prompts = [lst[i] for i in range(4) for lst in by_category.values() if i < len(lst)]  # categories interleaved
-
-    proc, url = (None, args.url) if args.url else start_server(serve_args(args))
-    results = {"model": args.model, "method": args.method, "max_batch": args.max_batch, "replicas": args.replicas,
+    modes = args.modes.split(",")
+    levels = [int(x) for x in args.concurrency.split(",")]
+    counts = [int(x) for x in args.requests.split(",")]
+    if len(counts) != len(levels):
+        raise SystemExit("--requests needs one count per --concurrency level")
+    ignore_eos = args.workload == "spec-bench"  # Spec-Bench: a fixed length; a workload: its answers' own
+    measured = sum(counts) * args.rounds
+    everything = workload_prompts(args.workload, measured + args.warm)
+    prompts, warm = everything[: len(everything) - args.warm], everything[len(everything) - args.warm :]
+    proc, url = (None, args.url) if args.url else start_server(serve_args(args, modes))
+    results = {"model": args.model, "method": args.method, "modes": modes, "workload": args.workload,
+               "warm": args.warm, "max_batch": args.max_batch, "replicas": args.replicas,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine_description(), "levels": []}
     try:
         asyncio.run(run_level(url, args.model, prompts[:2], 2, 16, None, args.api_key))  # warm-up
+        for mode in modes if warm else []:
+            print(f"warming with {len(warm)} prompts, {mode}...", file=sys.stderr, flush=True)
+            asyncio.run(run_level(url, args.model, warm, 1, args.max_tokens, speculation_of(mode), args.api_key,
+                                  ignore_eos))
         offset = 0
-        levels = [int(x) for x in args.concurrency.split(",")]
-        counts = [int(x) for x in args.requests.split(",")]
-        if len(counts) != len(levels):
-            raise SystemExit("--requests needs one count per --concurrency level")
         for c, n in zip(levels, counts, strict=True):
-            level = {"concurrency": c, "runs": {"on": [], "off": []}}
+            level = {"concurrency": c, "runs": {mode: [] for mode in modes}}
             for r in range(args.rounds):
                 batch = [prompts[(offset + i) % len(prompts)] for i in range(n)]
                 offset += n
-                order = [("off", False), ("on", None)]
-                for mode, spec in order if r % 2 == 0 else order[::-1]:
-                    run = asyncio.run(run_level(url, args.model, batch, c, args.max_tokens, spec, args.api_key))
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                    run = asyncio.run(run_level(url, args.model, batch, c, args.max_tokens, speculation_of(mode),
+                                                args.api_key, ignore_eos))
                     run["prompts"] = [prompts.index(b) for b in batch]
                     level["runs"][mode].append(run)
                     s = summarize([run])
                     print(f"c={c} round {r} {mode}: {s['tokens_per_second']:.1f} tok/s, tau {s['tau']:.2f}, "
                           f"TTFT p50 {1e3 * s['ttft_p50']:.0f} ms, E2E p50 {s['e2e_p50']:.1f} s", flush=True)
-            level["on"], level["off"] = summarize(level["runs"]["on"]), summarize(level["runs"]["off"])
+            for mode in modes:
+                level[mode] = summarize(level["runs"][mode])
             level["outputs_match"] = all(
-                a["text"] == b["text"] for ron, roff in zip(level["runs"]["on"], level["runs"]["off"], strict=True)
-                for a, b in zip(ron["requests"], roff["requests"], strict=True))
+                len({run["requests"][i]["text"] for run in runs}) == 1
+                for runs in zip(*level["runs"].values(), strict=True) for i in range(len(runs[0]["requests"])))
             results["levels"].append(level)
             save(results, Path(args.out), "python benchmarks/load.py " + " ".join(sys.argv[1:]))  # so far
     finally:
