@@ -69,17 +69,21 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, shape) -> Non
         assert torch.equal(layer(x[16 - rows :]), alone[16 - rows :]), rows  # the same rows at other offsets
 
 
+@pytest.mark.parametrize("width", [None, 8, 16])
 @pytest.mark.parametrize("shape", [(576, 96), (96, 44)])
-def test_tiles_compute_bit_for_bit_what_the_stored_rows_do(shape) -> None:
-    """The int8-activation kernel reads its weights from tiles of 8 outputs (no shuffles to unpack them): the
-    same integers and the same float steps as from GGUF's row order, so the same bits, partial last tile included;
-    the layer tiles in place and reads back in row order (dequantize, rows, embedding lookups)."""
+def test_tiles_compute_bit_for_bit_what_the_stored_rows_do(shape, width) -> None:
+    """The int8-activation kernel reads its weights from tiles of 8 or 16 outputs (no shuffles to unpack them): the
+    same integers and the same float steps as from GGUF's row order, so the same bits, partial last tile included,
+    whichever width the build prefers (None) and whichever it runs (every build reads both); the layer tiles in
+    place and reads back in row order (dequantize, rows, embedding lookups)."""
     lib = kernels.native()
     assert lib is not None
     k, n = shape
     g = torch.Generator().manual_seed(2)
     for kind in ("int4-a8", "int8-a8"):
         layer = QuantLinear.quantize(torch.randn(n, k, generator=g), kind)
+        if width:
+            layer.tile(width)
         qs, d, m = (None if t is None else t.clone() for t in layer.row_order())
         dense = layer.dequantize()
         x = torch.randn(5, k, generator=g)
@@ -89,7 +93,8 @@ def test_tiles_compute_bit_for_bit_what_the_stored_rows_do(shape) -> None:
                                                 d.data_ptr(), None if m is None else m.data_ptr(),
                                                 stored.data_ptr(), n)
             assert torch.equal(layer(x[:rows]), stored), (kind, rows)
-        assert layer.tiled and layer.qs.shape[0] == -(-n // 8) * 8  # in place, no second copy
+        width = width or kernels.tile_width()
+        assert layer.tiled == width and layer.qs.shape[0] == -(-n // width) * width  # in place, no second copy
         assert torch.equal(layer.dequantize(), dense)  # read back in row order
         assert all(torch.equal(a, b) for a, b in zip(layer.row_order(torch.tensor([n - 1, 0])),
                                                      (qs[[n - 1, 0]], d[[n - 1, 0]], None if m is None else

@@ -117,6 +117,12 @@ def source_key() -> str:
     return hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES + HEADERS)).hexdigest()[:8]
 
 
+def tile_width() -> int:
+    """Outputs per tile the int8-activation kernel prefers here: 16 where it meets 16 at once (AVX-512), else 8."""
+    lib = native()
+    return 16 if lib is not None and lib.specdecode_tile_width() == 16 else 8
+
+
 def simd() -> str:
     lib = native()
     return "none" if lib is None else SIMD_NAMES[lib.specdecode_simd()]
@@ -168,6 +174,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
     lib.specdecode_attention.restype = i
     lib.specdecode_simd.restype = i
+    lib.specdecode_tile_width.restype = i
     for fn in (lib.specdecode_q4_matmul, lib.specdecode_q8_matmul, lib.specdecode_f32_matmul):
         fn.restype = None
 
@@ -178,4 +185,4 @@ def reset() -> None:
         _state.clear()
 
 
-__all__ = ["Layer", "Span", "View", "Weight", "native", "simd", "source_key", "cpu_flags", "reset"]
+__all__ = ["Layer", "Span", "View", "Weight", "native", "simd", "source_key", "cpu_flags", "reset", "tile_width"]

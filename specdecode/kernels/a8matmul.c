@@ -11,9 +11,10 @@
    block's integer sums turn into floats once per row and 8 outputs: one convert, one multiply, two FMAs.
    QuantLinear stores its weights already in that order (kinds 3 and 4, "tiles"), so a block costs a few loads
    and masks and each weight vector meets every row while in a register; kinds 1 and 2 read GGUF's row order
-   and transpose per block (the reference the tiles are tested against). With AVX-512 (and PAIR_FROM rows or
-   more) two tiles meet each row at once in 512-bit vectors: a tile's broadcasts and scaling were as many
-   instructions as its dot products, and they now serve 16 outputs.
+   and transpose per block (the reference the tiles are tested against). Where the build has AVX-512, QuantLinear
+   tiles 16 outputs instead (kinds 7-10: kinds 3-6 in tiles of 16, each group of a block one 64-byte line) and a
+   row meets all 16 in 512-bit vectors: with 8, a row's broadcasts and scaling were as many instructions as its
+   dot products. Every build reads both widths (a tile of 16 as two halves of 8 without AVX-512).
 
    Row independence (what keeps speculation lossless): every row's result comes from the same instructions in
    the same order whatever the number of rows in the call or beside it in its group of 4; the integer sums are
@@ -34,6 +35,7 @@
 #define TILED(KIND) ((KIND) >= 3) /* 3, 4: int4, int8 in tiles of 8 outputs; 5, 6: the same with float32 scales */
 #define F32_SCALES(KIND) ((KIND) >= 5)
 #define HALVES(KIND) ((KIND) == 6) /* a scale for each 16 weights of a block */
+#define WIDE(KIND) ((KIND) >= 7) /* 7-10: kinds 3-6 in tiles of 16 outputs (what AVX-512 builds tile for) */
 
 static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, float *sx) {
     const int nb = K / QK;
@@ -86,10 +88,6 @@ static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, f
 #define COLS 8 /* outputs per tile: one float lane each */
 #define ROWS 4 /* rows per pass over a tile's weights */
 #define PREFETCH_BLOCKS 32 /* how far ahead a tiled stream asks for its weights */
-/* rows from which AVX-512 meets two tiles at once: with fewer the weights' stream is the bound, and a thread reading
-   two tiles side by side streams worse than one (whole forwards of SmolLM2 int4 on a Zen 4 EPYC: 1 row 15-25%
-   slower, 4 rows 5%; 5-6 rows 5-8% faster, 8-32 rows 8-15%) */
-#define PAIR_FROM 5
 
 /* A tile's weights, one block (p: its first output's, stride: bytes per output): vector g (of 8) holds weights
    4g..4g+3 of each output, output c in bytes 4c..4c+3. */
@@ -159,28 +157,29 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* Rows r..r+R of a tile's 8 outputs (KIND 1: int4, 2: int8, 3 and 4: the same in tiles; KIND and R constants at each call,
-   so the loops unroll): each block's weights unpacked once for the R rows. w: the tile's first output (kind 3: the
-   tile), stride: bytes per output; tiled kinds read their scales dh, mh ([block][8], kind 6: [block][half][8];
-   float16 for kinds 3 and 4, float32 for 5 and 6) where kinds 1 and 2 read the floats dw, mw unpacked for the tile. */
+/* Rows r..r+R of 8 outputs (KIND 1: int4, 2: int8, 3 and 4: the same in tiles; KIND and R constants at each call,
+   so the loops unroll): each block's weights unpacked once for the R rows. w: the first output (tiled kinds: its
+   bytes in the tile's first block), stride: bytes per output; tiled kinds read their scales dh, mh ([block][lw],
+   kind 6: [block][half][lw]; float16 for kinds 3 and 4, float32 for 5 and 6; the 8 outputs' first) where kinds 1
+   and 2 read the floats dw, mw unpacked for the tile. lw: outputs per tile (8, or 16: these 8 are half of it). */
 static inline __attribute__((always_inline)) void a8_tile_rows(
     const int KIND, const uint8_t *w, int64_t stride, int ncols, const float *dw, const float *mw,
     const void *dh, const void *mh, const int8_t *xq, const float *dx, const float *sx, int K, float *y,
-    int N, const int R) {
+    int N, const int R, int lw) {
     const int nb = K / QK, block_bytes = INT8(KIND) ? QK : QK / 2;
     __m256 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m256i isum[ROWS], isum2[ROWS]; /* isum2: the second half block's (kind 6) */
         if (TILED(KIND)) {  /* weights in registers, each met by every row in turn (no unpacked copy to reload) */
-            const uint8_t *p = w + (int64_t)block_bytes * COLS * b;
+            const uint8_t *p = w + (int64_t)block_bytes * lw * b;
             for (int line = 0; line < block_bytes * COLS; line += 64)  /* one stream: lines a few blocks ahead */
-                _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * lw + line, _MM_HINT_T0);
             for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
             if (!INT8(KIND)) {
                 const __m256i low = _mm256_set1_epi8(0x0f);
                 for (int g = 0; g < 4; g++) {  /* vector g: weights 4g..4g+3 (low nibbles), 16+4g.. (high) */
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * g));
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 4 * lw * g));
                     const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                     for (int r = 0; r < R; r++) {
                         const int8_t *x = xq + (int64_t)r * K + QK * b;
@@ -197,7 +196,7 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
 #endif
             } else {
                 for (int g = 0; g < 8; g++) {  /* |w| * (x * sign(w)): maddubs wants its first side unsigned */
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * g)), a = _mm256_abs_epi8(v);
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 4 * lw * g)), a = _mm256_abs_epi8(v);
                     for (int r = 0; r < R; r++) {
                         const __m256i xs = _mm256_sign_epi8(bcast4(xq + (int64_t)r * K + QK * b + 4 * g), v);
                         __m256i *sum = HALVES(KIND) && g >= 4 ? isum2 + r : isum + r;
@@ -255,23 +254,23 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
                 isum[r] = sum;
             }
         }
-        const __m256 d = F32_SCALES(KIND) ? _mm256_loadu_ps((const float *)dh + COLS * (HALVES(KIND) ? 2 * b : b))
-                       : TILED(KIND) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dh + COLS * b)))
+        const __m256 d = F32_SCALES(KIND) ? _mm256_loadu_ps((const float *)dh + lw * (HALVES(KIND) ? 2 * b : b))
+                       : TILED(KIND) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dh + lw * b)))
                                      : _mm256_loadu_ps(dw + COLS * b);
         for (int r = 0; r < R; r++) {
             const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
         }
         if (HALVES(KIND)) {
-            const __m256 d2 = _mm256_loadu_ps((const float *)dh + COLS * (2 * b + 1));
+            const __m256 d2 = _mm256_loadu_ps((const float *)dh + lw * (2 * b + 1));
             for (int r = 0; r < R; r++) {
                 const __m256 scale = _mm256_mul_ps(d2, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum2[r]), scale, acc[r]);
             }
         }
         if (!INT8(KIND)) {
-            const __m256 m = KIND == 5 ? _mm256_loadu_ps((const float *)mh + COLS * b)
-                           : KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mh + COLS * b)))
+            const __m256 m = KIND == 5 ? _mm256_loadu_ps((const float *)mh + lw * b)
+                           : KIND == 3 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mh + lw * b)))
                                        : _mm256_loadu_ps(mw + COLS * b);
             for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
         }
@@ -284,46 +283,32 @@ static inline __attribute__((always_inline)) void a8_tile_rows(
 }
 
 #if SPECDECODE_AVX512
-/* Rows r..r+R of two whole tiles side by side (16 outputs, tiled kinds only): the same per-output arithmetic as
-   a8_tile_rows in 512-bit vectors, the first tile in the low 256 bits, so each broadcast of a row's 4 activations
-   meets 16 outputs in one vpdpbusd (on a 256-bit tile, broadcasts and scaling were as many instructions as the dot
-   products). w: the first tile; the second is 8 outputs (8 * stride bytes) on; dh, mh: the first tile's scales,
-   the second's nb (kind 6: 2 nb) groups of 8 on. Every output lane runs the operations a8_tile_rows gives it, in
-   the same order: the same floats, bit for bit. */
-static inline __m512i load_pair(const void *a, const void *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
+/* Rows r..r+R of a whole tile of 16 outputs (tiled kinds in tiles of 16): the same per-output arithmetic as
+   a8_tile_rows in 512-bit vectors, so each broadcast of a row's 4 activations meets 16 outputs in one vpdpbusd
+   (with 8, broadcasts and scaling were as many instructions as the dot products), and a block's group of weights
+   is one 64-byte line. Every output lane runs the operations a8_tile_rows gives it, in the same order: the same
+   floats, bit for bit. w: the tile; dh, mh: its scales ([block][16], kind 6: [block][half][16]). */
+static inline __m512 scales16(const int KIND, const void *s, int64_t at) {
+    return F32_SCALES(KIND) ? _mm512_loadu_ps((const float *)s + at)
+                            : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + at)));
 }
 
-static inline __m512 scales_pair(const int KIND, const void *s, int64_t apart, int64_t at) {
-    if (F32_SCALES(KIND)) {
-        const float *f = (const float *)s + at;
-        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f)), _mm256_loadu_ps(f + apart), 1);
-    }
-    const uint16_t *h = (const uint16_t *)s + at;
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)h)),
-                                                   _mm_loadu_si128((const __m128i *)(h + apart)), 1));
-}
-
-static inline __attribute__((always_inline)) void a8_pair_rows(
-    const int KIND, const uint8_t *w, int64_t stride, const void *dh, const void *mh, const int8_t *xq,
-    const float *dx, const float *sx, int K, float *y, int N, const int R) {
+static inline __attribute__((always_inline)) void a8_wide_rows(
+    const int KIND, const uint8_t *w, const void *dh, const void *mh, const int8_t *xq, const float *dx,
+    const float *sx, int K, float *y, int N, const int R) {
     const int nb = K / QK, block_bytes = INT8(KIND) ? QK : QK / 2;
-    const int64_t second = COLS * stride, scales_apart = (int64_t)COLS * nb * (HALVES(KIND) ? 2 : 1);
     __m512 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m512i isum[ROWS], isum2[ROWS];
-        const uint8_t *p = w + (int64_t)block_bytes * COLS * b;
-        for (int line = 0; line < block_bytes * COLS; line += 64) {
-            _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + second + PREFETCH_BLOCKS * block_bytes * COLS + line, _MM_HINT_T0);
-        }
+        const uint8_t *p = w + (int64_t)block_bytes * 16 * b;
+        for (int line = 0; line < block_bytes * 16; line += 64)
+            _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * 8 + line, _MM_HINT_T0);
         for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
         if (!INT8(KIND)) {
             const __m512i low = _mm512_set1_epi8(0x0f);
             for (int g = 0; g < 4; g++) {
-                const __m512i raw = load_pair(p + 32 * g, p + second + 32 * g);
+                const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * g));
                 const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                 for (int r = 0; r < R; r++) {
                     const int8_t *x = xq + (int64_t)r * K + QK * b;
@@ -337,7 +322,7 @@ static inline __attribute__((always_inline)) void a8_pair_rows(
         } else {  /* (x + 128) * w, less 128 * sum(w): the same integers as |w| * (x * sign(w)), with no sign per row */
             __m512i wsum = _mm512_setzero_si512(), wsum2 = _mm512_setzero_si512();
             for (int g = 0; g < 8; g++) {
-                const __m512i v = load_pair(p + 32 * g, p + second + 32 * g);
+                const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * g));
                 __m512i *ws = HALVES(KIND) && g >= 4 ? &wsum2 : &wsum;
                 *ws = _mm512_dpbusd_epi32(*ws, _mm512_set1_epi8(1), v);
                 for (int r = 0; r < R; r++) {
@@ -353,20 +338,20 @@ static inline __attribute__((always_inline)) void a8_pair_rows(
                 if (HALVES(KIND)) isum2[r] = _mm512_sub_epi32(isum2[r], bias2);
             }
         }
-        const __m512 d = scales_pair(KIND, dh, scales_apart, (int64_t)COLS * (HALVES(KIND) ? 2 * b : b));
+        const __m512 d = scales16(KIND, dh, (int64_t)16 * (HALVES(KIND) ? 2 * b : b));
         for (int r = 0; r < R; r++) {
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[(int64_t)r * nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
         }
         if (HALVES(KIND)) {
-            const __m512 d2 = scales_pair(KIND, dh, scales_apart, (int64_t)COLS * (2 * b + 1));
+            const __m512 d2 = scales16(KIND, dh, (int64_t)16 * (2 * b + 1));
             for (int r = 0; r < R; r++) {
                 const __m512 scale = _mm512_mul_ps(d2, _mm512_set1_ps(dx[(int64_t)r * nb + b]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r]), scale, acc[r]);
             }
         }
         if (!INT8(KIND)) {
-            const __m512 m = scales_pair(KIND, mh, scales_apart, (int64_t)COLS * b);
+            const __m512 m = scales16(KIND, mh, (int64_t)16 * b);
             for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
         }
     }
@@ -377,6 +362,8 @@ static inline __attribute__((always_inline)) void a8_pair_rows(
 /* returns nonzero when scratch memory is short */
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
                      const void *d, const void *m, float *y, int N) {
+    const int lw = WIDE(kind) ? 16 : COLS;  /* outputs per tile (tiled kinds) */
+    kind = WIDE(kind) ? kind - 4 : kind;
     const int nb = K / QK;
     const int64_t stride = (int64_t)nb * (INT8(kind) ? QK : QK / 2);  /* bytes per output */
     const int threads = omp_get_max_threads();
@@ -386,57 +373,63 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #pragma omp parallel num_threads(threads)
     {
         float *dw = s_all ? s_all + 2 * s_size * omp_get_thread_num() : NULL, *mw = dw ? dw + s_size : NULL;
-        /* a unit of work: a tile, or on AVX-512 two whole tiles side by side (a last odd or partial tile alone) */
-        const int tiles = (N + COLS - 1) / COLS, pairs = SPECDECODE_AVX512 && TILED(kind) && M >= PAIR_FROM ? 2 : 1;
 #pragma omp for schedule(static)
-        for (int unit = 0; unit < (tiles + pairs - 1) / pairs; unit++)
-        for (int t = unit * pairs; t < (unit + 1) * pairs && t < tiles; t++) {
-            const int n0 = t * COLS, ncols = N - n0 < COLS ? N - n0 : COLS;
-            const uint8_t *w = (const uint8_t *)qs + n0 * stride;  /* in tiles too: a tile is 8 outputs' bytes */
+        for (int t = 0; t < (N + lw - 1) / lw; t++) {
+            const int n0 = t * lw;
+            const uint8_t *w = (const uint8_t *)qs + n0 * stride;  /* in tiles too: a tile is its outputs' bytes */
             const size_t scale_bytes = F32_SCALES(kind) ? 4 : 2;  /* an output's scales: nb (kind 6: 2 nb) */
             const void *dh = (const char *)d + (size_t)n0 * nb * (HALVES(kind) ? 2 : 1) * scale_bytes;
             const void *mh = m ? (const char *)m + (size_t)n0 * nb * scale_bytes : NULL;
-            if (!TILED(kind)) {
-                unpack_scales(dh, nb, nb, ncols, dw);
-                if (kind == 1) unpack_scales(mh, nb, nb, ncols, mw);
-            }
 #if SPECDECODE_AVX512
-            if (pairs == 2 && N - n0 >= 2 * COLS) {
+            if (lw == 16 && N - n0 >= 16) {  /* a whole tile of 16: 512-bit vectors */
                 for (int r0 = 0; r0 < M; r0 += ROWS) {
-#define PAIR_ROWS(KIND, R) a8_pair_rows(KIND, w, stride, dh, mh, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
+#define WIDE_ROWS(KIND, R) a8_wide_rows(KIND, w, dh, mh, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
                                         sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
                     const int rows = M - r0 < ROWS ? M - r0 : ROWS;
-#define PAIR(KIND) do { if (rows >= 4) PAIR_ROWS(KIND, 4); else if (rows == 3) PAIR_ROWS(KIND, 3); \
-                        else if (rows == 2) PAIR_ROWS(KIND, 2); else PAIR_ROWS(KIND, 1); } while (0)
+#define WIDE_TILE(KIND) do { if (rows >= 4) WIDE_ROWS(KIND, 4); else if (rows == 3) WIDE_ROWS(KIND, 3); \
+                             else if (rows == 2) WIDE_ROWS(KIND, 2); else WIDE_ROWS(KIND, 1); } while (0)
                     switch (kind) {
-                        case 3: PAIR(3); break;
-                        case 4: PAIR(4); break;
-                        case 5: PAIR(5); break;
-                        default: PAIR(6); break;
+                        case 3: WIDE_TILE(3); break;
+                        case 4: WIDE_TILE(4); break;
+                        case 5: WIDE_TILE(5); break;
+                        default: WIDE_TILE(6); break;
                     }
-#undef PAIR
-#undef PAIR_ROWS
+#undef WIDE_TILE
+#undef WIDE_ROWS
                 }
-                break;  /* both tiles of the unit done */
+                continue;
             }
 #endif
-            for (int r0 = 0; r0 < M; r0 += ROWS) {
-#define TILE_ROWS(KIND, R) a8_tile_rows(KIND, w, stride, ncols, dw, mw, dh, mh, xq + (int64_t)r0 * K, \
-                                        dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
-                const int rows = M - r0 < ROWS ? M - r0 : ROWS;
+            /* 8 outputs at a time: a tile of 8, or each half of a tile of 16 (its bytes 32 on in every group of a
+               block, its scales 8 on) */
+            for (int half = 0; half < lw / COLS && n0 + COLS * half < N; half++) {
+                const int n1 = n0 + COLS * half, ncols = N - n1 < COLS ? N - n1 : COLS;
+                const size_t scale_at = (size_t)COLS * half * scale_bytes;
+                const uint8_t *wh = TILED(kind) ? w + 32 * half : w;
+                const void *dhh = (const char *)dh + scale_at, *mhh = mh ? (const char *)mh + scale_at : NULL;
+                if (!TILED(kind)) {
+                    unpack_scales(dh, nb, nb, ncols, dw);
+                    if (kind == 1) unpack_scales(mh, nb, nb, ncols, mw);
+                }
+                for (int r0 = 0; r0 < M; r0 += ROWS) {
+#define TILE_ROWS(KIND, R) a8_tile_rows(KIND, wh, stride, ncols, dw, mw, dhh, mhh, xq + (int64_t)r0 * K, \
+                                        dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n1, N, R, \
+                                        lw)
+                    const int rows = M - r0 < ROWS ? M - r0 : ROWS;
 /* KIND and R constants at each call: every (kind, rows) pair gets its own unrolled copy */
 #define TILE(KIND) do { if (rows >= 4) TILE_ROWS(KIND, 4); else if (rows == 3) TILE_ROWS(KIND, 3); \
                         else if (rows == 2) TILE_ROWS(KIND, 2); else TILE_ROWS(KIND, 1); } while (0)
-                switch (kind) {
-                    case 1: TILE(1); break;
-                    case 3: TILE(3); break;
-                    case 4: TILE(4); break;
-                    case 5: TILE(5); break;
-                    case 6: TILE(6); break;
-                    default: TILE(2); break;
-                }
+                    switch (kind) {
+                        case 1: TILE(1); break;
+                        case 3: TILE(3); break;
+                        case 4: TILE(4); break;
+                        case 5: TILE(5); break;
+                        case 6: TILE(6); break;
+                        default: TILE(2); break;
+                    }
 #undef TILE
 #undef TILE_ROWS
+                }
             }
         }
     }
@@ -447,6 +440,8 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 /* plain C: one output at a time, each row on its own */
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
                       const void *d, const void *m, float *y, int N) {
+    const int lw = WIDE(kind) ? 16 : 8;  /* outputs per tile (tiled kinds) */
+    kind = WIDE(kind) ? kind - 4 : kind;
     const int nb = K / QK;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
@@ -458,16 +453,16 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
                 if (kind == 1) {
                     const uint8_t *q = (const uint8_t *)qs + (int64_t)n * (K / 2) + 16 * b;
                     for (int j = 0; j < 16; j++) s += (q[j] & 0x0f) * xr[QK * b + j] + (q[j] >> 4) * xr[QK * b + j + 16];
-                } else if (kind == 3 || kind == 5) {  /* tile n / 8, block b: byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 */
-                    const uint8_t *q = (const uint8_t *)qs + ((int64_t)(n / 8) * nb + b) * 128 + 4 * (n % 8);
+                } else if (kind == 3 || kind == 5) {  /* tile n / lw, block b: byte j of output n % lw at 4 lw (j / 4) + 4 (n % lw) + j % 4 */
+                    const uint8_t *q = (const uint8_t *)qs + ((int64_t)(n / lw) * nb + b) * 16 * lw + 4 * (n % lw);
                     for (int j = 0; j < 16; j++) {
-                        const uint8_t byte = q[32 * (j / 4) + j % 4];
+                        const uint8_t byte = q[4 * lw * (j / 4) + j % 4];
                         s += (byte & 0x0f) * xr[QK * b + j] + (byte >> 4) * xr[QK * b + j + 16];
                     }
-                } else if (kind == 4 || kind == 6) {  /* byte j of output n % 8 at 32 (j / 4) + 4 (n % 8) + j % 4 */
-                    const int8_t *q = (const int8_t *)qs + ((int64_t)(n / 8) * nb + b) * 256 + 4 * (n % 8);
+                } else if (kind == 4 || kind == 6) {  /* byte j of output n % lw at 4 lw (j / 4) + 4 (n % lw) + j % 4 */
+                    const int8_t *q = (const int8_t *)qs + ((int64_t)(n / lw) * nb + b) * QK * lw + 4 * (n % lw);
                     for (int j = 0; j < QK; j++) {
-                        const int product = q[32 * (j / 4) + j % 4] * xr[QK * b + j];
+                        const int product = q[4 * lw * (j / 4) + j % 4] * xr[QK * b + j];
                         if (HALVES(kind) && j >= QK / 2) s2 += product;
                         else s += product;
                     }
@@ -475,13 +470,13 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
                     const int8_t *q = (const int8_t *)qs + (int64_t)n * K + QK * b;
                     for (int j = 0; j < QK; j++) s += q[j] * xr[QK * b + j];
                 }
-                /* in tiles, the scales too: [tile][block][8] */
-                const int64_t at = TILED(kind) ? ((int64_t)(n / 8) * nb + b) * 8 + n % 8 : (int64_t)n * nb + b;
+                /* in tiles, the scales too: [tile][block][lw] */
+                const int64_t at = TILED(kind) ? ((int64_t)(n / lw) * nb + b) * lw + n % lw : (int64_t)n * nb + b;
                 const float xd = dx[(int64_t)r * nb + b];
-                if (HALVES(kind)) {  /* [tile][block][half][8] */
-                    const float *ds = (const float *)d + ((int64_t)(n / 8) * nb + b) * 16 + n % 8;
+                if (HALVES(kind)) {  /* [tile][block][half][lw] */
+                    const float *ds = (const float *)d + ((int64_t)(n / lw) * nb + b) * 2 * lw + n % lw;
                     total += (float)s * (ds[0] * xd);
-                    total += (float)s2 * (ds[8] * xd);
+                    total += (float)s2 * (ds[lw] * xd);
                 } else {
                     total += (float)s * ((F32_SCALES(kind) ? ((const float *)d)[at] : half_to_float(((const uint16_t *)d)[at])) * xd);
                 }
@@ -497,8 +492,12 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 
 /* y[M, N] = round(x) @ dequant(W)^T; kind 1: int4 weights (qs [N, K / 2], needs m), kind 2: int8 (qs [N, K]),
    kinds 3 and 4: int4 and int8 in tiles of 8 outputs (N padded to a multiple of 8; see QuantLinear.tile), kinds 5
-   and 6: the same with float32 scales (kind 6: one for each half block). d, m: float16 bits or float32.
+   and 6: the same with float32 scales (kind 6: one for each half block), kinds 7-10: kinds 3-6 in tiles of 16
+   (N padded to a multiple of 16). d, m: float16 bits or float32.
    Returns nonzero when scratch memory is short. */
+/* Outputs per tile this build prefers (QuantLinear.tile): 16 where a row meets 16 at once */
+int specdecode_tile_width(void) { return SPECDECODE_AVX512 ? 16 : 8; }
+
 int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const void *d, const void *m,
                          float *y, int N) {
     const int nb = K / QK;

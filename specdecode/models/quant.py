@@ -55,7 +55,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"float32 scales: one a block for int4, one each 16 weights for int8; got {d.shape}")
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # the fallback's dequantized weight
-        self.tiled = False  # qs, d, m in the int8-activation kernel's tiles (see `tile`), else in GGUF's row order
+        self.tiled = 0  # outputs per tile where qs, d, m are in the int8-activation kernel's tiles (see `tile`);
+        # 0: GGUF's row order
 
     @property
     def quantization(self) -> str:
@@ -81,37 +82,41 @@ class QuantLinear(nn.Module):
                 (self.qs[index], self.d[index], None if self.m is None else self.m[index])
         if index is None:
             index = torch.arange(self.out_features, device=self.qs.device)
-        tile, col = index // 8, index % 8
+        width = self.tiled
+        tile, col = index // width, index % width
         nb = self.in_features // QK
-        qs = self.qs.view(-1, nb, self.qs.shape[1] // (4 * nb), 8, 4)[tile, :, :, col].reshape(len(index), -1)
-        d, m = (None if t is None else t.view(-1, t.shape[1], 8)[tile, :, col] for t in (self.d, self.m))
+        qs = self.qs.view(-1, nb, self.qs.shape[1] // (4 * nb), width, 4)[tile, :, :, col].reshape(len(index), -1)
+        d, m = (None if t is None else t.view(-1, t.shape[1], width)[tile, :, col] for t in (self.d, self.m))
         return qs, d, m
 
-    def tile(self) -> None:
-        """Store the weights in the int8-activation kernel's tiles (kernels/a8matmul.c, kinds 3 and 4), in place:
-        outputs in groups of 8 (the last repeated to fill one), each block as vectors holding 4 bytes of each of
-        the 8 outputs, so a block unpacks with plain loads, no shuffles; scales as [tile][block][8]. Done at the
-        first int8-activation matmul; `row_order` reads the weights back in GGUF's order."""
+    def tile(self, width: int = 8) -> None:
+        """Store the weights in the int8-activation kernel's tiles (kernels/a8matmul.c), in place: outputs in groups
+        of `width` (8, or 16 where the kernels meet 16 outputs at once; the last output repeated to fill a group),
+        each block as vectors holding 4 bytes of each output of the group, so a block unpacks with plain loads, no
+        shuffles; scales as [tile][block][width]. Done at the first int8-activation matmul; `row_order` reads the
+        weights back in GGUF's order."""
         if self.tiled:
             return
         n, nb = self.out_features, self.in_features // QK
-        last = torch.arange(n + -n % 8, device=self.qs.device).clamp(max=n - 1)  # the last output repeated
+        last = torch.arange(n + -n % width, device=self.qs.device).clamp(max=n - 1)  # the last output repeated
         with torch.inference_mode(False):  # may run inside a forward: the weights must stay normal tensors
-            qs = self.qs[last].reshape(-1, 8, nb, self.qs.shape[1] // (4 * nb), 4).permute(0, 2, 3, 1, 4)
+            qs = self.qs[last].reshape(-1, width, nb, self.qs.shape[1] // (4 * nb), 4).permute(0, 2, 3, 1, 4)
             self._buffers["qs"] = qs.reshape(len(last), -1).contiguous()
             for name in ("d", "m"):
                 t = self._buffers[name]
                 if t is not None:
-                    per_output = t.shape[1]  # nb, or 2 nb (a scale each half block): [tile][block][half][8]
-                    self._buffers[name] = t[last].reshape(-1, 8, per_output).transpose(1, 2).reshape(
+                    per_output = t.shape[1]  # nb, or 2 nb (a scale each half block): [tile][block][half][width]
+                    self._buffers[name] = t[last].reshape(-1, width, per_output).transpose(1, 2).reshape(
                         len(last), per_output).contiguous()
-        self.tiled = True
+        self.tiled = width
 
     def a8_operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The int8-activation kernel's kind (3: int4, 4: int8, both in tiles; 5, 6: the same with float32 scales)
-        and weights (tiled at first use)."""
-        self.tile()
-        return (3 if self.kind == "int4" else 4) + 2 * self.exact_scales, self.qs, self.d, self.m
+        """The int8-activation kernel's kind (3: int4, 4: int8, both in tiles of 8 outputs; 5, 6: the same with
+        float32 scales; 7-10: kinds 3-6 in tiles of 16) and weights (tiled at first use, 16 wide where the kernels
+        built for this CPU meet 16 outputs at once: any build reads either width)."""
+        self.tile(kernels.tile_width())
+        kind = (3 if self.kind == "int4" else 4) + 2 * self.exact_scales
+        return kind + (4 if self.tiled == 16 else 0), self.qs, self.d, self.m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = kernels.native() if x.device.type == "cpu" and x.dtype == torch.float32 else None
