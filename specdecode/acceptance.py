@@ -118,9 +118,10 @@ class ProposalScorer:
         """tree: all the proposer offered; verified_depth: the deepest guess the target saw (None: all)."""
         paths = tree.paths()
         if verified_depth is not None:
-            paths = list({tuple(p[: verified_depth + SCORE_AHEAD]): None for p in paths})
+            cut = {tuple(p[: verified_depth + SCORE_AHEAD]): None for p in paths}
+            paths = [list(p) for p in cut]
         if paths:
-            self.pending.append(Proposal(tokens_so_far, [list(p) for p in paths], tree.bucket))
+            self.pending.append(Proposal(tokens_so_far, paths, tree.bucket))
 
     def cut(self, count: int, verified_depth: int) -> None:
         """The last `count` proposals added (to `pending` by the proposer itself) are cut as `add` cuts them."""

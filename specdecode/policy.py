@@ -52,12 +52,13 @@ def best_count(chances: Sequence[float], cost: ForwardCost, context: int, overhe
     n = 0 is a plain step, chosen unless guessing beats it by MARGIN; overhead: what proposing costs (an array:
     per count), 0 once it is spent. Plain Python: two dozen sizes a step, where numpy's small operations right
     after a forward cost several times more (a third of suffix decoding's proposing time)."""
-    per_count = overhead.tolist() if isinstance(overhead, np.ndarray) else None
+    per_count: list[float] | None = overhead.tolist() if isinstance(overhead, np.ndarray) else None
+    flat = 0.0 if isinstance(overhead, np.ndarray) else float(overhead)
     expected, best, best_rate, plain = 1.0, 0, 0.0, 0.0
     for n in range(len(chances) + 1):
         if n:
             expected += float(chances[n - 1])
-        rate = expected / (cost.forward_seconds(n + 1, context) + (overhead if per_count is None else per_count[n]))
+        rate = expected / (cost.forward_seconds(n + 1, context) + (flat if per_count is None else per_count[n]))
         if not n:
             plain = best_rate = rate
             best_rate *= 1 + MARGIN

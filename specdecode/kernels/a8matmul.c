@@ -302,7 +302,7 @@ static inline __attribute__((always_inline)) void a8_wide_rows(
     for (int b = 0; b < nb; b++) {
         __m512i isum[ROWS], isum2[ROWS];
         const uint8_t *p = w + (int64_t)block_bytes * 16 * b;
-        for (int line = 0; line < block_bytes * 16; line += 64)
+        for (int line = 0; line < block_bytes * 16; line += 64)  /* as far ahead in bytes as a tile of 8 asks */
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * block_bytes * 8 + line, _MM_HINT_T0);
         for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
         if (!INT8(KIND)) {
