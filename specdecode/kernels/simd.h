@@ -35,10 +35,11 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_
 #define SPECDECODE_VNNI 0
 #endif
 
-/* SPECDECODE_AVX512: 512-bit vectors with byte operations and VNNI (the int8-activation kernel meets two tiles of 8
-   outputs at once: one broadcast of a row's activations serves 16 outputs). Not with emulated VNNI (tests), so
-   those builds check the 256-bit path against this one, bit for bit. */
-#if SPECDECODE_VNNI == 2 && defined(__AVX512F__) && defined(__AVX512BW__)
+/* SPECDECODE_AVX512: 512-bit vectors with byte operations and VNNI (the int8-activation kernel meets tiles of 16
+   outputs: one broadcast of a row's activations serves 16), also where AVX-VNNI came first above (CPUs with both).
+   Not with emulated VNNI (tests), so those builds check the 256-bit path against this one, bit for bit. */
+#if (SPECDECODE_VNNI == 1 || SPECDECODE_VNNI == 2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
 #define SPECDECODE_AVX512 1
 #else
 #define SPECDECODE_AVX512 0
