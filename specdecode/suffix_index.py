@@ -18,8 +18,8 @@ Memory is bounded by `max_tokens`: the oldest sequences are evicted first (FIFO)
 Every public method holds the index's lock, so the server's threads and a library user's may share one index.
 
 `TextIndex` answers the same question for one request's own text (a few thousand tokens, one thread) from plain
-dicts and lists: numpy's small operations cost more there than the Python loops they replace (a step's search
-230 -> 40 us), which is what prompt lookup's dict of n-grams had shown.
+dicts and lists: numpy's small operations cost more there than the Python loops they replace (suffix decoding's
+proposing 194 -> 153 us a step on average from this alone), which is what prompt lookup's dict of n-grams had shown.
 """
 
 from __future__ import annotations
