@@ -220,9 +220,10 @@ def report(results: dict, command: str) -> str:
 
 
 def workload_prompts(name: str, count: int) -> list[list[dict]]:
-    """`count` chats, categories interleaved: Spec-Bench first turns, or a repetitive workload's."""
+    """Chats, categories interleaved: Spec-Bench first turns (4 a category, cycled through), or `count` of a
+    repetitive workload's."""
     if name == "spec-bench":
-        questions = load_questions(per_category=max(1, -(-count // 13)))
+        questions = load_questions(per_category=4)
     else:
         questions = load_workload(name, per_category=max(1, -(-count // len(WORKLOADS[name]))))
     by_category: dict[str, list] = {}
