@@ -359,6 +359,11 @@ static inline __attribute__((always_inline)) void a8_wide_rows(
 }
 #endif
 
+/* CALL(KIND, R) for the `rows` (1..ROWS) of this pass, KIND and R constants at each call: every (kind, rows) pair
+   gets its own unrolled copy */
+#define BY_ROWS(CALL, KIND) do { if (rows >= 4) CALL(KIND, 4); else if (rows == 3) CALL(KIND, 3); \
+                                 else if (rows == 2) CALL(KIND, 2); else CALL(KIND, 1); } while (0)
+
 /* returns nonzero when scratch memory is short */
 static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, int M, int K, const void *qs,
                      const void *d, const void *m, float *y, int N) {
@@ -386,15 +391,12 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 #define WIDE_ROWS(KIND, R) a8_wide_rows(KIND, w, dh, mh, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
                                         sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n0, N, R)
                     const int rows = M - r0 < ROWS ? M - r0 : ROWS;
-#define WIDE_TILE(KIND) do { if (rows >= 4) WIDE_ROWS(KIND, 4); else if (rows == 3) WIDE_ROWS(KIND, 3); \
-                             else if (rows == 2) WIDE_ROWS(KIND, 2); else WIDE_ROWS(KIND, 1); } while (0)
                     switch (kind) {
-                        case 3: WIDE_TILE(3); break;
-                        case 4: WIDE_TILE(4); break;
-                        case 5: WIDE_TILE(5); break;
-                        default: WIDE_TILE(6); break;
+                        case 3: BY_ROWS(WIDE_ROWS, 3); break;
+                        case 4: BY_ROWS(WIDE_ROWS, 4); break;
+                        case 5: BY_ROWS(WIDE_ROWS, 5); break;
+                        default: BY_ROWS(WIDE_ROWS, 6); break;
                     }
-#undef WIDE_TILE
 #undef WIDE_ROWS
                 }
                 continue;
@@ -416,18 +418,14 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
                                         dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, K, y + (int64_t)r0 * N + n1, N, R, \
                                         lw)
                     const int rows = M - r0 < ROWS ? M - r0 : ROWS;
-/* KIND and R constants at each call: every (kind, rows) pair gets its own unrolled copy */
-#define TILE(KIND) do { if (rows >= 4) TILE_ROWS(KIND, 4); else if (rows == 3) TILE_ROWS(KIND, 3); \
-                        else if (rows == 2) TILE_ROWS(KIND, 2); else TILE_ROWS(KIND, 1); } while (0)
                     switch (kind) {
-                        case 1: TILE(1); break;
-                        case 3: TILE(3); break;
-                        case 4: TILE(4); break;
-                        case 5: TILE(5); break;
-                        case 6: TILE(6); break;
-                        default: TILE(2); break;
+                        case 1: BY_ROWS(TILE_ROWS, 1); break;
+                        case 3: BY_ROWS(TILE_ROWS, 3); break;
+                        case 4: BY_ROWS(TILE_ROWS, 4); break;
+                        case 5: BY_ROWS(TILE_ROWS, 5); break;
+                        case 6: BY_ROWS(TILE_ROWS, 6); break;
+                        default: BY_ROWS(TILE_ROWS, 2); break;
                     }
-#undef TILE
 #undef TILE_ROWS
                 }
             }
