@@ -3,6 +3,7 @@ cached features -> training-time-test training), drafts trees that the target ve
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections import Counter
@@ -16,6 +17,7 @@ from specdecode.cli import main as cli_main
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
+from specdecode.models.quant import quantize_linears_
 from specdecode.proposers import EagleProposer
 from specdecode.sampling import SamplingParams
 from specdecode.training.data import Sample, prompt_texts
@@ -85,6 +87,20 @@ def test_training_learns_the_target(trained: Path, head: EagleHead, store: Featu
     embeds = target.embed(batch["tokens"][:, 1 : n + 1])
     logits, _ = head(feats[None], embeds, head.new_cache(n), torch.arange(n))
     torch.testing.assert_close(train_logits[:n], logits[0])
+
+
+def test_head_starts_from_a_quantized_targets_dequantized_weights(target: Transformer) -> None:
+    """A GGUF target's layers are quantized (no `weight` parameter): the head starts from what they compute with."""
+    quantized = quantize_linears_(copy.deepcopy(target).float(), "int4")
+    last = quantized.layers[-1]
+    head = EagleHead(EagleConfig.for_target(quantized.config, 48))
+    vocab = torch.arange(5, 53)
+    head.init_from_target(quantized, vocab)
+    torch.testing.assert_close(head.block.attn.wqkv.weight, last.attn.wqkv.weight)
+    torch.testing.assert_close(head.block.mlp.w2.weight, last.mlp.w2.weight)
+    torch.testing.assert_close(head.block.attn_norm.weight, last.attn_norm.weight.float())
+    torch.testing.assert_close(head.lm_head.weight, quantized.lm_head.weight[vocab])
+    assert not torch.equal(last.attn.wqkv.weight, target.layers[-1].attn.wqkv.weight.float())  # really quantized
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])

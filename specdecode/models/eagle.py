@@ -52,6 +52,14 @@ class EagleConfig:
         return cls(d["target_layers"], d["draft_vocab_size"], ModelConfig(**d["block"]))
 
 
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 class EagleHead(nn.Module):
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
@@ -85,11 +93,15 @@ class EagleHead(nn.Module):
     def init_from_target(self, target: Transformer, vocab: torch.Tensor) -> None:
         """Start from the target: its last layer's weights for the block (those a Llama block has), its output rows
         for `vocab`."""
+        last = target.layers[-1]
         with torch.no_grad():
-            mine = self.block.state_dict()
-            self.block.load_state_dict({k: v for k, v in target.layers[-1].state_dict().items() if k in mine})
-            self.norm.load_state_dict(target.norm.state_dict())
-            self.lm_head.weight.copy_(target.lm_head.weight[vocab])
+            for name, param in self.block.named_parameters():  # through `.weight`: a quantized layer's dequantized
+                owner, attr = name.rsplit(".", 1)
+                source = getattr(last.get_submodule(owner), attr, None) if _has(last, owner) else None
+                if source is not None and source.shape == param.shape:
+                    param.copy_(source)
+            self.norm.weight.copy_(target.norm.weight)
+            self.lm_head.weight.copy_(target.lm_head.weight[vocab.to(target.lm_head.weight.device)])
             self.d2t.copy_(vocab)
 
     def new_cache(self, max_len: int) -> KVCache:

@@ -11,7 +11,6 @@ vocabulary; the accuracy at step j is the greedy acceptance rate at depth j + 1 
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
@@ -138,11 +137,10 @@ def train_eagle(
     layer_idx = [store.layer_index(i) for i in eagle_cfg.target_layers]
     head = EagleHead(eagle_cfg).to(device)
     vocab = choose_draft_vocab(store, eagle_cfg.draft_vocab_size, target.config.vocab_size).to(device)
-    target_f32 = target if target.dtype == torch.float32 else copy.deepcopy(target).float()  # leave the caller's
-    head.init_from_target(target_f32, vocab)
+    head.init_from_target(target, vocab)  # float32 copies of its weights (dequantized where quantized)
     head.requires_grad_(True)
     head.d2t.requires_grad_(False)
-    embed = torch.nn.Embedding.from_pretrained(target_f32.embed.weight.detach().float().clone()).to(device)
+    embed = torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone()).to(device)
     t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=device)
     t2d[vocab] = torch.arange(len(vocab), device=device)
 
