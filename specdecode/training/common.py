@@ -38,6 +38,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=100, help="learning-rate warm-up steps")
     p.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (and saves)")
+    p.add_argument("--distill-seconds", type=float,
+                   help="time budget of self-distillation: prompts not answered by then are left out")
+    p.add_argument("--train-seconds", type=float,
+                   help="time budget of training: the step count (at most --steps) is fitted to it")
+    p.add_argument("--feature-cache", choices=["disk", "memory"], default="disk",
+                   help="keep the target's features under OUT/work (a rerun skips extracting them) or in memory "
+                        "only (large runs: tens of GB)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where training runs")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's dtype for data and features")
     p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (GPU)")
@@ -46,7 +53,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(steps=args.steps, lr=args.lr, warmup=min(args.warmup, max(1, args.steps // 10)),
-                       eval_every=args.eval_every, save_every=args.eval_every, seed=args.seed, bf16=args.bf16)
+                       eval_every=args.eval_every, save_every=args.eval_every, seed=args.seed, bf16=args.bf16,
+                       seconds=args.train_seconds)
 
 
 def progress_bar() -> Progress:
@@ -78,10 +86,13 @@ def prepare(args: argparse.Namespace, layers: list[int]):
         else:
             if not part:
                 raise ValueError(f"no {name} samples: use more --samples or fewer --heldout")
+            in_memory = args.feature_cache == "memory"
             with progress_bar() as bar:
                 task = bar.add_task(f"target features ({name})", total=len(part))
-                store = extract_features(llm.model, part, layers, progress=lambda n, task=task: bar.advance(task, n))
-            store.save(path)
+                store = extract_features(llm.model, part, layers, device=args.device if in_memory else "cpu",
+                                         progress=lambda n, task=task: bar.advance(task, n))
+            if not in_memory:
+                store.save(path)
         stores.append(store.to(args.device))
     return llm, stores[0], stores[1]
 
@@ -101,7 +112,7 @@ def distill(llm, args: argparse.Namespace, path: Path):
         task = bar.add_task("the target answers training prompts", total=len(prompts))
         samples = self_distill(hf, prompts, stop_token_ids=sorted(llm.stop_token_ids), pad_token_id=pad,
                                max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
-                               temperature=args.temperature, seed=args.seed,
+                               temperature=args.temperature, seed=args.seed, seconds=args.distill_seconds,
                                progress=lambda n: bar.advance(task, n))
     save_samples(path, samples)
     answer = sum(len(s.tokens) - s.prompt_len for s in samples)

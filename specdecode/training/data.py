@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -122,17 +123,24 @@ def self_distill(
     batch_size: int = 64,
     temperature: float = 0.0,
     seed: int = 0,
+    seconds: float | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[Sample]:
     """The target (a transformers model) answers every prompt: batched, left-padded `generate`, prompts sorted
-    by length so a batch wastes little padding. Answers end at the first stop token (kept) or the limit."""
+    by length so a batch wastes little padding. Answers end at the first stop token (kept) or the limit.
+    With `seconds`, no batch starts once that time is spent: the batches run in a seeded random order, so the
+    prompts answered by then are a fair sample of all (not the shortest)."""
     device = next(hf_model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+    random.Random(seed).shuffle(batches)
     out: list[Sample | None] = [None] * len(prompts)
     torch.manual_seed(seed)
     stops = set(stop_token_ids)
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
+    deadline = None if seconds is None else time.perf_counter() + seconds
+    for idx in batches:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         width = max(len(prompts[i]) for i in idx)
         ids = torch.full((len(idx), width), pad_token_id, dtype=torch.long)
         attention = torch.zeros_like(ids)

@@ -106,16 +106,23 @@ def extract_features(
     *,
     topk: int = 8,
     batch_tokens: int = 8192,
+    device: torch.device | str = "cpu",
     progress: Callable[[int], None] | None = None,
 ) -> FeatureStore:
     """Run the target over every sample (batches of similar length, right-padded: padding sits after every
-    real token, so causal attention keeps it out of sight) and keep the requested layers and the teacher."""
+    real token, so causal attention keeps it out of sight) and keep the requested layers and the teacher.
+    The store is filled in place on `device` (a GPU run keeps tens of GB there, never two copies)."""
     if not samples:
         raise ValueError("no samples to extract features from")
     num_layers = target.config.num_layers
     layers = [i % num_layers for i in layers]
+    lengths = torch.tensor([len(s.tokens) for s in samples])
+    offsets = torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0)))
+    total = int(offsets[-1])
+    hidden = torch.empty(total, len(layers), target.config.hidden_size, dtype=torch.half, device=device)
+    teacher_ids = torch.empty(total, topk, dtype=torch.int32, device=device)
+    teacher_probs = torch.empty(total, topk, dtype=torch.half, device=device)
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
-    per_sample: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
     b = 0
     while b < len(order):
         width = len(samples[order[b]].tokens)
@@ -128,21 +135,22 @@ def extract_features(
         out = target.forward(ids.to(target.device), target.new_cache(width, batch_size=len(idx)),
                              hidden_layers=layers)
         probs, top = out.logits.float().softmax(-1).topk(topk, dim=-1)
-        hidden = torch.stack(out.hidden, dim=2).half() if out.hidden else \
-            ids.new_zeros(*ids.shape, 0, target.config.hidden_size, dtype=torch.half)  # [B, T, L, H]; L = 0: no layers
+        states = torch.stack(out.hidden, dim=2) if layers else None  # [B, T, L, H]
         for r, i in enumerate(idx):
-            n = len(samples[i].tokens)
-            per_sample[i] = (hidden[r, :n].cpu(), top[r, :n].int().cpu(), probs[r, :n].half().cpu())
+            a, n = int(offsets[i]), len(samples[i].tokens)
+            if states is not None:
+                hidden[a : a + n] = states[r, :n].to(device, torch.half)
+            teacher_ids[a : a + n] = top[r, :n].to(device, torch.int32)
+            teacher_probs[a : a + n] = probs[r, :n].to(device, torch.half)
         b += len(idx)
         if progress is not None:
             progress(len(idx))
-    lengths = torch.tensor([len(s.tokens) for s in samples])
     return FeatureStore(
         layers=layers,
-        tokens=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long),
-        offsets=torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))),
-        prompt_lens=torch.tensor([s.prompt_len for s in samples]),
-        hidden=torch.cat([p[0] for p in per_sample]),
-        teacher_ids=torch.cat([p[1] for p in per_sample]),
-        teacher_probs=torch.cat([p[2] for p in per_sample]),
+        tokens=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long, device=device),
+        offsets=offsets.to(device),
+        prompt_lens=torch.tensor([s.prompt_len for s in samples], device=device),
+        hidden=hidden,
+        teacher_ids=teacher_ids,
+        teacher_probs=teacher_probs,
     )

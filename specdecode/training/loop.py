@@ -29,12 +29,19 @@ class TrainConfig:
     save_every: int = 250
     seed: int = 0
     bf16: bool = False  # autocast to bfloat16 (GPU training)
+    seconds: float | None = None  # a time budget: training ends (evaluated, saved) within it, the schedule fitted
+    # to the steps it allows (measured over the first FIT_STEPS steps); `steps` stays the upper bound
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+FIT_STEPS = 20  # steps timed (after one warm-up step) to fit a time budget's step count
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int | None = None) -> float:
+    """Linear warm-up, then cosine decay to lr / 10 at `total` (default cfg.steps)."""
+    total = cfg.steps if total is None else total
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    progress = (step - cfg.warmup) / max(1, total - cfg.warmup)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))  # down to lr / 10
 
 
@@ -51,6 +58,8 @@ def train(
 
     A checkpoint in `out_dir` (module, optimizer, step, history) is resumed from. Every eval_every steps and
     at the end, `evaluate(module)` scores held-out data; history lines go to train_log.jsonl. Returns history.
+    With cfg.seconds, the run's step count is fitted to that budget (the checkpoint keeps it: a resumed run
+    that had finished stays finished).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,16 +68,17 @@ def train(
     if not params:
         raise ValueError("the module has no trainable parameters")
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, history = 0, []
+    step, history, total = 0, [], cfg.steps
     ckpt = out / CHECKPOINT
     if ckpt.exists():
         state = torch.load(ckpt, map_location=params[0].device, weights_only=False)
         module.load_state_dict(state["module"])
         opt.load_state_dict(state["optimizer"])
-        step, history = state["step"], state["history"]
+        step, history, total = state["step"], state["history"], state.get("total", cfg.steps)
         log(f"resuming from step {step} ({ckpt})")
-    if step >= cfg.steps:
+    if step >= total:
         return history
+    first_step = step
     device_type = params[0].device.type
 
     def record(entry: dict) -> None:
@@ -79,18 +89,20 @@ def train(
     def save() -> None:
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"module": module.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "history": history, "config": asdict(cfg)}, tmp)
+                    "history": history, "config": asdict(cfg), "total": total}, tmp)
         tmp.replace(ckpt)  # never a half-written checkpoint
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     running: dict[str, float] = {}
     started = time.perf_counter()
+    deadline = None if cfg.seconds is None else started + cfg.seconds
+    timed_from = started
     with Progress(*columns, transient=False) as bar:
-        task = bar.add_task("train", total=cfg.steps, completed=step)
+        task = bar.add_task("train", total=total, completed=step)
         for batch in batches(step):
             module.train()
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
+                group["lr"] = lr_at(step, cfg, total)
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 loss, metrics = loss_fn(module, batch)
             opt.zero_grad(set_to_none=True)
@@ -98,11 +110,16 @@ def train(
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
-            metrics = {"loss": loss.item(), **metrics}
+            metrics = {"loss": loss.item(), **metrics}  # .item() waits for the device: the clock below is true
+            if deadline is not None and step - first_step == 1:
+                timed_from = time.perf_counter()
+            elif deadline is not None and step - first_step == 1 + FIT_STEPS:
+                total = fit_steps(step, cfg, (time.perf_counter() - timed_from) / FIT_STEPS, deadline, log)
+                bar.update(task, total=total)
             for name, value in metrics.items():
                 running[name] = value if name not in running else 0.95 * running[name] + 0.05 * value
             bar.update(task, advance=1, description="train " + " ".join(f"{k}={v:.3f}" for k, v in running.items()))
-            last = step >= cfg.steps
+            last = step >= total or (deadline is not None and time.perf_counter() >= deadline)
             if evaluate is not None and (step % cfg.eval_every == 0 or last):
                 module.eval()
                 scores = evaluate(module)
@@ -117,3 +134,11 @@ def train(
                 break
     module.eval()
     return history
+
+
+def fit_steps(step: int, cfg: TrainConfig, per_step: float, deadline: float, log: Callable[[str], None]) -> int:
+    """The step count a time budget allows from here: a tenth of what is left is kept for the evaluations."""
+    left = max(0.0, deadline - time.perf_counter())
+    total = min(cfg.steps, step + int(0.9 * left / max(per_step, 1e-9)))
+    log(f"time budget {cfg.seconds:.0f} s: {total} steps at {per_step * 1000:.0f} ms a step")
+    return max(total, step)
