@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # `train --nproc N` hands them to its workers
     try:
         commands = {"bench": cmd_bench, "generate": cmd_generate, "tune": cmd_tune, "train": cmd_train}
         commands["serve"] = cmd_serve

@@ -162,6 +162,10 @@ def test_questions_and_methods_are_checked(questions: Path) -> None:
     assert [(m.label, m.k, m.draft) for m in methods] == [
         ("none", 0, None), ("none@k=0", 0, None), ("prompt-lookup@k=2", 2, None), ("lookahead@k=auto", "auto", None),
         ("lookahead@k=4", 4, None), ("hybrid@k=auto", "auto", "d")]
+    two_heads = parse_methods("eagle@auto,eagle:heads/new@auto", [4], peers=False)  # two heads side by side
+    assert [m.label for m in two_heads] == ["none", "eagle@k=auto", "eagle:new@k=auto"]
+    with pytest.raises(ValueError, match="twice in --methods"):
+        parse_methods("prompt-lookup@2,prompt-lookup@2", [4], peers=False)
 
 
 def test_default_questions_are_spec_bench_or_its_shipped_sample(tmp_path, monkeypatch) -> None:

@@ -21,6 +21,7 @@ from specdecode.models.quant import quantize_linears_
 from specdecode.proposers import EagleProposer
 from specdecode.sampling import SamplingParams
 from specdecode.training.data import Sample, prompt_texts
+from specdecode.training.distributed import shard
 from specdecode.training.eagle import train_eagle, ttt_logits
 from specdecode.training.features import FeatureStore, extract_features
 from specdecode.training.loop import TrainConfig
@@ -382,3 +383,78 @@ def test_eagle_errors_say_what_to_do(tmp_path, target, head) -> None:
         specdecode.load(ckpt).generate("hi", method="eagle")
     assert cli_main(["train", "eagle", "--target", str(ckpt), "--data", str(tmp_path / "nope"), "--out",
                      str(tmp_path / "o"), "--device", "cpu"]) == 2
+
+
+def test_cli_trains_in_torchrun_workers_on_a_sharded_feature_cache(tmp_path, monkeypatch, capsys) -> None:
+    """`--nproc 2`: torchrun workers (gloo) train one head in DDP, each on its own shard of the features; the
+    main worker alone logs and saves."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer(), layers=4)
+    out = tmp_path / "two"
+    args = ["train", "eagle", "--target", str(ckpt), "--data", str(write_train_data(tmp_path / "data")), "--out",
+            str(out), "--samples", "16", "--heldout", "4", "--max-new-tokens", "16", "--gen-batch", "8",
+            "--batch-size", "4", "--max-len", "64", "--steps", "6", "--draft-vocab", "64", "--ttt-steps", "2",
+            "--eval-every", "3", "--device", "cpu", "--nproc", "2"]
+    assert cli_main(args) == 0
+    assert len((out / "work" / "samples.jsonl").read_text().splitlines()) == 16  # both workers' answers, merged
+    assert not list((out / "work").glob("samples.part*"))
+    shards = sorted((out / "work").glob("features-*-train-*of2"))
+    assert [p.name.rsplit("-", 1)[1] for p in shards] == ["0of2", "1of2"]  # the feature cache, sharded
+    assert [len(FeatureStore.load(p)) for p in shards] == [6, 6]  # 12 training samples split between the workers
+    assert [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()] == [3, 6]
+    assert (out / "eagle.safetensors").exists() and "| 6 |" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert cli_main([*args, "--batch-size", "3"]) == 2  # refused before any worker starts
+    assert "--batch-size 3 does not split between 2 processes" in capsys.readouterr().err
+
+
+def train_tiny_head(out: Path) -> EagleHead:
+    """A head for the tiny target, on this worker's shard of 64 answers (all of them in one process): 60 steps
+    of a global batch of 16, scored on 16 other answers."""
+    target = tiny_model(0, vocab_size=VOCAB, num_layers=4)
+    store = extract_features(target, shard(distilled(target, 64, seed=0)), [0, 1, 2, 3], topk=4)
+    heldout = extract_features(target, distilled(target, 16, seed=1), [0, 1, 2, 3], topk=4)
+    cfg = TrainConfig(steps=60, lr=3e-3, warmup=10, eval_every=60, save_every=60)
+    return train_eagle(target, store, heldout, out, cfg, draft_vocab=48, ttt_steps=3, batch_size=16, max_len=64,
+                       log=lambda *_: None)
+
+
+def heldout_acc1(out: Path) -> float:
+    return json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])["heldout_acc1"]
+
+
+def ddp_worker(rank: int, size: int, rendezvous: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    try:
+        head = train_tiny_head(Path(out))
+        torch.save(head.state_dict(), Path(out) / f"worker{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_in_two_processes_scores_as_one_process_at_equal_samples(tmp_path) -> None:
+    """The same 64 answers, steps and global batch: two DDP workers (each half the batch, from its own half of
+    the data) reach one process's held-out score (the batches differ, so within noise, not bit for bit)."""
+    import torch.multiprocessing as mp
+
+    train_tiny_head(tmp_path / "one")
+    mp.spawn(ddp_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path / "two")), nprocs=2)
+    one, two = heldout_acc1(tmp_path / "one"), heldout_acc1(tmp_path / "two")
+    workers = [torch.load(tmp_path / "two" / f"worker{r}.pt") for r in range(2)]
+    for name, weight in workers[0].items():  # gradients averaged: both workers took the same steps
+        assert torch.equal(weight, workers[1][name]), name
+    chance = 1 / 48
+    assert one > 5 * chance and two > 5 * chance
+    assert abs(one - two) < 0.05, (one, two)
+
+
+def test_unshard_undoes_the_round_robin_shards() -> None:
+    from specdecode.training.distributed import unshard, without_nproc
+
+    items = list(range(11))
+    assert unshard([items[r::3] for r in range(3)]) == items
+    assert unshard([[], []]) == []
+    assert without_nproc(["train", "--nproc", "2", "--out", "x", "--nproc=3"]) == ["train", "--out", "x"]

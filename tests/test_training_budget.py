@@ -77,8 +77,11 @@ def test_training_fits_its_steps_to_the_time_budget_and_stays_finished(tmp_path,
     assert clock.now <= 100.0
     assert json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[-1])["step"] == last
     assert lr_at(last - 1, cfg, last) < 0.11 * cfg.lr  # the schedule decayed by the fitted end, not by step 10,000
-    # resumed (same budget again), the finished run is not trained further
+    # resumed (same budget again), the finished run is not trained further; without a budget, on to cfg.steps
     assert train(module, loss_fn, batches, tmp_path, cfg, evaluate=evaluate, log=lambda *_: None) == history
+    more = TrainConfig(steps=last + 10, lr=1e-2, warmup=5, eval_every=40, save_every=40)
+    resumed = train(module, loss_fn, batches, tmp_path, more, evaluate=evaluate, log=lambda *_: None)
+    assert resumed[-1]["step"] == last + 10
 
 
 def test_training_ends_at_the_deadline_even_before_its_steps_are_fitted(tmp_path, monkeypatch) -> None:

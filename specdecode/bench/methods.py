@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,8 +77,13 @@ def parse_methods(spec: str, ks: list[int | str], peers: bool | set[str] | list[
             raise ValueError(f"{name} needs a path: --methods {name}:PATH")
         if name == "draft":
             drafts.append(arg)
+        taken = {m.label for m in methods}
         for k in item_ks:
             label = name if len(ks) == 1 and not fixed_k else f"{name}@k={k}"
+            if label in taken and arg:  # the same method with another draft (two heads side by side): name it
+                label = label.replace(name, f"{name}:{Path(arg).name or arg}", 1)
+            if label in taken:
+                raise ValueError(f"{label} twice in --methods: give each column its own draft or K")
             methods.append(Method(label, "ours", name, k=k, draft=arg or None))
     if "llama.cpp" in peers:
         methods.append(Method("llama.cpp-plain", "llama.cpp", "none"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from . import distill_cli, medusa_cli
 from .common import add_common, err, prepare, target_config, train_config, write_report
+from .distributed import finish, init, launch, launched, world
 
 
 def add_train_parser(sub) -> None:
@@ -25,9 +26,21 @@ def add_train_parser(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.kind == "eagle":
-        return train_eagle_cmd(args)
-    return {"medusa": medusa_cli.run, "draft": distill_cli.run}[args.kind](args)
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.batch_size % args.nproc:
+        raise ValueError(f"--batch-size {args.batch_size} does not split between {args.nproc} processes: use a "
+                         "multiple of --nproc (it is the global batch)")
+    if args.nproc > 1 and not launched():
+        err.print(f"training in {args.nproc} processes (torchrun, PyTorch DDP)")
+        return launch(args.nproc, args.argv)
+    world, args.device = init(args.device)
+    err.quiet = not world.main  # one voice: the main worker's
+    try:
+        run = {"eagle": train_eagle_cmd, "medusa": medusa_cli.run, "draft": distill_cli.run}[args.kind]
+        return run(args)
+    finally:
+        finish()
 
 
 def train_eagle_cmd(args: argparse.Namespace) -> int:
@@ -43,6 +56,8 @@ def train_eagle_cmd(args: argparse.Namespace) -> int:
     llm, store, heldout = prepare(args, layers)
     train_eagle(llm.model, store, heldout, out, train_config(args), draft_vocab=args.draft_vocab,
                 ttt_steps=args.ttt_steps, batch_size=args.batch_size, max_len=args.max_len, log=err.print)
+    if not world().main:
+        return 0
     write_report(out, args, "eagle", len(store), len(heldout))
     err.print(f"EAGLE head saved in {out}: use it with --method eagle --draft {out}")
     return 0

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .data import DEFAULT_TRAIN_DIR, load_prompts, load_samples, save_samples, self_distill, split
+from .distributed import barrier, shard, unshard, world
 from .features import FeatureStore, extract_features
 from .loop import TrainConfig
 
@@ -49,6 +50,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's dtype for data and features")
     p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order and initialisation")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="data-parallel processes (torchrun + PyTorch DDP: gloo on CPUs, nccl on GPUs, one GPU each); "
+                        "--batch-size is the global batch, split between them")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -59,11 +63,12 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def progress_bar() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=err)
+                    console=err, disable=not world().main)
 
 
 def prepare(args: argparse.Namespace, layers: list[int]):
-    """(llm, train features, held-out features) for `args`, every stage cached under OUT/work."""
+    """(llm, train features, held-out features) for `args`, every stage cached under OUT/work. Under torchrun each
+    worker answers and extracts its own shard (train features cached per worker); all hold the held-out set."""
     from ..api import LLM
 
     work = Path(args.out) / "work"
@@ -72,16 +77,21 @@ def prepare(args: argparse.Namespace, layers: list[int]):
         llm = LLM.load(args.target, dtype=args.dtype)
     llm.model.to(args.device)
     samples_path = Path(args.samples_file) if args.samples_file else work / "samples.jsonl"
-    if samples_path.exists():
+    answered = samples_path.exists()
+    barrier()  # every worker has looked before any writes
+    if answered:
         samples = load_samples(samples_path)
         err.print(f"using {len(samples)} target answers from {samples_path}")
     else:
         samples = distill(llm, args, samples_path)
     train_samples, heldout_samples = split(samples, args.heldout, args.seed)
-    stores = []
-    for name, part in (("train", train_samples), ("heldout", heldout_samples)):
-        path = work / f"features-{'_'.join(map(str, layers)) or 'none'}-{name}"
-        if (path / "features.json").exists():
+    stores, w = [], world()
+    for name, part in (("train", shard(train_samples)), ("heldout", heldout_samples)):
+        sharded = f"-{w.rank}of{w.size}" if name == "train" and w.size > 1 else ""
+        path = work / f"features-{'_'.join(map(str, layers)) or 'none'}-{name}{sharded}"
+        cached = (path / "features.json").exists()
+        barrier()
+        if cached:
             store = FeatureStore.load(path)
         else:
             if not part:
@@ -91,7 +101,7 @@ def prepare(args: argparse.Namespace, layers: list[int]):
                 task = bar.add_task(f"target features ({name})", total=len(part))
                 store = extract_features(llm.model, part, layers, device=args.device if in_memory else "cpu",
                                          progress=lambda n, task=task: bar.advance(task, n))
-            if not in_memory:
+            if not in_memory and (sharded or w.main):
                 store.save(path)
         stores.append(store.to(args.device))
     return llm, stores[0], stores[1]
@@ -103,7 +113,7 @@ def distill(llm, args: argparse.Namespace, path: Path):
 
     from ..models import resolve
 
-    prompts = load_prompts(llm.tokenizer, args.data, args.samples, args.seed, args.max_prompt_tokens)
+    prompts = shard(load_prompts(llm.tokenizer, args.data, args.samples, args.seed, args.max_prompt_tokens))
     hf = AutoModelForCausalLM.from_pretrained(str(resolve(args.target)), dtype=DTYPES[args.dtype]).to(args.device)
     hf.eval()
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(llm.stop_token_ids)
@@ -114,10 +124,29 @@ def distill(llm, args: argparse.Namespace, path: Path):
                                max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
                                temperature=args.temperature, seed=args.seed, seconds=args.distill_seconds,
                                progress=lambda n: bar.advance(task, n))
-    save_samples(path, samples)
+    samples = gather_samples(samples, path)
     answer = sum(len(s.tokens) - s.prompt_len for s in samples)
     err.print(f"{len(samples)} answers, {answer} tokens in {time.perf_counter() - started:.0f} s -> {path}")
     del hf
+    return samples
+
+
+def gather_samples(mine: list, path: Path) -> list:
+    """Every worker's answers, merged in prompt order (where all were answered), saved once in `path`."""
+    w = world()
+    if w.size == 1:
+        save_samples(path, mine)
+        return mine
+    parts = [path.with_name(f"{path.stem}.part{r}of{w.size}.jsonl") for r in range(w.size)]
+    save_samples(parts[w.rank], mine)
+    barrier()
+    samples = unshard([load_samples(p) for p in parts])
+    barrier()
+    if w.main:
+        save_samples(path, samples)
+        for p in parts:
+            p.unlink()
+    barrier()
     return samples
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distributed import local_batch, world
 from .features import FeatureStore
 from .loop import TrainConfig, train
 
@@ -130,7 +131,9 @@ def train_draft(
         # a chain of 4 guesses, each right with the teacher-forced agreement: expected tokens per forward
         return {"loss": loss, "acc": acc, "chain4_tau": sum(acc**d for d in range(5))}
 
-    train(model, loss_fn, lambda start: store.batches(batch_size, max_len, cfg.seed, start), out, cfg, evaluate, log)
-    model.eval().to(save_dtype).save_pretrained(str(out))  # config.json + model.safetensors
-    tokenizer.save_pretrained(str(out))
+    train(model, loss_fn, lambda start: store.batches(local_batch(batch_size), max_len, cfg.seed, start), out, cfg,
+          evaluate, log)
+    if world().main:
+        model.eval().to(save_dtype).save_pretrained(str(out))  # config.json + model.safetensors
+        tokenizer.save_pretrained(str(out))
     return out

@@ -19,14 +19,17 @@ import torch
 from ..models import Transformer
 from ..models.eagle import EagleConfig, EagleHead
 from ..models.llama import rotate_half
+from .distributed import local_batch, summed, world
 from .features import FeatureStore
 from .loop import TrainConfig, train
 
 
 def choose_draft_vocab(store: FeatureStore, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` target tokens the target most often predicts (its top-1 on every position), ties by id."""
+    """The `size` target tokens the target most often predicts (its top-1 on every position), ties by id; over
+    every worker's shard (all must agree on it)."""
     counts = torch.bincount(store.teacher_ids[:, 0].long().cpu(), minlength=vocab_size).double()
     counts += 1e-3 * torch.bincount(store.tokens.cpu(), minlength=vocab_size)  # then the most frequent in text
+    counts = summed(counts)
     return counts.argsort(descending=True, stable=True)[:size].sort().values
 
 
@@ -148,7 +151,7 @@ def train_eagle(
         return {**batch, "hidden": batch["hidden"][:, :, layer_idx]}
 
     def batches(start: int):
-        for batch in store.batches(batch_size, max_len, cfg.seed, start_step=start):
+        for batch in store.batches(local_batch(batch_size), max_len, cfg.seed, start_step=start):
             yield pick(batch)
 
     def loss_fn(module, batch):
@@ -162,6 +165,7 @@ def train_eagle(
 
     train(head, loss_fn, batches, out_dir, cfg, evaluate=evaluate, log=log)
     head.requires_grad_(False)
-    head.float().save(out_dir)
+    if world().main:
+        head.float().save(out_dir)
     return head
 

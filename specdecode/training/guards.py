@@ -9,12 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from .data import load_samples
+from .distributed import world
 
 RUN = "run.json"
 
 
 def claim(out_dir: Path | str, settings: dict[str, Any]) -> None:
-    """Record `settings` in OUT/run.json, or check that they equal the ones recorded there."""
+    """Record `settings` in OUT/run.json, or check that they equal the ones recorded there (the main worker's
+    job: the others would race it)."""
+    if not world().main:
+        return
     out = Path(out_dir)
     path = out / RUN
     if path.exists():

@@ -14,6 +14,8 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
+from .distributed import data_parallel, from_main, world
+
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
 
@@ -56,13 +58,18 @@ def train(
 ) -> list[dict]:
     """Train `module` for cfg.steps; `batches(start_step)` yields training batches from that step on.
 
+    Under torchrun, the module trains in DDP: every worker runs this with its own batches, the main worker
+    alone evaluates, logs and saves, and every worker stops when it does.
     A checkpoint in `out_dir` (module, optimizer, step, history) is resumed from. Every eval_every steps and
     at the end, `evaluate(module)` scores held-out data; history lines go to train_log.jsonl. Returns history.
-    With cfg.seconds, the run's step count is fitted to that budget (the checkpoint keeps it: a resumed run
-    that had finished stays finished).
+    With cfg.seconds, the run's step count is fitted to that budget (the checkpoint keeps it: resumed with a
+    budget again, a run that had finished stays finished; without one, it trains on to cfg.steps).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    main = world().main
+    if not main:
+        log, evaluate = (lambda *_: None), None
     torch.manual_seed(cfg.seed)
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
@@ -74,12 +81,15 @@ def train(
         state = torch.load(ckpt, map_location=params[0].device, weights_only=False)
         module.load_state_dict(state["module"])
         opt.load_state_dict(state["optimizer"])
-        step, history, total = state["step"], state["history"], state.get("total", cfg.steps)
+        step, history = state["step"], state["history"]
+        if cfg.seconds is not None and state.get("fitted"):  # a budgeted run ends where its budget had it end
+            total = state["fitted"]
         log(f"resuming from step {step} ({ckpt})")
     if step >= total:
         return history
     first_step = step
     device_type = params[0].device.type
+    step_loss = data_parallel(module, loss_fn)  # (DDP broadcasts the main worker's weights: all start equal)
 
     def record(entry: dict) -> None:
         history.append(entry)
@@ -87,9 +97,12 @@ def train(
             f.write(json.dumps(entry) + "\n")
 
     def save() -> None:
+        if not main:
+            return
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"module": module.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "history": history, "config": asdict(cfg), "total": total}, tmp)
+                    "history": history, "config": asdict(cfg), "fitted": total if deadline is not None else None},
+                   tmp)
         tmp.replace(ckpt)  # never a half-written checkpoint
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -97,14 +110,14 @@ def train(
     started = time.perf_counter()
     deadline = None if cfg.seconds is None else started + cfg.seconds
     timed_from = started
-    with Progress(*columns, transient=False) as bar:
+    with Progress(*columns, transient=False, disable=not main) as bar:
         task = bar.add_task("train", total=total, completed=step)
         for batch in batches(step):
             module.train()
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg, total)
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, metrics = loss_fn(module, batch)
+                loss, metrics = step_loss(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -114,12 +127,12 @@ def train(
             if deadline is not None and step - first_step == 1:
                 timed_from = time.perf_counter()
             elif deadline is not None and step - first_step == 1 + FIT_STEPS:
-                total = fit_steps(step, cfg, (time.perf_counter() - timed_from) / FIT_STEPS, deadline, log)
+                total = from_main(fit_steps(step, cfg, (time.perf_counter() - timed_from) / FIT_STEPS, deadline, log))
                 bar.update(task, total=total)
             for name, value in metrics.items():
                 running[name] = value if name not in running else 0.95 * running[name] + 0.05 * value
             bar.update(task, advance=1, description="train " + " ".join(f"{k}={v:.3f}" for k, v in running.items()))
-            last = step >= total or (deadline is not None and time.perf_counter() >= deadline)
+            last = bool(from_main(step >= total or (deadline is not None and time.perf_counter() >= deadline)))
             if evaluate is not None and (step % cfg.eval_every == 0 or last):
                 module.eval()
                 scores = evaluate(module)

@@ -22,6 +22,7 @@ import torch
 
 from ..models import Transformer
 from ..models.medusa import MedusaHeads
+from .distributed import local_batch, summed, world
 from .features import FeatureStore
 from .loop import TrainConfig, train
 
@@ -32,7 +33,7 @@ def frequent_tokens(tokens: torch.Tensor, size: int, vocab_size: int, always: li
     """The `size` most frequent ids in `tokens` (ties: lower id), `always` included; size >= vocab: all."""
     if size >= vocab_size or size <= 0:
         return torch.arange(vocab_size)
-    counts = torch.bincount(tokens.flatten().long().cpu(), minlength=vocab_size).double()
+    counts = summed(torch.bincount(tokens.flatten().long().cpu(), minlength=vocab_size).double())  # every shard's
     counts[list(always)] = float("inf")
     order = torch.argsort(-counts, stable=True)
     return order[:size].sort().values
@@ -152,8 +153,9 @@ def train_medusa(
         scores["tree16_tau"] = 1 + sum(medusa_tree(accuracy, 16).estimates)
         return scores
 
-    train(module, loss_fn, lambda start: store.batches(batch_size, max_len, cfg.seed, start), out_dir, cfg,
-          evaluate, log)
+    train(module, loss_fn, lambda start: store.batches(local_batch(batch_size), max_len, cfg.seed, start), out_dir,
+          cfg, evaluate, log)
     module.config.accuracy = rank_accuracy(module, evaluation, layer=layer)
-    module.save(out_dir, save_dtype)
+    if world().main:
+        module.save(out_dir, save_dtype)
     return module
