@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--guesses", type=int, default=4, help="lookahead: pool n-grams verified per step")
     g.add_argument("--skip-layers", help="layer-skip: comma list of layers to skip (default: searched once, cached)")
     g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
+    g.add_argument("--online-draft", action="store_true",
+                   help="eagle, hybrid: the EAGLE head learns from what the target verifies while it runs")
     g.add_argument("--nodes", type=int, default=24,
                    help="eagle, suffix: most guessed tokens a step (the cost model picks how many are worth verifying)")
     g.add_argument("--low-bit", default="int4-a8", choices=list(QUANTIZATIONS),
@@ -125,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.online_draft and args.method not in ("eagle", "hybrid"):
+        raise ValueError(f"--online-draft trains the EAGLE head: use it with --method eagle or hybrid, not "
+                         f"{args.method}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.threads:
         import torch
@@ -143,6 +148,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.method == "eagle":
         options.update(topk=args.topk, nodes=args.nodes)
+    if args.online_draft:
+        options.update(online_draft=True)
     if args.method == "suffix":
         options.update(nodes=args.nodes)
     if args.compare:

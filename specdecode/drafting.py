@@ -14,6 +14,7 @@ from .cost import CostModel
 from .models import Transformer
 from .models.eagle import EagleHead
 from .models.medusa import MedusaHeads
+from .online import OnlineConfig, OnlineHead
 from .proposers import (
     DraftModelProposer,
     EagleProposer,
@@ -53,6 +54,7 @@ class Drafting:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self._drafts: dict[str, Drafting] = {}
         self._heads: dict[str, EagleHead] = {}
+        self._online: dict[str, OnlineHead] = {}  # heads learning while they serve, by folder
         self._medusa: dict[str, MedusaHeads] = {}
         self._cost: CostModel | None = None
         self._rank_accuracy: dict[int, RankAccuracy] = {}  # long-run, per loaded Medusa heads (by id)
@@ -75,6 +77,7 @@ class Drafting:
         topk: int = 4,
         nodes: int = 24,
         low_bit: str = "int4-a8",
+        online_draft: bool = False,
     ) -> Proposer:
         """A fresh proposer for `method`, to run with `k`; options: prompt lookup (max_ngram, min_ngram, branches:
         default AUTO_BRANCHES with k='auto', else 1),
@@ -83,7 +86,11 @@ class Drafting:
         guesses a step, the tree is sized by the cost model within them and the depth k),
         medusa (draft = trained heads' folder; the tree is sized by the cost model), quantized (low_bit: the
         precision of the target's copy that drafts, skip_layers: layers it also leaves out), suffix (nodes: the most
-        guesses a step, sized by the cost model under k='auto'; matches this request's text and `suffix_cache()`)."""
+        guesses a step, sized by the cost model under k='auto'; matches this request's text and `suffix_cache()`).
+        online_draft: eagle's head (hybrid's too) keeps learning from what the target verifies (`online_head`)."""
+        if online_draft and method not in ("eagle", "hybrid"):
+            raise ValueError(f"online_draft trains the EAGLE head: it goes with method 'eagle' or 'hybrid', not "
+                             f"{method!r}")
         if method == "none":
             return NoProposer()
         if method == "prompt-lookup":
@@ -106,7 +113,7 @@ class Drafting:
                 raise ValueError(f"method {method!r} drafts with trained heads: pass draft=<their folder>, not a model")
             if method == "eagle":
                 return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes,
-                                     cost=self.cost_model())
+                                     cost=self.cost_model(), online=self.online_head(draft) if online_draft else None)
             heads = self.medusa_heads(draft)
             accuracy = self._rank_accuracy.setdefault(id(heads), RankAccuracy.of(heads))
             return MedusaProposer(heads, self.model.config.vocab_size, cost=self.cost_model(), accuracy=accuracy)
@@ -118,8 +125,10 @@ class Drafting:
             return SuffixProposer(self.suffix_cache(), nodes=nodes, cost=self.cost_model() if k == "auto" else None)
         if method == "hybrid" and draft is None and self.has_eagle_head():  # suffix + the EAGLE head, one tree
             cost = self.cost_model()
+            online = self.online_head() if online_draft else None
             return SuffixEagleProposer(SuffixProposer(self.suffix_cache(), nodes=nodes, cost=cost),
-                                       EagleProposer(self.eagle_head(), self.model, topk=topk, nodes=nodes, cost=cost))
+                                       EagleProposer(self.eagle_head(), self.model, topk=topk, nodes=nodes, cost=cost,
+                                                     online=online))
         if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
             model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
             return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches or 1), model_draft)
@@ -185,6 +194,17 @@ class Drafting:
                 head.quantize_(EAGLE_BESIDE_A8)
             self._heads[key] = head
         return self._heads[key]
+
+    def online_head(self, path: str | os.PathLike | None = None, cfg: OnlineConfig | None = None) -> OnlineHead:
+        """The EAGLE head of `path` (default: the shipped one) learning online, shared by every request that asks for
+        it; its learner thread starts here (`cfg`, given at first use, sets how it learns)."""
+        head = self.eagle_head(path)
+        key = next(k for k, v in self._heads.items() if v is head)
+        if key not in self._online:
+            quantized = self.model.quantization.endswith("-a8")
+            self._online[key] = OnlineHead(head, self.model.embed, cfg, EAGLE_BESIDE_A8 if quantized else None)
+            self._online[key].start()
+        return self._online[key]
 
     def medusa_heads(self, path: str | os.PathLike | None) -> MedusaHeads:
         """Trained Medusa heads for this model (loaded once)."""

@@ -23,6 +23,10 @@ it catches up in one forward on the positions it has (at most HEAD_CONTEXT: its 
 
 The head keeps a KV cache of its own: entries for committed positions hold target features and stay;
 draft entries sit after them and are dropped at the next proposal.
+
+Learning online (`online`, see specdecode/online.py): the proposer records what the target verified, chunk by
+chunk, and takes the newest published head at the start of a step (its cache then restarts: entries made by
+the old head's weights would not be the new one's).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from ..cost import ForwardCost
 from ..models import Transformer
 from ..models.eagle import EagleHead
+from ..online import OnlineHead
 from ..policy import Rest, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
@@ -66,8 +71,13 @@ class EagleProposer(Proposer):
     MAX_DEPTH = 8  # deepest tree when the proposer sizes itself (k="auto")
 
     def __init__(self, head: EagleHead, target: Transformer, *, topk: int = 4, nodes: int = 24,
-                 cost: ForwardCost | None = None) -> None:
-        """cost: the target's forward cost; with it each step's tree is sized by expected tokens per second."""
+                 cost: ForwardCost | None = None, online: OnlineHead | None = None) -> None:
+        """cost: the target's forward cost; with it each step's tree is sized by expected tokens per second.
+        online: the head learns from this request's verified text, and is taken from there (`head` ignored)."""
+        self.online = online
+        if online is not None:
+            head = online.current
+        self.version = online.version if online is not None else 0  # of the head in use
         head.check_target(target)
         if topk < 1 or nodes < 1:
             raise ValueError(f"eagle needs topk >= 1 and nodes >= 1, got topk={topk}, nodes={nodes}")
@@ -105,6 +115,7 @@ class EagleProposer(Proposer):
         self.raw = torch.zeros(max_len, h * len(self.hidden_layers), dtype=self.features.dtype, device=self.head.device)
         self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
         self.known = self.known_from = self.cached = self.fused = self.offset = 0
+        self.recorded = 0  # positions below this one were recorded for online learning (or skipped)
         # what earlier requests found carries over (the head is shared): resting at the end of the last request,
         # this one starts resting too, and does not pay the head's pass over the whole prompt for nothing
         self.resting = Rest(MAX_REST, MIN_EVIDENCE)
@@ -113,7 +124,7 @@ class EagleProposer(Proposer):
             self.resting.resume(carried)
 
     def reads_hidden(self) -> bool:
-        return self.resting.left < HIDDEN_LEAD
+        return self.online is not None or self.resting.left < HIDDEN_LEAD
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
@@ -143,6 +154,8 @@ class EagleProposer(Proposer):
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         root = len(tokens) - 1  # entry t reads (feature t, token t + 1): the last one is entry root - 1
+        if self.online is not None:  # between steps: the only place the head changes
+            self._learn_online(tokens)
         if self.resting.take():  # counted first: while resting the hidden states are not read, so `known` lags
             return DraftTree.root_only(tokens[-1])
         if k < 1 or root < 1 or self.known < root:
@@ -168,7 +181,22 @@ class EagleProposer(Proposer):
         self.step_head = (time.perf_counter() - proposing, root)
         return tree
 
+    def _learn_online(self, tokens: list[int]) -> None:
+        """Record the verified chunks not yet recorded, then take the newest published head."""
+        online = self.online
+        chunk = online.cfg.chunk
+        self.recorded = max(self.recorded, self.known_from)
+        while self.recorded + chunk < min(self.known, len(tokens)):  # a chunk's n + 1 tokens are all committed
+            a = self.recorded
+            online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1])
+            self.recorded += chunk
+        if online.version != self.version:
+            self.head, self.version = online.current, online.version
+            self.cached = self.fused = self.offset  # its cache and features restart: the weights changed
+
     def observe(self, tree, verdict, extra_logits) -> None:
+        if self.online is not None and len(tree) > 1:
+            self.online.report(self.version, verdict.num_accepted)
         if self.last is not None and self.last[0] is tree:  # the tree went out as proposed
             counts = self.calibration[self.last[1]]
             counts[0] = 0.95 * counts[0] + verdict.num_accepted

@@ -54,6 +54,7 @@ class ServerConfig:
     replica: str | None = None  # a name /health reports (one replica of several behind Ray Serve)
     trust_request_chat_template: bool = False  # a request may bring its own chat template (Jinja, sandboxed)
     prefill_share: float = 0.5  # while requests run, the most of a turn's time a new prompt's prefill may take
+    online_draft: bool = False  # eagle and hybrid: the EAGLE head learns from what the target verifies
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -139,7 +140,8 @@ class Server:
                                     frequency_penalty=req.frequency_penalty or 0.0,
                                     repetition_penalty=req.repetition_penalty or 1.0,
                                     min_tokens=req.min_tokens or 0)
-            proposer = self.llm.proposer(method, self.config.draft, k=k)  # set up at start: cached now
+            online = self.config.online_draft and method in ("eagle", "hybrid")
+            proposer = self.llm.proposer(method, self.config.draft, k=k, online_draft=online)  # set up at start
             acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
                                                                  AcceptanceStats())
             return method, engine_request.Request(

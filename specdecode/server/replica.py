@@ -37,7 +37,8 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
                           api_key=options.get("api_key"), methods=tuple(options["methods"]),
                           max_request_bytes=options["max_request_bytes"], replica=replica,
                           trust_request_chat_template=bool(options.get("trust_request_chat_template")),
-                          prefill_share=options.get("prefill_share", 0.5))
+                          prefill_share=options.get("prefill_share", 0.5),
+                          online_draft=options.get("online_draft", False))
     return llm, config, cost
 
 

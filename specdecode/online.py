@@ -1,0 +1,190 @@
+"""Online learning of the EAGLE head from the verifier (after DVI, arXiv 2510.05421): a head that drifts from the
+traffic learns it while serving, and output stays exactly the target's, since verification is unchanged.
+
+Every step already computes what the head needs to learn: the target's hidden states at the head's layers and
+the tokens the target committed. Proposers `record` them in chunks into a bounded replay buffer; a background
+thread fine-tunes a float copy of the head on it (the training-time-test loss of `specdecode train eagle`, with
+the committed tokens as the teacher) and every `publish_every` steps publishes a new serving head. A proposer
+takes the newest head only at the start of a step (`current` is read once there), so no step mixes two heads.
+The guard: a published head is judged over its first `judge_steps` drafting steps by tokens accepted per step;
+under `tolerance` x its predecessor's, the predecessor comes back (and the learner restarts from it).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .models.eagle import EagleHead
+
+
+@dataclass
+class OnlineConfig:
+    lr: float = 1e-4
+    batch: int = 8  # chunks per learner step
+    chunk: int = 64  # positions per recorded chunk
+    buffer_chunks: int = 512  # the replay buffer's bound: the oldest chunks go first
+    publish_every: int = 20  # learner steps between published heads
+    ttt_steps: int = 3  # draft depths unrolled in training
+    duty: float = 1.0  # the learner computes at most this share of the wall time (it sleeps the rest)
+    judge_steps: int = 48  # drafting steps over which a published head is judged
+    tolerance: float = 0.9  # reverted if it accepts fewer tokens per step than this x its predecessor
+    seed: int = 0
+
+
+class OnlineHead:
+    """An EAGLE head that keeps learning while it serves (see the module docstring). `current` is the serving head,
+    `version` counts publishes and reverts."""
+
+    def __init__(self, head: EagleHead, embed: torch.nn.Module, cfg: OnlineConfig | None = None,
+                 quantization: str | None = None) -> None:
+        self.cfg = cfg or OnlineConfig()
+        self.current, self.version = head, 0
+        self.quantization = quantization  # the serving head's linear layers' kind (None: as the learner's)
+        self.learner = float_copy(head)
+        self.learner.requires_grad_(True)
+        self.learner.d2t.requires_grad_(False)
+        self.embed = torch.nn.Embedding.from_pretrained(embed.weight.detach().float().clone())
+        vocab_size = self.embed.weight.shape[0]
+        self.t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+        self.t2d[head.d2t.cpu()] = torch.arange(len(head.d2t))
+        self.optimizer = self._optimizer()
+        self.served = copy.deepcopy(self.learner.state_dict())  # the learner's weights behind `current`
+        self._restore: dict[str, torch.Tensor] | None = None  # weights the learner restarts from (after a revert)
+        self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=self.cfg.buffer_chunks)
+        self.recorded = 0  # chunks ever recorded
+        self.steps = 0  # learner steps taken
+        self.reverts = 0
+        self.lock = threading.Lock()
+        self.rng = random.Random(self.cfg.seed)
+        # guard: per version [accepted tokens, drafting steps]; the head before the last publish, until judged
+        self.judged: dict[int, list[float]] = {0: [0.0, 0.0]}
+        self.previous: tuple[EagleHead, dict[str, torch.Tensor], int] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ serving side (the engine's threads)
+    def record(self, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
+        """One chunk the target verified: `hidden` [n, layers x H] at n positions and the n + 1 tokens from the
+        first of them on (token i + 1 is the one committed after position i)."""
+        if len(tokens) != hidden.shape[0] + 1:
+            raise ValueError(f"{hidden.shape[0]} positions need {hidden.shape[0] + 1} tokens, got {len(tokens)}")
+        with self.lock:
+            self.buffer.append((hidden.detach().to("cpu", torch.float16).clone(), torch.tensor(tokens)))
+            self.recorded += 1
+
+    def report(self, version: int, accepted: int) -> None:
+        """A drafting step of head `version` had `accepted` guesses accepted: the guard's evidence."""
+        with self.lock:
+            counts = self.judged.setdefault(version, [0.0, 0.0])
+            counts[0] += accepted
+            counts[1] += 1
+            if self.previous is not None and version == self.version and counts[1] >= self.cfg.judge_steps:
+                before = self.judged.get(self.previous[2], [0.0, 0.0])
+                rate_before = before[0] / before[1] if before[1] else 0.0
+                if counts[0] / counts[1] < self.cfg.tolerance * rate_before:
+                    self._revert()
+                else:
+                    self.previous = None  # kept
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.learner.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def _revert(self) -> None:
+        head, state, version = self.previous  # type: ignore[misc]
+        self._restore = self.served = state  # the learner takes it at its next step (it may be mid-step now)
+        self.current, self.version, self.previous = head, self.version + 1, None
+        self.judged[self.version] = list(self.judged.get(version, [0.0, 0.0]))  # its record stands
+        self.reverts += 1
+
+    # ------------------------------------------------------------------ learning side
+    def step(self) -> float | None:
+        """One learner step on a batch from the buffer (None: too little data yet); publishes every
+        `publish_every` steps. The background thread calls this; tests may too."""
+        with self.lock:
+            if self._restore is not None:
+                self.learner.load_state_dict(self._restore)
+                self.optimizer, self._restore = self._optimizer(), None
+            if len(self.buffer) < self.cfg.batch:
+                return None
+            chunks = self.rng.sample(list(self.buffer), self.cfg.batch)
+        from .training.eagle import ttt_loss  # training code loads only where a head learns
+
+        batch = chunk_batch(chunks, self.learner.config.target_layers)
+        self.learner.train()
+        loss, _ = ttt_loss(self.learner, self.embed, self.t2d, batch, self.cfg.ttt_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.learner.parameters(), 1.0)
+        self.optimizer.step()
+        self.steps += 1
+        if self.steps % self.cfg.publish_every == 0:
+            self.publish()
+        return float(loss.detach())
+
+    def publish(self) -> None:
+        """The learner's weights become the serving head (as the serving one is stored: dtype, quantization)."""
+        head = float_copy(self.learner).to(self.current.dtype)
+        head.requires_grad_(False)
+        if self.quantization is not None:
+            head.quantize_(self.quantization)
+        head.rest_state = getattr(self.current, "rest_state", None)  # the policy's view carries over
+        state = copy.deepcopy(self.learner.state_dict())
+        with self.lock:
+            if self.previous is None:  # a head still being judged stays the one to come back to
+                self.previous = (self.current, self.served, self.version)
+            self.served = state
+            self.current, self.version = head, self.version + 1
+            self.judged[self.version] = [0.0, 0.0]
+
+    def start(self) -> None:
+        """Learn in a daemon thread until `close`."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="specdecode-online-draft", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            if self.step() is None:
+                self._stop.wait(0.05)
+                continue
+            busy = time.perf_counter() - started
+            if self.cfg.duty < 1.0:  # sleep so that computing stays within its share of the time
+                self._stop.wait(busy * (1.0 / self.cfg.duty - 1.0))
+
+
+def float_copy(head: EagleHead) -> EagleHead:
+    """A float32 copy of `head` on the CPU, its quantized layers dequantized."""
+    out = EagleHead(head.config)
+    with torch.no_grad():
+        for name, param in out.named_parameters():
+            owner, attr = name.rsplit(".", 1)
+            param.copy_(getattr(head.get_submodule(owner), attr).float().cpu())
+        out.d2t.copy_(head.d2t.cpu())
+    return out
+
+
+def chunk_batch(chunks: list[tuple[torch.Tensor, torch.Tensor]], layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Recorded chunks as a training batch of `ttt_loss`: the committed next token is the teacher (probability 1)."""
+    n = min(h.shape[0] for h, _ in chunks)
+    hidden = torch.stack([h[:n] for h, _ in chunks]).float()
+    hidden = hidden.view(len(chunks), n, len(layers), -1)
+    tokens = torch.stack([t[: n + 1] for _, t in chunks])
+    return {"hidden": hidden, "tokens": tokens[:, :n], "mask": torch.ones(len(chunks), n, dtype=torch.bool),
+            "teacher_ids": tokens[:, 1:, None], "teacher_probs": torch.ones(len(chunks), n, 1)}

@@ -1,0 +1,118 @@
+"""Online learning of the EAGLE head (specdecode/online.py): output stays the target's whatever head serves, a
+new head is taken only between steps, learning raises acceptance on the served text, the guard reverts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.cli import main as cli_main
+from specdecode.engine import generate_ids
+from specdecode.models.eagle import EagleConfig, EagleHead
+from specdecode.online import OnlineConfig, OnlineHead
+from specdecode.proposers import EagleProposer
+
+from .helpers import tiny_model
+from .test_lossless import PROMPTS, VOCAB
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0, vocab_size=VOCAB, num_layers=4)
+
+
+def fresh_head(target) -> EagleHead:
+    """A head started from the target (as training starts it), untrained: it guesses badly, and can learn."""
+    head = EagleHead(EagleConfig.for_target(target.config, 48, target_layers=[0, 2, 3]))
+    head.init_from_target(target, torch.arange(VOCAB - 48, VOCAB))
+    return head.to(target.dtype).eval().requires_grad_(False)
+
+
+def acceptance(target, head: EagleHead) -> float:
+    proposer = EagleProposer(head, target, topk=1, nodes=1)
+    stats = [generate_ids(target, p, proposer=proposer, k=1, max_new_tokens=NEW)[1] for p in PROMPTS]
+    return sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
+
+
+def test_output_is_the_targets_while_heads_are_published_under_it(target, monkeypatch) -> None:
+    """The learner publishes after every step of its own, in its thread, while requests run: every head forward
+    of a step is the head the step began with, and greedy output equals plain decoding's."""
+    online = OnlineHead(fresh_head(target), target.embed, OnlineConfig(chunk=8, batch=2, publish_every=1, lr=1e-3))
+    run, learn = EagleProposer._run, EagleProposer._learn_online
+    seen: list[bool] = []
+
+    def adopting(self, tokens):  # a step's start: it takes the newest head here, and only here
+        learn(self, tokens)
+        self.step_head_was = self.head
+
+    def checked_run(self, *args):
+        seen.append(self.head is self.step_head_was)
+        return run(self, *args)
+
+    monkeypatch.setattr(EagleProposer, "_learn_online", adopting)
+    monkeypatch.setattr(EagleProposer, "_run", checked_run)
+    online.start()
+    try:
+        versions = set()
+        for _ in range(3):
+            for prompt in PROMPTS:
+                plain, _ = generate_ids(target, prompt, max_new_tokens=NEW)
+                proposer = EagleProposer(fresh_head(target), target, topk=2, nodes=6, online=online)
+                out, stats = generate_ids(target, prompt, proposer=proposer, k=3, max_new_tokens=NEW)
+                assert out == plain
+                versions.add(proposer.version)
+    finally:
+        online.close()
+    assert online.recorded > 0 and online.steps > 0 and len(versions) > 1  # heads changed between requests
+    assert seen and all(seen)
+
+
+def test_learning_online_raises_acceptance_on_the_text_it_served(target) -> None:
+    head = fresh_head(target)
+    before = acceptance(target, head)
+    online = OnlineHead(head, target.embed, OnlineConfig(chunk=16, batch=4, publish_every=50, lr=2e-3, seed=1))
+    for prompt in PROMPTS:  # what the target verified while the head served (no thread: deterministic)
+        generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=1, nodes=1, online=online), k=1,
+                     max_new_tokens=NEW)
+    assert online.recorded >= len(PROMPTS)
+    for _ in range(150):
+        online.step()
+    assert online.version == 3 and online.current is not head
+    after = acceptance(target, online.current)
+    assert after > before + 0.1, (before, after)
+
+
+def test_guard_brings_back_the_head_before_one_that_accepts_less(target) -> None:
+    head = fresh_head(target)
+    online = OnlineHead(head, target.embed, OnlineConfig(judge_steps=4, tolerance=0.9))
+    learnt = {k: v.clone() for k, v in online.learner.state_dict().items()}
+    for _ in range(8):
+        online.report(0, 3)  # the first head: 3 guesses accepted a step
+    with torch.no_grad():
+        online.learner.fuse.weight.mul_(-1.0)  # a learner gone wrong
+    online.publish()
+    assert online.version == 1 and online.current is not head
+    for _ in range(3):
+        online.report(1, 0)
+    assert online.version == 1  # not judged before judge_steps steps
+    online.report(1, 0)
+    assert online.current is head and online.version == 2 and online.reverts == 1
+    online.step()  # the learner restarts from the head that came back (too little data to train: only that)
+    for name, value in online.learner.state_dict().items():
+        torch.testing.assert_close(value, learnt[name])
+    for _ in range(8):  # a head that does as well is kept
+        online.report(2, 3)
+    online.publish()
+    for _ in range(4):
+        online.report(3, 3)
+    assert online.version == 3 and online.previous is None
+
+
+def test_online_learning_errors_say_what_to_do(target, capsys) -> None:
+    online = OnlineHead(fresh_head(target), target.embed)
+    with pytest.raises(ValueError, match="3 positions need 4 tokens"):
+        online.record(torch.zeros(3, 3 * target.config.hidden_size), [1, 2, 3])
+    assert cli_main(["generate", "hi", "--model", "nowhere", "--method", "prompt-lookup", "--online-draft"]) == 2
+    assert "use it with --method eagle or hybrid" in capsys.readouterr().err
