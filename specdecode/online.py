@@ -71,6 +71,11 @@ class OnlineHead:
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ serving side (the engine's threads)
+    def serving(self) -> tuple[EagleHead, int]:
+        """(the serving head, its version), read together."""
+        with self.lock:
+            return self.current, self.version
+
     def record(self, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
         """One chunk the target verified: `hidden` [n, layers x H] at n positions and the n + 1 tokens from the
         first of them on (token i + 1 is the one committed after position i)."""

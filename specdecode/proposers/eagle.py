@@ -75,9 +75,9 @@ class EagleProposer(Proposer):
         """cost: the target's forward cost; with it each step's tree is sized by expected tokens per second.
         online: the head learns from this request's verified text, and is taken from there (`head` ignored)."""
         self.online = online
+        self.version = 0  # of the head in use
         if online is not None:
-            head = online.current
-        self.version = online.version if online is not None else 0  # of the head in use
+            head, self.version = online.serving()
         head.check_target(target)
         if topk < 1 or nodes < 1:
             raise ValueError(f"eagle needs topk >= 1 and nodes >= 1, got topk={topk}, nodes={nodes}")
@@ -190,8 +190,9 @@ class EagleProposer(Proposer):
             a = self.recorded
             online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1])
             self.recorded += chunk
-        if online.version != self.version:
-            self.head, self.version = online.current, online.version
+        head, version = online.serving()
+        if version != self.version:
+            self.head, self.version = head, version
             self.cached = self.fused = self.offset  # its cache and features restart: the weights changed
 
     def observe(self, tree, verdict, extra_logits) -> None:

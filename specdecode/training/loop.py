@@ -32,7 +32,8 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False  # autocast to bfloat16 (GPU training)
     seconds: float | None = None  # a time budget: training ends (evaluated, saved) within it, the schedule fitted
-    # to the steps it allows (measured over the first FIT_STEPS steps); `steps` stays the upper bound
+    # to the steps it allows (measured over the first FIT_STEPS steps, fitted again at each evaluation on the
+    # average so far, evaluations included); `steps` stays the upper bound
 
 
 FIT_STEPS = 20  # steps timed (after one warm-up step) to fit a time budget's step count
@@ -145,13 +146,20 @@ def train(
                 save()
             if last:
                 break
+            if deadline is not None and step % cfg.eval_every == 0 and step - first_step > 1 + FIT_STEPS:
+                average = (time.perf_counter() - timed_from) / (step - first_step - 1)  # evaluations included
+                total = from_main(fit_steps(step, cfg, average, deadline, None, share=0.97))
+                bar.update(task, total=total)
     module.eval()
     return history
 
 
-def fit_steps(step: int, cfg: TrainConfig, per_step: float, deadline: float, log: Callable[[str], None]) -> int:
-    """The step count a time budget allows from here: a tenth of what is left is kept for the evaluations."""
+def fit_steps(step: int, cfg: TrainConfig, per_step: float, deadline: float, log: Callable[[str], None] | None,
+              share: float = 0.9) -> int:
+    """The step count a time budget allows from here at `per_step` seconds a step, using `share` of the time left
+    (the first fit keeps a tenth for the evaluations; later ones measure them in `per_step`)."""
     left = max(0.0, deadline - time.perf_counter())
-    total = min(cfg.steps, step + int(0.9 * left / max(per_step, 1e-9)))
-    log(f"time budget {cfg.seconds:.0f} s: {total} steps at {per_step * 1000:.0f} ms a step")
+    total = min(cfg.steps, step + int(share * left / max(per_step, 1e-9)))
+    if log is not None:
+        log(f"time budget {cfg.seconds:.0f} s: {total} steps at {per_step * 1000:.0f} ms a step")
     return max(total, step)
