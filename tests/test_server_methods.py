@@ -17,6 +17,7 @@ from specdecode.batch_cost import BatchCost
 from specdecode.cost import CostModel
 from specdecode.models.eagle import EagleConfig, EagleHead
 from specdecode.models.medusa import MedusaHeads
+from specdecode.online import OnlineConfig
 from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
 from specdecode.server.app import ServerConfig, create_app
 
@@ -103,6 +104,23 @@ def test_every_method_through_the_server_equals_plain(world, method, monkeypatch
                     drafted += usage.get("drafted", 0)
         if method != "none":
             assert drafted > 0, f"{method} never speculated: the test would not see its server path"
+
+
+def test_online_draft_through_the_server_learns_and_equals_plain(world, monkeypatch) -> None:
+    """--online-draft: eagle requests record what the target verified for the shared head's learner; output is
+    plain decoding's."""
+    llm, heads, _, cache = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
+    expected = {p: plain(llm, p) for p in PROMPTS}
+    online = llm.online_head(heads["eagle"], OnlineConfig(chunk=8))  # short requests: short chunks
+    batch_cost = BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)])
+    config = ServerConfig("tiny", method="eagle", draft=str(heads["eagle"]), max_batch=4, online_draft=True)
+    with TestClient(create_app(llm, config, batch_cost)) as client:
+        for _ in range(3):
+            for prompt in PROMPTS:
+                assert ask(client, prompt, "eagle", "auto", False)[0] == expected[prompt]
+    online.close()
+    assert online.recorded > 0  # the server's requests fed the learner (the one head of the model)
 
 
 def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -> None:
