@@ -99,7 +99,7 @@ def plot(windows, size: int, path: Path) -> None:
     for arm in ("static", "online"):
         ax.plot([w + size for w, _ in windows], [t[arm] for _, t in windows], marker="o", label=arm)
     ax.set_xlabel("requests served")
-    ax.set_ylabel(f"tau (tokens per target forward, per {size} requests)")
+    ax.set_ylabel(f"tau over {size} requests")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

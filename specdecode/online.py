@@ -8,6 +8,10 @@ the committed tokens as the teacher) and every `publish_every` steps publishes a
 takes the newest head only at the start of a step (`current` is read once there), so no step mixes two heads.
 The guard: a published head is judged over its first `judge_steps` drafting steps by tokens accepted per step;
 under `tolerance` x its predecessor's, the predecessor comes back (and the learner restarts from it).
+The learner works only as hard as it pays: after a publish it waits for the verdict (a head that rests, not
+drafting, is never judged: its learner stays idle), and its share of the time doubles after a head that accepted
+more than its predecessor and halves after one that did not (between `min_duty` and `duty`). Traffic the head
+already knows costs a few percent of a core; traffic it does not gets the learner's full share.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ class OnlineConfig:
     buffer_chunks: int = 512  # the replay buffer's bound: the oldest chunks go first
     publish_every: int = 20  # learner steps between published heads
     ttt_steps: int = 3  # draft depths unrolled in training
-    duty: float = 1.0  # the learner computes at most this share of the wall time (it sleeps the rest)
+    duty: float = 1.0  # the learner computes at most this share of the wall time (it sleeps the rest) ...
+    min_duty: float = 1 / 32  # ... and at least this share, while its heads gain nothing
     judge_steps: int = 48  # drafting steps over which a published head is judged
     tolerance: float = 0.9  # reverted if it accepts fewer tokens per step than this x its predecessor
     seed: int = 0
@@ -62,6 +67,7 @@ class OnlineHead:
         self.recorded = 0  # chunks ever recorded
         self.steps = 0  # learner steps taken
         self.reverts = 0
+        self.duty = self.cfg.duty  # the learner's share of the time now (see the module docstring)
         self.lock = threading.Lock()
         self.rng = random.Random(self.cfg.seed)
         # guard: per version [accepted tokens, drafting steps]; the head before the last publish, until judged
@@ -94,7 +100,10 @@ class OnlineHead:
             if self.previous is not None and version == self.version and counts[1] >= self.cfg.judge_steps:
                 before = self.judged.get(self.previous[2], [0.0, 0.0])
                 rate_before = before[0] / before[1] if before[1] else 0.0
-                if counts[0] / counts[1] < self.cfg.tolerance * rate_before:
+                rate = counts[0] / counts[1]
+                gained = rate > rate_before
+                self.duty = min(self.cfg.duty, self.duty * 2) if gained else max(self.cfg.min_duty, self.duty / 2)
+                if rate < self.cfg.tolerance * rate_before:
                     self._revert()
                 else:
                     self.previous = None  # kept
@@ -118,7 +127,7 @@ class OnlineHead:
             if self._restore is not None:
                 self.learner.load_state_dict(self._restore)
                 self.optimizer, self._restore = self._optimizer(), None
-            if len(self.buffer) < self.cfg.batch:
+            if len(self.buffer) < self.cfg.batch or self.previous is not None:  # no data, or a verdict awaited
                 return None
             chunks = self.rng.sample(list(self.buffer), self.cfg.batch)
         from .training.eagle import ttt_loss  # training code loads only where a head learns
@@ -137,7 +146,7 @@ class OnlineHead:
 
     def publish(self) -> None:
         """The learner's weights become the serving head (as the serving one is stored: dtype, quantization)."""
-        head = float_copy(self.learner).to(self.current.dtype)
+        head = float_copy(self.learner).to(self.current.device, self.current.dtype)
         head.requires_grad_(False)
         if self.quantization is not None:
             head.quantize_(self.quantization)
@@ -170,8 +179,8 @@ class OnlineHead:
                 self._stop.wait(0.05)
                 continue
             busy = time.perf_counter() - started
-            if self.cfg.duty < 1.0:  # sleep so that computing stays within its share of the time
-                self._stop.wait(busy * (1.0 / self.cfg.duty - 1.0))
+            if self.duty < 1.0:  # sleep so that computing stays within its share of the time
+                self._stop.wait(busy * (1.0 / self.duty - 1.0))
 
 
 def float_copy(head: EagleHead) -> EagleHead:

@@ -72,14 +72,14 @@ def test_output_is_the_targets_while_heads_are_published_under_it(target, monkey
 def test_learning_online_raises_acceptance_on_the_text_it_served(target) -> None:
     head = fresh_head(target)
     before = acceptance(target, head)
-    online = OnlineHead(head, target.embed, OnlineConfig(chunk=16, batch=4, publish_every=50, lr=2e-3, seed=1))
+    online = OnlineHead(head, target.embed, OnlineConfig(chunk=16, batch=4, publish_every=150, lr=2e-3, seed=1))
     for prompt in PROMPTS:  # what the target verified while the head served (no thread: deterministic)
         generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=1, nodes=1, online=online), k=1,
                      max_new_tokens=NEW)
     assert online.recorded >= len(PROMPTS)
     for _ in range(150):
         online.step()
-    assert online.version == 3 and online.current is not head
+    assert online.version == 1 and online.current is not head
     after = acceptance(target, online.current)
     assert after > before + 0.1, (before, after)
 
@@ -108,6 +108,28 @@ def test_guard_brings_back_the_head_before_one_that_accepts_less(target) -> None
     for _ in range(4):
         online.report(3, 3)
     assert online.version == 3 and online.previous is None
+
+
+def test_learner_waits_for_each_verdict_and_works_as_hard_as_it_pays(target) -> None:
+    online = OnlineHead(fresh_head(target), target.embed, OnlineConfig(chunk=4, batch=2, publish_every=1,
+                                                                       judge_steps=2, duty=0.5, tolerance=0.0))
+    hidden = torch.zeros(4, 3 * target.config.hidden_size)
+    for _ in range(2):
+        online.record(hidden, [1, 2, 3, 4, 5])
+    online.report(0, 2)
+    assert online.step() is not None and online.version == 1  # trained and published ...
+    assert online.step() is None  # ... and waits for the verdict on that head
+    online.report(1, 1)
+    online.report(1, 1)  # accepted less than before (1 < 2; kept, at tolerance 0): half the learner's share
+    assert online.duty == 0.25 and online.step() is not None
+    online.report(2, 3)
+    online.report(2, 3)  # more than before: the share doubles, up to its bound
+    assert online.duty == 0.5
+    for _ in range(10):  # head after head that gains nothing: down to the floor, never idle for good
+        online.step()
+        online.report(online.version, 0)
+        online.report(online.version, 0)
+    assert online.duty == online.cfg.min_duty
 
 
 def test_online_learning_errors_say_what_to_do(target, capsys) -> None:
