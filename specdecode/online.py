@@ -94,7 +94,9 @@ class OnlineHead:
     def report(self, version: int, accepted: int) -> None:
         """A drafting step of head `version` had `accepted` guesses accepted: the guard's evidence."""
         with self.lock:
-            counts = self.judged.setdefault(version, [0.0, 0.0])
+            counts = self.judged.get(version)
+            if counts is None:  # a head no longer judged, nor judged against
+                return
             counts[0] += accepted
             counts[1] += 1
             if self.previous is not None and version == self.version and counts[1] >= self.cfg.judge_steps:
@@ -157,6 +159,8 @@ class OnlineHead:
                 self.previous = (self.current, self.served, self.version)
             self.served = state
             self.current, self.version = head, self.version + 1
+            kept = (self.previous[2], self.version)  # the records that still matter (not one per head ever made)
+            self.judged = {v: c for v, c in self.judged.items() if v in kept}
             self.judged[self.version] = [0.0, 0.0]
 
     def start(self) -> None:
