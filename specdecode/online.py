@@ -10,7 +10,7 @@ The guard: a published head is judged over its first `judge_steps` drafting step
 under `tolerance` x its predecessor's, the predecessor comes back (and the learner restarts from it).
 The learner works only as hard as it pays: after a publish it waits for the verdict (a head that rests, not
 drafting, is never judged: its learner stays idle), and its share of the time doubles after a head that accepted
-more than its predecessor and halves after one that did not (between `min_duty` and `duty`). Traffic the head
+more than its predecessor and falls by 30% after one that did not (between `min_duty` and `duty`). Traffic the head
 already knows costs a few percent of a core; traffic it does not gets the learner's full share.
 """
 
@@ -104,7 +104,8 @@ class OnlineHead:
                 rate_before = before[0] / before[1] if before[1] else 0.0
                 rate = counts[0] / counts[1]
                 gained = rate > rate_before
-                self.duty = min(self.cfg.duty, self.duty * 2) if gained else max(self.cfg.min_duty, self.duty / 2)
+                # a verdict over a few dozen steps is noisy: the share falls gently, and comes back at once
+                self.duty = min(self.cfg.duty, self.duty * 2) if gained else max(self.cfg.min_duty, self.duty * 0.7)
                 if rate < self.cfg.tolerance * rate_before:
                     self._revert()
                 else:
