@@ -86,23 +86,27 @@ def prepare(args: argparse.Namespace, layers: list[int]):
         samples = distill(llm, args, samples_path)
     train_samples, heldout_samples = split(samples, args.heldout, args.seed)
     stores, w = [], world()
+    in_memory = args.feature_cache == "memory"
     for name, part in (("train", shard(train_samples)), ("heldout", heldout_samples)):
         sharded = f"-{w.rank}of{w.size}" if name == "train" and w.size > 1 else ""
         path = work / f"features-{'_'.join(map(str, layers)) or 'none'}-{name}{sharded}"
         cached = (path / "features.json").exists()
         barrier()
-        if cached:
-            store = FeatureStore.load(path)
-        else:
+        shared = not sharded and not in_memory and not w.main  # the main worker extracts it once, for all
+        if not cached and not shared:
             if not part:
                 raise ValueError(f"no {name} samples: use more --samples or fewer --heldout")
-            in_memory = args.feature_cache == "memory"
             with progress_bar() as bar:
                 task = bar.add_task(f"target features ({name})", total=len(part))
                 store = extract_features(llm.model, part, layers, device=args.device if in_memory else "cpu",
+                                         batch_tokens=8192 if args.device.startswith("cuda") else 2048 // w.size,
                                          progress=lambda n, task=task: bar.advance(task, n))
-            if not in_memory and (sharded or w.main):
+            if not in_memory:
                 store.save(path)
+        if not sharded:
+            barrier()  # the shared cache is written
+        if cached or shared:
+            store = FeatureStore.load(path)
         stores.append(store.to(args.device))
     return llm, stores[0], stores[1]
 
