@@ -3,7 +3,8 @@ without `online_draft`, tau per window of requests.
 
 The two arms take the same requests in turn (request i: one arm then the other, in a random order), so the
 learner's thread, which runs throughout, slows both alike; the heads never rest (tau measures the head, not the
-policy's choice to stop drafting on a CPU where the head's steps do not pay). Greedy: outputs are the target's.
+policy's choice to stop drafting on a CPU where the head's steps do not pay), except with --rest, which measures
+what learning costs as users run it. Greedy: outputs are the target's.
 
     python benchmarks/online_shift.py --workload repetitive --categories tool-loop --requests 200 --out DIR
 """
@@ -33,9 +34,12 @@ def main() -> None:
     p.add_argument("--window", type=int, default=50, help="requests per tau point")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=OnlineConfig.lr)
+    p.add_argument("--rest", action="store_true",
+                   help="the policy as users get it (the head rests where it does not pay): what learning costs")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    eagle.MAX_REST = 0  # never rest: judge the head
+    if not args.rest:
+        eagle.MAX_REST = 0  # never rest: judge the head
     llm = LLM.load(args.model)
     cats = args.categories.split(",")
     per_category = -(-args.requests // len(cats))
@@ -72,7 +76,7 @@ def main() -> None:
     lines = ["# Online learning under a domain shift", "",
              f"- command: `python benchmarks/online_shift.py --workload {args.workload} --categories "
              f"{args.categories} --requests {args.requests} --window {args.window} --max-new-tokens "
-             f"{args.max_new_tokens} --lr {args.lr} --out {args.out}`",
+             f"{args.max_new_tokens} --lr {args.lr}{' --rest' if args.rest else ''} --out {args.out}`",
              f"- learner: {online.steps} steps, {online.version} heads published or brought back, "
              f"{online.reverts} reverted, {online.recorded} chunks recorded", "",
              "| requests | static tau | online tau | online / static |", "|---|---:|---:|---:|"]
