@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -54,9 +55,9 @@ class OnlineHead:
         self.current, self.version = head, 0
         self.quantization = quantization  # the serving head's linear layers' kind (None: as the learner's)
         self.learner = float_copy(head)
-        self.learner.requires_grad_(True)
-        self.learner.d2t.requires_grad_(False)
-        self.embed = torch.nn.Embedding.from_pretrained(embed.weight.detach().float().clone())
+        self.learner.requires_grad_(True)  # its parameters (d2t is a buffer)
+        table = cast(torch.Tensor, embed.weight)  # the target's embedding (a quantized one dequantizes)
+        self.embed = torch.nn.Embedding.from_pretrained(table.detach().float().clone())
         vocab_size = self.embed.weight.shape[0]
         self.t2d = torch.full((vocab_size,), -1, dtype=torch.long)
         self.t2d[head.d2t.cpu()] = torch.arange(len(head.d2t))
@@ -153,7 +154,9 @@ class OnlineHead:
         head.requires_grad_(False)
         if self.quantization is not None:
             head.quantize_(self.quantization)
-        head.rest_state = getattr(self.current, "rest_state", None)  # the policy's view carries over
+        rest = getattr(self.current, "rest_state", None)
+        if rest is not None:  # the policy's view of the head carries over
+            head.rest_state = rest
         state = copy.deepcopy(self.learner.state_dict())
         with self.lock:
             if self.previous is None:  # a head still being judged stays the one to come back to

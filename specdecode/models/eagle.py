@@ -61,6 +61,8 @@ def _has(module: nn.Module, name: str) -> bool:
 
 
 class EagleHead(nn.Module):
+    d2t: torch.Tensor  # a buffer: draft id -> target id
+
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.config = cfg
