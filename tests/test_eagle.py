@@ -403,6 +403,7 @@ def test_cli_trains_in_torchrun_workers_on_a_sharded_feature_cache(tmp_path, mon
     assert [len(FeatureStore.load(p)) for p in shards] == [6, 6]  # 12 training samples split between the workers
     assert [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()] == [3, 6]
     assert (out / "eagle.safetensors").exists() and "| 6 |" in (out / "report.md").read_text()
+    assert "- samples: 12 train, 4 held out" in (out / "report.md").read_text()  # both workers' shards
     capsys.readouterr()
     assert cli_main([*args, "--batch-size", "3"]) == 2  # refused before any worker starts
     assert "--batch-size 3 does not split between 2 processes" in capsys.readouterr().err

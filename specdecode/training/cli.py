@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import distill_cli, medusa_cli
 from .common import add_common, err, prepare, target_config, train_config, write_report
-from .distributed import finish, init, launch, launched, world
+from .distributed import finish, init, launch, launched, samples_trained_on, world
 
 
 def add_train_parser(sub) -> None:
@@ -56,8 +56,9 @@ def train_eagle_cmd(args: argparse.Namespace) -> int:
     llm, store, heldout = prepare(args, layers)
     train_eagle(llm.model, store, heldout, out, train_config(args), draft_vocab=args.draft_vocab,
                 ttt_steps=args.ttt_steps, batch_size=args.batch_size, max_len=args.max_len, log=err.print)
+    trained_on = samples_trained_on(store)  # every worker's shard
     if not world().main:
         return 0
-    write_report(out, args, "eagle", len(store), len(heldout))
+    write_report(out, args, "eagle", trained_on, len(heldout))
     err.print(f"EAGLE head saved in {out}: use it with --method eagle --draft {out}")
     return 0

@@ -10,7 +10,7 @@ import torch
 
 from ..data import TRAIN_SOURCE
 from .common import add_common, err, prepare, train_config, write_report
-from .distributed import world
+from .distributed import samples_trained_on, world
 from .guards import check_samples_file, claim
 from .heldout import append_decoding_report
 
@@ -64,9 +64,10 @@ def run(args: argparse.Namespace) -> int:
                 max_len=args.max_len, kd_weight=args.kd_weight, device=args.device,
                 save_dtype=SAVE_DTYPES[args.save_dtype], log=err.print,
                 target_embed=llm.model.embed.weight if args.init_embed == "target" else None)
+    trained_on = samples_trained_on(store)  # every worker's shard
     if not world().main:
         return 0
-    report = write_report(out, args, "draft", len(store), len(heldout))
+    report = write_report(out, args, "draft", trained_on, len(heldout))
     with report.open("a") as f:
         f.write("\nFor the draft LM, acc is its top-1 agreement with the target at held-out answer positions "
                 "(greedy acceptance of one guess), chain4_tau the tokens per forward of 4-guess chains if each "

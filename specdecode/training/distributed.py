@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -124,6 +124,11 @@ def summed(counts: torch.Tensor) -> torch.Tensor:
     total = counts.to(device)
     dist.all_reduce(total)
     return total.to(counts.device)
+
+
+def samples_trained_on(store: Sized) -> int:
+    """Training samples over every worker (each holds its shard): for the report."""
+    return int(summed(torch.tensor([len(store)]))[0])
 
 
 def local_batch(batch_size: int) -> int:

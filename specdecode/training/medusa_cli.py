@@ -10,7 +10,7 @@ import torch
 
 from ..data import TRAIN_SOURCE
 from .common import add_common, err, prepare, train_config, write_report
-from .distributed import world
+from .distributed import samples_trained_on, world
 from .guards import check_samples_file, claim
 from .heldout import append_decoding_report
 
@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
                          draft_vocab=args.draft_vocab, batch_size=args.batch_size, max_len=args.max_len,
                          kd_weight=args.kd_weight, stop_token_ids=sorted(llm.stop_token_ids), name=args.target,
                          save_dtype=SAVE_DTYPES[args.save_dtype], log=err.print)
+    trained_on = samples_trained_on(store)  # every worker's shard
     if not world().main:
         return 0
-    report = write_report(out, args, "medusa", len(store), len(heldout))
+    report = write_report(out, args, "medusa", trained_on, len(heldout))
     with report.open("a") as f:
         f.write("\nFor Medusa, accJ is head J's top-1 accuracy alone (the token J + 1 after the next one), and "
                 "tree16_tau the expected tokens per target forward of a 16-node tree built from those accuracies.\n")
