@@ -332,7 +332,9 @@ def test_plain_engine_equals_full_recomputation(target, reference) -> None:
 
 
 def random_eagle(target: Transformer, seed: int) -> EagleHead:
-    head = EagleHead(EagleConfig.for_target(target.config, VOCAB - 8))
+    with torch.random.fork_rng():  # the layers init_from_target keeps (input, norms) start from `seed`, not from
+        torch.manual_seed(seed)  # whatever the tests before this one left in the global generator
+        head = EagleHead(EagleConfig.for_target(target.config, VOCAB - 8))
     head.init_from_target(target, torch.arange(VOCAB - 8))
     randomize_(head.fuse, seed)
     return head.to(target.dtype).eval().requires_grad_(False)

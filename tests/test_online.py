@@ -25,7 +25,9 @@ def target():
 
 def fresh_head(target) -> EagleHead:
     """A head started from the target (as training starts it), untrained: it guesses badly, and can learn."""
-    head = EagleHead(EagleConfig.for_target(target.config, 48, target_layers=[0, 2, 3]))
+    with torch.random.fork_rng():  # what init_from_target does not set starts the same whatever ran before
+        torch.manual_seed(0)
+        head = EagleHead(EagleConfig.for_target(target.config, 48, target_layers=[0, 2, 3]))
     head.init_from_target(target, torch.arange(VOCAB - 48, VOCAB))
     return head.to(target.dtype).eval().requires_grad_(False)
 
