@@ -173,3 +173,20 @@ def test_embedding_starts_from_the_target() -> None:
     assert not torch.equal(weight, before)
     with pytest.raises(ValueError, match="rows"):
         init_embeddings(model, target[:50])
+
+
+def test_engine_distillation_answers_as_the_loaded_target_does_one_request_at_a_time(setup) -> None:
+    """specdecode's engine answers a batch of prompts (of several lengths, some stopping early) exactly as plain
+    decoding of each alone, the stop token kept; the time budget keeps only whole batches."""
+    import specdecode
+    from specdecode.training.data import engine_distill
+
+    target, _ = setup
+    llm = specdecode.load(target, dtype="float64")
+    prompts = [llm.encode(text, chat=True) for text in CORPUS[:5]]
+    samples = engine_distill(llm, prompts, max_new_tokens=12, batch_size=2)
+    assert [s.tokens[: s.prompt_len] for s in samples] == prompts
+    for prompt, sample in zip(prompts, samples, strict=True):
+        alone = llm.generate(prompt, method="none", max_new_tokens=12)
+        assert sample.tokens[sample.prompt_len :] == list(alone.token_ids)
+    assert engine_distill(llm, prompts, max_new_tokens=12, batch_size=2, seconds=0.0) == []

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .data import DEFAULT_TRAIN_DIR, load_prompts, load_samples, save_samples, self_distill, split
+from .data import DEFAULT_TRAIN_DIR, engine_distill, load_prompts, load_samples, save_samples, self_distill, split
 from .distributed import barrier, shard, unshard, world
 from .features import FeatureStore, extract_features
 from .loop import TrainConfig
@@ -33,6 +33,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     p.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generate call")
     p.add_argument("--temperature", type=float, default=0.0, help="the target's sampling when answering (0: greedy)")
+    p.add_argument("--distill-engine", choices=["auto", "specdecode", "transformers"], default="auto",
+                   help="who answers: specdecode's engine (the target as loaded, quantized as it serves; ~3x "
+                        "transformers' float32 generate on a CPU) or transformers (float; on a GPU); auto: "
+                        "specdecode on a CPU, transformers on a GPU")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
@@ -112,27 +116,36 @@ def prepare(args: argparse.Namespace, layers: list[int]):
 
 
 def distill(llm, args: argparse.Namespace, path: Path):
-    """The target answers training prompts (transformers' batched generate on the same checkpoint)."""
+    """The target answers training prompts: through specdecode's engine (the model as loaded, on a CPU) or
+    transformers' batched `generate` on the same checkpoint in float (on a GPU); see --distill-engine."""
+    prompts = shard(load_prompts(llm.tokenizer, args.data, args.samples, args.seed, args.max_prompt_tokens))
+    engine = args.distill_engine
+    if engine == "auto":
+        engine = "transformers" if str(args.device).startswith("cuda") else "specdecode"
+    options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, temperature=args.temperature,
+                   seed=args.seed, seconds=args.distill_seconds)
+    started = time.perf_counter()
+    with progress_bar() as bar:
+        task = bar.add_task(f"the target answers training prompts ({engine})", total=len(prompts))
+        if engine == "specdecode":
+            samples = engine_distill(llm, prompts, progress=lambda n: bar.advance(task, n), **options)
+        else:
+            samples = hf_distill(llm, args, prompts, progress=lambda n: bar.advance(task, n), **options)
+    samples = gather_samples(samples, path)
+    answer = sum(len(s.tokens) - s.prompt_len for s in samples)
+    err.print(f"{len(samples)} answers, {answer} tokens in {time.perf_counter() - started:.0f} s -> {path}")
+    return samples
+
+
+def hf_distill(llm, args: argparse.Namespace, prompts: list[list[int]], **options) -> list:
     from transformers import AutoModelForCausalLM
 
     from ..models import resolve
 
-    prompts = shard(load_prompts(llm.tokenizer, args.data, args.samples, args.seed, args.max_prompt_tokens))
     hf = AutoModelForCausalLM.from_pretrained(str(resolve(args.target)), dtype=DTYPES[args.dtype]).to(args.device)
     hf.eval()
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(llm.stop_token_ids)
-    started = time.perf_counter()
-    with progress_bar() as bar:
-        task = bar.add_task("the target answers training prompts", total=len(prompts))
-        samples = self_distill(hf, prompts, stop_token_ids=sorted(llm.stop_token_ids), pad_token_id=pad,
-                               max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
-                               temperature=args.temperature, seed=args.seed, seconds=args.distill_seconds,
-                               progress=lambda n: bar.advance(task, n))
-    samples = gather_samples(samples, path)
-    answer = sum(len(s.tokens) - s.prompt_len for s in samples)
-    err.print(f"{len(samples)} answers, {answer} tokens in {time.perf_counter() - started:.0f} s -> {path}")
-    del hf
-    return samples
+    return self_distill(hf, prompts, stop_token_ids=sorted(llm.stop_token_ids), pad_token_id=pad, **options)
 
 
 def gather_samples(mine: list, path: Path) -> list:

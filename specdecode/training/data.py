@@ -112,6 +112,45 @@ def load_prompts(tokenizer, data_dir: Path | str = DEFAULT_TRAIN_DIR, limit: int
 
 
 # ---------------------------------------------------------------------------- self-distillation
+def timed_batches(prompts: list[list[int]], batch_size: int, seed: int, seconds: float | None) -> Iterator[list[int]]:
+    """Batches of prompt indices of similar length, in a seeded random order; with `seconds`, none starts once
+    that time is spent (so the prompts answered by then are a fair sample of all, not the shortest)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+    random.Random(seed).shuffle(batches)
+    deadline = None if seconds is None else time.perf_counter() + seconds
+    for idx in batches:
+        if deadline is not None and time.perf_counter() >= deadline:
+            return
+        yield idx
+
+
+def engine_distill(
+    llm,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    seconds: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """The target as loaded (`llm`: quantized as it will serve) answers every prompt through specdecode's own
+    engine: plain decoding, `batch_size` prompts at a time in one continuous batch. On a CPU about 3x
+    transformers' float32 `generate`, and the answers are the served model's own (a float copy of 4-bit weights
+    writes other text). Same batching and time budget as `self_distill`."""
+    out: list[Sample | None] = [None] * len(prompts)
+    for b, idx in enumerate(timed_batches(prompts, batch_size, seed, seconds)):
+        answers = llm.generate([prompts[i] for i in idx], method="none", max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed + b)
+        for i, answer in zip(idx, answers, strict=True):  # token_ids end with the stop token, when one came
+            out[i] = Sample(prompts[i] + list(answer.token_ids), len(prompts[i]))
+        if progress is not None:
+            progress(len(idx))
+    return [s for s in out if s is not None]
+
+
 @torch.inference_mode()
 def self_distill(
     hf_model,
@@ -131,16 +170,10 @@ def self_distill(
     With `seconds`, no batch starts once that time is spent: the batches run in a seeded random order, so the
     prompts answered by then are a fair sample of all (not the shortest)."""
     device = next(hf_model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
-    random.Random(seed).shuffle(batches)
     out: list[Sample | None] = [None] * len(prompts)
     torch.manual_seed(seed)
     stops = set(stop_token_ids)
-    deadline = None if seconds is None else time.perf_counter() + seconds
-    for idx in batches:
-        if deadline is not None and time.perf_counter() >= deadline:
-            break
+    for idx in timed_batches(prompts, batch_size, seed, seconds):
         width = max(len(prompts[i]) for i in idx)
         ids = torch.full((len(idx), width), pad_token_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
