@@ -27,7 +27,7 @@ from typing import cast
 
 import torch
 
-from .models.eagle import EagleHead
+from .models.eagle import EagleHead, copy_weights_
 
 
 @dataclass
@@ -194,11 +194,8 @@ class OnlineHead:
 def float_copy(head: EagleHead) -> EagleHead:
     """A float32 copy of `head` on the CPU, its quantized layers dequantized."""
     out = EagleHead(head.config)
-    with torch.no_grad():
-        for name, param in out.named_parameters():
-            owner, attr = name.rsplit(".", 1)
-            param.copy_(getattr(head.get_submodule(owner), attr).float().cpu())
-        out.d2t.copy_(head.d2t.cpu())
+    copy_weights_(out, head)
+    out.d2t.copy_(head.d2t.cpu())
     return out
 
 

@@ -52,12 +52,18 @@ class EagleConfig:
         return cls(d["target_layers"], d["draft_vocab_size"], ModelConfig(**d["block"]))
 
 
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
+@torch.no_grad()
+def copy_weights_(dst: nn.Module, src: nn.Module) -> None:
+    """Each parameter of `dst` from `src`'s same-named weight where it has one of that shape, read through the
+    attribute (`.weight`): a quantized layer's comes dequantized, cast to the parameter's dtype and device."""
+    for name, param in dst.named_parameters():
+        owner, attr = name.rsplit(".", 1)
+        try:
+            source = getattr(src.get_submodule(owner), attr, None)
+        except AttributeError:  # src has no such submodule
+            continue
+        if source is not None and source.shape == param.shape:
+            param.copy_(source)
 
 
 class EagleHead(nn.Module):
@@ -95,13 +101,8 @@ class EagleHead(nn.Module):
     def init_from_target(self, target: Transformer, vocab: torch.Tensor) -> None:
         """Start from the target: its last layer's weights for the block (those a Llama block has), its output rows
         for `vocab`."""
-        last = target.layers[-1]
+        copy_weights_(self.block, target.layers[-1])
         with torch.no_grad():
-            for name, param in self.block.named_parameters():  # through `.weight`: a quantized layer's dequantized
-                owner, attr = name.rsplit(".", 1)
-                source = getattr(last.get_submodule(owner), attr, None) if _has(last, owner) else None
-                if source is not None and source.shape == param.shape:
-                    param.copy_(source)
             self.norm.weight.copy_(target.norm.weight)
             self.lm_head.weight.copy_(target.lm_head.weight[vocab.to(target.lm_head.weight.device)])
             self.d2t.copy_(vocab)

@@ -106,12 +106,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_device() -> str:
+    """Where the process group's tensors must be: nccl reduces on this worker's GPU, gloo on the CPU."""
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
 def from_main(value: int) -> int:
     """The main worker's `value`, on every worker (so all take the same decision)."""
     if world().size == 1:
         return value
-    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.long, device=device)
+    t = torch.tensor([value], dtype=torch.long, device=collective_device())
     dist.broadcast(t, 0)
     return int(t.item())
 
@@ -120,8 +124,7 @@ def summed(counts: torch.Tensor) -> torch.Tensor:
     """`counts` summed over every worker (each counted its own shard): statistics of the whole data."""
     if world().size == 1:
         return counts
-    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    total = counts.to(device)
+    total = counts.to(collective_device())
     dist.all_reduce(total)
     return total.to(counts.device)
 
