@@ -10,6 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import torch
+
+from . import threads as threads_module
 from .cost import CostModel
 from .models import Transformer
 from .models.eagle import EagleHead
@@ -29,6 +32,7 @@ from .proposers import (
     SuffixCache,
     SuffixProposer,
 )
+from .proposers.async_draft import AsyncDraftProposer, Drafter
 from .proposers.layer_skip import SkipSearchResult, load_skip_search
 from .proposers.medusa import RankAccuracy
 from .proposers.quantized import low_bit_copy
@@ -60,6 +64,7 @@ class Drafting:
         self._rank_accuracy: dict[int, RankAccuracy] = {}  # long-run, per loaded Medusa heads (by id)
         self._low_bit: dict[str, Transformer] = {}  # the target's low-bit copies (method "quantized"), by kind
         self._suffix: SuffixCache | None = None  # earlier outputs, shared by every request (method "suffix")
+        self._drafter: Drafter | None = None  # drafts ahead for asynchronous requests (async_draft)
 
     def proposer(
         self,
@@ -78,6 +83,9 @@ class Drafting:
         nodes: int = 24,
         low_bit: str = "int4-a8",
         online_draft: bool = False,
+        cascade: str | None = None,
+        async_draft: bool = False,
+        draft_threads: int = 1,
     ) -> Proposer:
         """A fresh proposer for `method`, to run with `k`; options: prompt lookup (max_ngram, min_ngram, branches:
         default AUTO_BRANCHES with k='auto', else 1),
@@ -87,7 +95,33 @@ class Drafting:
         medusa (draft = trained heads' folder; the tree is sized by the cost model), quantized (low_bit: the
         precision of the target's copy that drafts, skip_layers: layers it also leaves out), suffix (nodes: the most
         guesses a step, sized by the cost model under k='auto'; matches this request's text and `suffix_cache()`).
-        online_draft: eagle's head (hybrid's too) keeps learning from what the target verifies (`online_head`)."""
+        online_draft: eagle's head (hybrid's too) keeps learning from what the target verifies (`online_head`).
+        cascade: 'prompt-lookup' guesses for the model draft (draft, quantized, layer-skip), which checks its guesses in
+        one forward. async_draft: the model draft drafts the next step while the target verifies this one, in a
+        worker thread with `draft_threads` threads (see proposers/async_draft.py)."""
+        proposer = self._proposer(method, draft, k=k, max_ngram=max_ngram, min_ngram=min_ngram, branches=branches,
+                                  window=window, ngram=ngram, guesses=guesses, skip_layers=skip_layers, topk=topk,
+                                  nodes=nodes, low_bit=low_bit, online_draft=online_draft)
+        if cascade is not None:
+            if cascade != "prompt-lookup":
+                raise ValueError(f"cascade drafts with 'prompt-lookup' (for a model draft), not {cascade!r}")
+            if not isinstance(proposer, DraftModelProposer):
+                raise ValueError(f"cascade: prompt lookup guesses for a model draft (method draft, quantized or "
+                                 f"layer-skip), not for {method!r}")
+            proposer.lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram)
+        if async_draft:
+            if not isinstance(proposer, DraftModelProposer):
+                raise ValueError(f"async_draft: only a model draft that depends on the tokens alone (method draft, "
+                                 f"quantized or layer-skip) drafts ahead, not {method!r}: EAGLE and Medusa heads draft "
+                                 "from the target's hidden states of the tokens being verified, which exist only "
+                                 "after verification; n-gram methods cost nothing to hide")
+            proposer = AsyncDraftProposer(proposer, self.drafter(draft_threads))
+        return proposer
+
+    def _proposer(self, method: str, draft: str | os.PathLike | Drafting | None, *, k: int | str, max_ngram: int,
+                  min_ngram: int, branches: int | None, window: int, ngram: int, guesses: int,
+                  skip_layers: Sequence[int] | None, topk: int, nodes: int, low_bit: str,
+                  online_draft: bool) -> Proposer:
         if online_draft and method not in ("eagle", "hybrid"):
             raise ValueError(f"online_draft trains the EAGLE head: it goes with method 'eagle' or 'hybrid', not "
                              f"{method!r}")
@@ -133,6 +167,23 @@ class Drafting:
             model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
             return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches or 1), model_draft)
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+    def drafter(self, threads: int = 1) -> Drafter:
+        """The worker thread that drafts ahead for this model's asynchronous requests (made on first use, with
+        `threads` threads; the target's forwards keep the cores it leaves)."""
+        if self._drafter is None:
+            cores = len(threads_module.usable_cores())
+            if threads >= cores:
+                raise ValueError(f"draft_threads={threads} leaves none of this machine's {cores} cores to the target")
+            if torch.get_num_threads() + threads > cores:
+                torch.set_num_threads(cores - threads)
+                logging.getLogger("specdecode").warning(
+                    "asynchronous drafting: the drafter takes %d of %d cores, the target's forwards run on %d threads",
+                    threads, cores, cores - threads)
+            self._drafter = Drafter(threads, self.model.device)
+        elif threads != self._drafter.threads:
+            raise ValueError(f"the drafter already runs with {self._drafter.threads} threads")
+        return self._drafter
 
     def suffix_cache(self, max_tokens: int | None = None) -> SuffixCache:
         """The global cache of earlier outputs that method 'suffix' matches (made on first use; `max_tokens`, given

@@ -23,7 +23,14 @@ from specdecode.acceptance import AcceptanceStats
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.policy import AdaptiveK
-from specdecode.proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer
+from specdecode.proposers import (
+    AsyncDraftProposer,
+    DraftModelProposer,
+    Drafter,
+    HybridProposer,
+    PromptLookupProposer,
+    Proposer,
+)
 from specdecode.sampling import SamplingParams
 
 from .helpers import FrozenCost, noisy_copy, tiny_model
@@ -35,6 +42,7 @@ V = 8
 # have probabilities ~0.16, 0.09, 0.25 (and 6 after 7 ~0.56): accepted sometimes, rejected sometimes.
 PROMPT = [0, 6, 7, 0, 5, 2, 0, 7, 6, 0]
 ALPHA = 1e-4  # per-test false-alarm rate; the negative controls land many orders of magnitude below
+DRAFTER = Drafter()  # drafts ahead for the asynchronous cases
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +135,15 @@ CASES = {
                                                     AdaptiveK(STEEP, AcceptanceStats(), cheap=False)),
                         SamplingParams(temperature=1.0), 3, adaptive=True),
     "draft-auto": Case(lambda t, d: DraftModelProposer(d, V), SamplingParams(temperature=1.0), 3, adaptive=True),
+    # prompt lookup guesses for the draft (kept with probability q, else a draw from q without the guess)
+    "draft-cascade": Case(lambda t, d: DraftModelProposer(d, V, lookup=PromptLookupProposer()),
+                          SamplingParams(temperature=1.0), 3),
+    # chains drafted ahead, taken when the outcome they guessed came true (patient: the same hits every run)
+    "draft-async": Case(lambda t, d: AsyncDraftProposer(DraftModelProposer(d, V), DRAFTER, patient=True),
+                        SamplingParams(temperature=1.0), 4),
+    "draft-async-cascade-top-k": Case(lambda t, d: AsyncDraftProposer(
+        DraftModelProposer(d, V, lookup=PromptLookupProposer()), DRAFTER, patient=True),
+        SamplingParams(temperature=0.8, top_k=5), 3),
     # bias and penalties processed per tree node with its own history; the drafts' q stay unprocessed
     "prompt-lookup-tree-penalties": Case(lambda t, d: PromptLookupProposer(branches=3), SamplingParams(
         temperature=1.0, logit_bias={6: 0.8, 3: -1.5}, presence_penalty=0.6, frequency_penalty=0.5,
@@ -179,6 +196,16 @@ def test_negative_control_wrong_rule_is_detected(target, draft, monkeypatch, nam
     samples = 1000  # the wrong rule is off by ~0.2 in total variation: far fewer samples suffice
     counts, totals = sample_counts(target, draft, case, samples)
     assert totals["accepted"] < totals["drafted"]  # rejections happened, so the wrong rule was exercised
+    pvalue, tv = chi_square(counts, exact_joint(target, PROMPT, case.params, case.tokens), samples)
+    assert pvalue < 1e-8, f"the wrong rule went unnoticed: p = {pvalue:.2e}, total variation {tv:.3f}"
+
+
+def test_negative_control_cascade_keeping_every_guess_is_detected(target, draft, monkeypatch) -> None:
+    """A cascade whose draft keeps every lookup guess (instead of with probability q) drafts tokens that are not
+    draws from the q it reports: the test must catch it."""
+    monkeypatch.setattr(DraftModelProposer, "_keeps", staticmethod(lambda guess, logits, q, generator: True))
+    case, samples = CASES["draft-cascade"], 1000
+    counts, _ = sample_counts(target, draft, case, samples)
     pvalue, tv = chi_square(counts, exact_joint(target, PROMPT, case.params, case.tokens), samples)
     assert pvalue < 1e-8, f"the wrong rule went unnoticed: p = {pvalue:.2e}, total variation {tv:.3f}"
 

@@ -18,13 +18,23 @@ from specdecode.cost import CostModel
 from specdecode.engine import Generation, generate_ids, start
 from specdecode.models import BatchKVCache, Transformer
 from specdecode.policy import AdaptiveK
-from specdecode.proposers import DraftModelProposer, HybridProposer, NoProposer, PromptLookupProposer, Proposer
+from specdecode.proposers import (
+    AsyncDraftProposer,
+    DraftModelProposer,
+    Drafter,
+    HybridProposer,
+    LayerSkipProposer,
+    NoProposer,
+    PromptLookupProposer,
+    Proposer,
+)
 from specdecode.sampling import SamplingParams
 
 from .helpers import FrozenCost, noisy_copy, prefix_layers, resize_vocab, tiny_model
 
 VOCAB = 56
 NEW = 40
+DRAFTER = Drafter()  # the worker thread that drafts ahead for the asynchronous methods
 
 
 def naive_greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
@@ -97,6 +107,13 @@ METHODS: dict[str, Callable[[Transformer, Transformer], Proposer]] = {
     "draft-larger-vocab": lambda target, draft: DraftModelProposer(resize_vocab(draft, VOCAB + 8), VOCAB),
     "hybrid": lambda target, draft: HybridProposer(PromptLookupProposer(branches=2),
                                                    DraftModelProposer(prefix_layers(target, 1), VOCAB)),
+    # prompt lookup guesses for the draft, which checks them in one forward
+    "draft-cascade": lambda target, draft: DraftModelProposer(draft, VOCAB, lookup=PromptLookupProposer()),
+    # drafting ahead while the target verifies: hits, misses and cut-short chains all happen
+    "draft-async": lambda target, draft: AsyncDraftProposer(DraftModelProposer(draft, VOCAB), DRAFTER),
+    "draft-async-cascade": lambda target, draft: AsyncDraftProposer(
+        DraftModelProposer(draft, VOCAB, lookup=PromptLookupProposer()), DRAFTER, patient=True),
+    "layer-skip-async": lambda target, draft: AsyncDraftProposer(LayerSkipProposer(target, [1]), DRAFTER),
     # the draft's own depth policy: a made-up cost where the draft is worth it only when it is often right
     "hybrid-draft-policy": lambda target, draft: HybridProposer(
         PromptLookupProposer(), DraftModelProposer(draft, VOCAB),

@@ -1,3 +1,4 @@
+from .async_draft import AsyncDraftProposer, Drafter
 from .base import NoProposer, Proposer
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
@@ -9,6 +10,6 @@ from .prompt_lookup import PromptLookupProposer
 from .quantized import QuantizedSelfProposer
 from .suffix import SuffixCache, SuffixProposer
 
-__all__ = ["Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer", "HybridProposer",
+__all__ = ["AsyncDraftProposer", "Drafter", "Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer", "HybridProposer",
            "LookaheadProposer", "LayerSkipProposer", "EagleProposer", "MedusaProposer", "QuantizedSelfProposer",
            "SuffixProposer", "SuffixCache"]

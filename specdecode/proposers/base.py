@@ -29,6 +29,9 @@ class Capabilities:
     pays: bool = True
     guesses: bool = True  # False for plain decoding: no policy needed at all
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states it drafts from (EAGLE, Medusa)
+    # its proposals depend on the token sequence alone (a model draft's cache resynchronizes itself from the tokens):
+    # it may draft ahead for a sequence the target has not verified yet (asynchronous drafting)
+    token_state: bool = False
 
 
 class Proposer(ABC):

@@ -72,7 +72,7 @@ class LayerSkipProposer(DraftModelProposer):
     def __init__(self, target: Transformer, skipped: Sequence[int], *, pays: bool = True) -> None:
         """pays=False: the search found no set that beats plain decoding (k="auto" then never drafts)."""
         self.skipped = check_skipped(skipped, target.config.num_layers)
-        self.capabilities = Capabilities(pays=pays)
+        self.capabilities = Capabilities(pays=pays, token_state=True)
         super().__init__(skip_layers(target, self.skipped), target.config.vocab_size)
 
 

@@ -38,13 +38,16 @@ class PromptLookupProposer(Proposer):
     def continuations(self, tokens: list[int], k: int) -> list[list[int]]:
         return self.match(tokens, k)[0]
 
-    def match(self, tokens: list[int], k: int) -> tuple[list[list[int]], int]:
-        """Continuations of the longest n-gram that matches, and n (0 when nothing matches)."""
+    def match(self, tokens: list[int], k: int, drafted: list[int] | None = None) -> tuple[list[list[int]], int]:
+        """Continuations of the longest n-gram that matches, and n (0 when nothing matches). drafted: tokens guessed
+        after `tokens` (a cascade's model draft): the n-gram ending them is matched in `tokens`, which alone are
+        indexed (so the index keeps growing with the committed text instead of restarting each guess)."""
         self._index(tokens)
         length = len(tokens)
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+        text = tokens + drafted if drafted else tokens
+        for n in range(min(self.max_ngram, len(text) - 1), self.min_ngram - 1, -1):
             paths: list[list[int]] = []
-            for end in reversed(self._ends.get(tuple(tokens[-n:]), ())):
+            for end in reversed(self._ends.get(tuple(text[-n:]), ())):
                 if end >= length - 1:  # the text's own end: nothing after it to guess
                     continue
                 path = tokens[end + 1 : end + 1 + k]
