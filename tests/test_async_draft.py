@@ -14,8 +14,8 @@ import torch
 from specdecode.engine import generate_ids
 from specdecode.proposers import (
     AsyncDraftProposer,
-    DraftModelProposer,
     Drafter,
+    DraftModelProposer,
     PromptLookupProposer,
 )
 from specdecode.proposers.base import Capabilities

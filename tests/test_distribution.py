@@ -25,8 +25,8 @@ from specdecode.models import Transformer
 from specdecode.policy import AdaptiveK
 from specdecode.proposers import (
     AsyncDraftProposer,
-    DraftModelProposer,
     Drafter,
+    DraftModelProposer,
     HybridProposer,
     PromptLookupProposer,
     Proposer,

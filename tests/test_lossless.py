@@ -20,8 +20,8 @@ from specdecode.models import BatchKVCache, Transformer
 from specdecode.policy import AdaptiveK
 from specdecode.proposers import (
     AsyncDraftProposer,
-    DraftModelProposer,
     Drafter,
+    DraftModelProposer,
     HybridProposer,
     LayerSkipProposer,
     NoProposer,

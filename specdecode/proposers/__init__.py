@@ -10,6 +10,7 @@ from .prompt_lookup import PromptLookupProposer
 from .quantized import QuantizedSelfProposer
 from .suffix import SuffixCache, SuffixProposer
 
-__all__ = ["AsyncDraftProposer", "Drafter", "Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer", "HybridProposer",
+__all__ = ["AsyncDraftProposer", "Drafter", "Proposer", "NoProposer", "PromptLookupProposer", "DraftModelProposer",
+           "HybridProposer",
            "LookaheadProposer", "LayerSkipProposer", "EagleProposer", "MedusaProposer", "QuantizedSelfProposer",
            "SuffixProposer", "SuffixCache"]
