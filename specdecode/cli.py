@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
     g.add_argument("--online-draft", action="store_true",
                    help="eagle, hybrid: the EAGLE head learns from what the target verifies while it runs")
+    g.add_argument("--async-draft", action="store_true",
+                   help="draft, quantized, layer-skip: the draft drafts the next step while the target verifies this "
+                        "one (a worker thread; output unchanged)")
+    g.add_argument("--draft-threads", type=positive, default=1,
+                   help="--async-draft: threads of the drafter (the target's forwards keep the other cores)")
+    g.add_argument("--cascade", choices=["prompt-lookup"],
+                   help="draft, quantized, layer-skip: prompt lookup guesses for the draft model, which checks its "
+                        "guesses in one forward")
     g.add_argument("--nodes", type=int, default=24,
                    help="eagle, suffix: most guessed tokens a step (the cost model picks how many are worth verifying)")
     g.add_argument("--low-bit", default="int4-a8", choices=list(QUANTIZATIONS),
@@ -150,6 +158,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         options.update(topk=args.topk, nodes=args.nodes)
     if args.online_draft:
         options.update(online_draft=True)
+    if args.async_draft:
+        options.update(async_draft=True, draft_threads=args.draft_threads)
+    if args.cascade:
+        options.update(cascade=args.cascade)
     if args.method == "suffix":
         options.update(nodes=args.nodes)
     if args.compare:
@@ -243,7 +255,8 @@ def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -
     """Plain decoding vs the chosen method on the same prompt, alternating order so drift hits both."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    plain_options = {**options, "method": "none"}
+    plain_options = {**{k: v for k, v in options.items() if k not in ("async_draft", "draft_threads", "cascade")},
+                     "method": "none"}
     with err.status("warming up (first calls pay one-off costs)..."):
         llm.generate(prompt, **{**options, "max_new_tokens": 8})
         llm.generate(prompt, **{**plain_options, "max_new_tokens": 8})

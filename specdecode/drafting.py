@@ -10,9 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-import torch
-
-from . import threads as threads_module
 from .cost import CostModel
 from .models import Transformer
 from .models.eagle import EagleHead
@@ -172,14 +169,6 @@ class Drafting:
         """The worker thread that drafts ahead for this model's asynchronous requests (made on first use, with
         `threads` threads; the target's forwards keep the cores it leaves)."""
         if self._drafter is None:
-            cores = len(threads_module.usable_cores())
-            if threads >= cores:
-                raise ValueError(f"draft_threads={threads} leaves none of this machine's {cores} cores to the target")
-            if torch.get_num_threads() + threads > cores:
-                torch.set_num_threads(cores - threads)
-                logging.getLogger("specdecode").warning(
-                    "asynchronous drafting: the drafter takes %d of %d cores, the target's forwards run on %d threads",
-                    threads, cores, cores - threads)
             self._drafter = Drafter(threads, self.model.device)
         elif threads != self._drafter.threads:
             raise ValueError(f"the drafter already runs with {self._drafter.threads} threads")

@@ -39,6 +39,9 @@ class GenerationStats:
     # what the same tokens would have cost in plain steps, priced by the cost model at the load of each step
     # (0 where steps are not priced: a fixed k, plain decoding)
     plain_seconds_estimate: float = 0.0
+    # asynchronous drafting: proposals taken from a chain drafted while the target verified, of all proposals
+    ahead_hits: int = 0
+    ahead_steps: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -215,3 +218,4 @@ class Request:
             self.stats.seconds = time.perf_counter() - self.started
             self.policy.finish(self.tokens)
             self.proposer.finish(self.tokens)
+            self.stats.ahead_hits, self.stats.ahead_steps = self.proposer.ahead() or (0, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ class Method:
     method: str  # none | prompt-lookup | draft
     k: int | str = 0  # tokens guessed per step, or "auto"
     draft: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # e.g. async_draft=True (name+async), cascade (name+cascade)
 
     @property
     def remembers_outputs(self) -> bool:
@@ -47,6 +48,7 @@ SPECULATIVE = ("prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "e
 
 
 PEERS = ("transformers", "llama.cpp")
+MODIFIERS = {"async": {"async_draft": True}, "cascade": {"cascade": "prompt-lookup"}}
 
 
 def parse_methods(spec: str, ks: list[int | str], peers: bool | set[str] | list[str]) -> list[Method]:
@@ -61,6 +63,11 @@ def parse_methods(spec: str, ks: list[int | str], peers: bool | set[str] | list[
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         item, _, fixed_k = item.partition("@")  # name@K: this K only, whatever the sweep
         name, _, arg = item.partition(":")
+        name, *modifiers = name.split("+")  # name+async: drafts ahead; name+cascade: prompt lookup guesses for it
+        unknown_modifiers = set(modifiers) - set(MODIFIERS)
+        if unknown_modifiers:
+            raise ValueError(f"unknown modifier +{sorted(unknown_modifiers)[0]} in --methods (+async, +cascade)")
+        options = {option: value for m in modifiers for option, value in MODIFIERS[m].items()}
         if name == "none" and fixed_k:  # a second plain run, e.g. none@0: shows the measurement's noise
             methods.append(Method(f"none@k={fixed_k}", "ours", "none"))
             continue
@@ -79,12 +86,13 @@ def parse_methods(spec: str, ks: list[int | str], peers: bool | set[str] | list[
             drafts.append(arg)
         taken = {m.label for m in methods}
         for k in item_ks:
-            label = name if len(ks) == 1 and not fixed_k else f"{name}@k={k}"
+            full = "+".join([name, *modifiers])
+            label = full if len(ks) == 1 and not fixed_k else f"{full}@k={k}"
             if label in taken and arg:  # the same method with another draft (two heads side by side): name it
                 label = label.replace(name, f"{name}:{Path(arg).name or arg}", 1)
             if label in taken:
                 raise ValueError(f"{label} twice in --methods: give each column its own draft or K")
-            methods.append(Method(label, "ours", name, k=k, draft=arg or None))
+            methods.append(Method(label, "ours", name, k=k, draft=arg or None, options=options))
     if "llama.cpp" in peers:
         methods.append(Method("llama.cpp-plain", "llama.cpp", "none"))
         methods.append(Method("llama.cpp-prompt-lookup", "llama.cpp", "prompt-lookup", k=10))
@@ -123,14 +131,15 @@ class Runners:
               seed: int) -> Generation:
         """One of our requests, not yet run: the benchmark steps it alongside the other methods'."""
         return self.llm.start(prompt_ids, method=m.method, draft=m.draft, k=m.k, max_new_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed)
+                              temperature=temperature, seed=seed, **m.options)
 
     @staticmethod
     def record(gen: Generation, seconds: float, prefill_seconds: float | None = None) -> dict:
         s = gen.stats
         return {"new_tokens": s.new_tokens, "seconds": seconds, "prefill_seconds": prefill_seconds,
                 "drafted": s.drafted, "accepted": s.accepted, "target_forwards": s.target_forwards, "tau": s.tau,
-                "estimated_speedup": s.estimated_speedup, "output_hash": output_hash(gen.new_tokens)}
+                "estimated_speedup": s.estimated_speedup, "output_hash": output_hash(gen.new_tokens),
+                **({"ahead_hits": s.ahead_hits, "ahead_steps": s.ahead_steps} if s.ahead_steps else {})}
 
     def ours(self, m: Method, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         gen = self.start(m, prompt_ids, max_new_tokens, temperature, seed)

@@ -23,6 +23,7 @@ class Cell:
     tau: float | None
     acceptance: float | None
     same_as_none: float | None  # share of prompts whose output equals plain decoding's (greedy only)
+    ahead_hit_rate: float | None = None  # asynchronous drafting: proposals taken from chains drafted ahead
 
     @property
     def tokens_per_second(self) -> float:
@@ -55,6 +56,8 @@ def aggregate(results: dict) -> dict[float, dict[str, dict[str, Cell]]]:
             acceptance=sum(r["accepted"] or 0 for r in recs) / drafted if drafted else None,
             same_as_none=(sum(r["output_hash"] == b["output_hash"] for r, b in zip(recs, same, strict=True))
                           / len(recs)) if temp == 0 else None,
+            ahead_hit_rate=(sum(r.get("ahead_hits", 0) for r in recs) / steps) if (
+                steps := sum(r.get("ahead_steps", 0) for r in recs)) else None,
         )
     return out
 
@@ -110,6 +113,13 @@ def write_report(results: dict, out: Path) -> Path:
             row = [f"{cats[cat][m].speedup:.2f}x ({fmt(cats[cat][m].tau)})" if m in cats[cat] else "–"
                    for m in labels[1:]]
             lines.append(f"| {cat} | " + " | ".join(row) + " |")
+        ahead = [m for m in labels if overall.get(m) and overall[m].ahead_hit_rate is not None]
+        if ahead:
+            lines += ["", "Drafting ahead (asynchronous): share of proposals taken from a chain drafted while the "
+                      "target verified", "", "| category | " + " | ".join(ahead) + " |", "|---|" + "---:|" * len(ahead)]
+            for cat in [c for c in cats if c != OVERALL] + [OVERALL]:
+                lines.append(f"| {cat} | " + " | ".join(fmt(cats[cat][m].ahead_hit_rate, ".0%") if m in cats[cat]
+                                                        else "–" for m in ahead) + " |")
     for png in plot(table, labels, out):
         lines += ["", f"![{png.stem}]({png.name})"]
     path = out / "report.md"

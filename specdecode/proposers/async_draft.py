@@ -22,6 +22,7 @@ one thread at a time: the engine's thread waits for the drafter to stop before i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,21 +32,30 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import SamplingParams
+from ..threads import usable_cores
 from ..tree import DraftTree
 from .base import Proposer
 from .draft_model import DraftModelProposer
 
+log = logging.getLogger("specdecode")
 MAX_OUTCOMES = 8  # most outcomes drafted ahead per step (the drafter usually runs out of time first)
 OTHERS = 2  # tokens ranked as the bonus after a rejection at each depth
 
 
 class Drafter:
-    """The worker thread that drafts ahead (one per model, shared by its asynchronous requests)."""
+    """The worker thread that drafts ahead (one per model, shared by its asynchronous requests). On a CPU it takes
+    `threads` cores: while asynchronous requests run, the target's forwards (in the thread that runs the engine) keep
+    the others."""
 
     def __init__(self, threads: int = 1, device: torch.device | None = None) -> None:
         if threads < 1:
             raise ValueError(f"the drafter needs at least 1 thread, got {threads}")
-        self.threads = threads
+        self.threads, self.on_cpu = threads, device is None or device.type == "cpu"
+        self.cores = len(usable_cores())
+        if self.on_cpu and threads >= self.cores:
+            raise ValueError(f"a drafter of {threads} threads leaves none of this machine's {self.cores} cores to "
+                             "the target: give it fewer (draft_threads)")
+        self._holders, self._engine_threads = 0, 0
         self.stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specdecode-drafter",
                                        initializer=torch.set_num_threads, initargs=(threads,))
@@ -62,6 +72,23 @@ class Drafter:
                 stream.wait_event(ready)
                 fn()
         return self.pool.submit(on_stream)
+
+    def hold(self) -> None:
+        """An asynchronous request starts (in the engine's thread): the target's forwards leave the drafter's cores."""
+        if self._holders == 0 and self.on_cpu:
+            self._engine_threads = torch.get_num_threads()
+            share = min(self._engine_threads, self.cores - self.threads)
+            if share != self._engine_threads:
+                log.info("asynchronous drafting: the drafter takes %d of %d cores, the target's forwards run on %d "
+                         "threads", self.threads, self.cores, share)
+                torch.set_num_threads(share)
+        self._holders += 1
+
+    def release(self) -> None:
+        """An asynchronous request ended: with none left, the target's forwards get their threads back."""
+        self._holders -= 1
+        if self._holders == 0 and self.on_cpu and torch.get_num_threads() != self._engine_threads:
+            torch.set_num_threads(self._engine_threads)
 
     def joined(self) -> None:
         """The engine's stream waits for the drafter's work (call after its job ended)."""
@@ -112,17 +139,29 @@ class AsyncDraftProposer(Proposer):
         self._base = 0  # tokens committed when the outcomes were drafted
         self._generator: torch.Generator | None = None
         self._handed = 0.0  # when the last proposal went to the target
+        self._since = (0, 0)
+        self._held = False  # this request holds the drafter's cores (begin to finish)
 
     def bind(self, cost, acceptance) -> None:
         self.inner.bind(cost, acceptance)
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         self._halt()
+        if not self._held:
+            self.drafter.hold()
+            self._held = True
         self.inner.begin(prompt, max_len)
-        self._ready, self._base, self._generator = {}, 0, None
+        self._ready, self._base, self._generator, self._handed = {}, 0, None, 0.0
+        self._since = (self.stats.hits, self.stats.steps)  # the request's counts start here
+
+    def ahead(self) -> tuple[int, int]:
+        return self.stats.hits - self._since[0], self.stats.steps - self._since[1]
 
     def finish(self, tokens: list[int]) -> None:
         self._halt()
+        if self._held:
+            self.drafter.release()
+            self._held = False
         self.inner.finish(tokens)
 
     def observe(self, tree, verdict, extra_logits) -> None:

@@ -67,6 +67,10 @@ class Proposer(ABC):
         """After verification: the tree the target saw (maybe cut by the policy), its verdict, and the
         target's logits for the tree's extra nodes ([m, V]; empty without extra nodes)."""
 
+    def ahead(self) -> tuple[int, int] | None:
+        """Asynchronous drafting: (proposals taken from chains drafted ahead, proposals) since `begin`."""
+        return None
+
     def finish(self, tokens: list[int]) -> None:  # noqa: B027 - optional hook
         """The request ended (done, stopped or cancelled); `tokens` is everything committed, prompt first."""
 

@@ -39,6 +39,8 @@ from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Done, Failed, Job, LockedTokenizer, Piece, Scheduler
 from .warmup import DEFAULT_METHODS, warm_up
 
+ASYNC_METHODS = ("draft", "quantized", "layer-skip")  # the model drafts that can draft ahead (--async-draft)
+
 
 @dataclass
 class ServerConfig:
@@ -55,6 +57,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # a request may bring its own chat template (Jinja, sandboxed)
     prefill_share: float = 0.5  # while requests run, the most of a turn's time a new prompt's prefill may take
     online_draft: bool = False  # eagle and hybrid: the EAGLE head learns from what the target verifies
+    async_draft: bool = False  # draft, quantized, layer-skip: the draft drafts ahead while the target verifies
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -141,7 +144,9 @@ class Server:
                                     repetition_penalty=req.repetition_penalty or 1.0,
                                     min_tokens=req.min_tokens or 0)
             online = self.config.online_draft and method in ("eagle", "hybrid")
-            proposer = self.llm.proposer(method, self.config.draft, k=k, online_draft=online)  # set up at start
+            ahead = self.config.async_draft and method in ASYNC_METHODS
+            proposer = self.llm.proposer(method, self.config.draft, k=k, online_draft=online,  # set up at start
+                                         async_draft=ahead)
             acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
                                                                  AcceptanceStats())
             return method, engine_request.Request(

@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     s.add_argument("--online-draft", action="store_true",
                    help="eagle, hybrid: the EAGLE head keeps learning from what the target verifies (a background "
                         "thread; output unchanged, a new head taken between steps, reverted if it accepts less)")
+    s.add_argument("--async-draft", action="store_true",
+                   help="draft, quantized, layer-skip: the draft drafts the next step while the target verifies "
+                        "this one (a worker thread on a core of its own; output unchanged)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)")
     s.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
@@ -84,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    max_request_bytes=args.max_request_bytes, dtype=args.dtype, quantization=quantization(args),
                    threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                   prefill_share=args.prefill_share, online_draft=args.online_draft)
+                   prefill_share=args.prefill_share, online_draft=args.online_draft, async_draft=args.async_draft)
     if args.replicas is not None:
         from .ray_app import run_replicas
 

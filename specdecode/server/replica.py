@@ -38,7 +38,8 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
                           max_request_bytes=options["max_request_bytes"], replica=replica,
                           trust_request_chat_template=bool(options.get("trust_request_chat_template")),
                           prefill_share=options.get("prefill_share", 0.5),
-                          online_draft=options.get("online_draft", False))
+                          online_draft=options.get("online_draft", False),
+                          async_draft=options.get("async_draft", False))
     return llm, config, cost
 
 
