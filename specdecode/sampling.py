@@ -84,4 +84,6 @@ SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingParams)) - {"tempera
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    if generator is not None and generator.device != probs.device:  # a request's CPU generator, a GPU's probs: the
+        probs = probs.to(generator.device)  # draws stay the seed's on any device
     return int(torch.multinomial(probs, 1, generator=generator))

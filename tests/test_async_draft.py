@@ -143,13 +143,19 @@ def test_the_cascade_drafts_the_drafts_own_chain_in_fewer_forwards(target) -> No
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_async_drafting_on_a_gpu_stream() -> None:
-    """The drafter on a CUDA stream of its own: greedy output still the target's, and hits happen."""
+    """The drafter on a CUDA stream of its own: greedy output is plain decoding's on the GPU, hits happen, and
+    sampling runs (the drafts' generator lives on the draft's device)."""
     device = torch.device("cuda")
     target = tiny_model(0, vocab_size=VOCAB).to(device)
     worker = Drafter(1, device)
     proposer = AsyncDraftProposer(DraftModelProposer(target, VOCAB), worker)
     for prompt in PROMPTS[2:6]:
         out, _ = generate_ids(target, prompt, proposer=proposer, k=4, max_new_tokens=NEW)
-        assert out == naive_greedy(target, prompt, NEW)
-    worker.close()
+        assert out == generate_ids(target, prompt, max_new_tokens=NEW)[0]
     assert proposer.stats.hits > 0
+    params = SamplingParams(temperature=1.0)
+    noisy = noisy_copy(tiny_model(0, vocab_size=VOCAB), 1, 0.3).to(device)
+    for draft in (proposer, DraftModelProposer(noisy, VOCAB)):
+        out, stats = generate_ids(target, PROMPTS[4], proposer=draft, k=4, max_new_tokens=NEW, params=params, seed=0)
+        assert len(out) == NEW and stats.drafted > 0
+    worker.close()

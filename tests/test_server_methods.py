@@ -6,6 +6,7 @@ the server (HTTP 500) while every library test passed. And a 500 carries no exce
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,25 @@ def test_online_draft_through_the_server_learns_and_equals_plain(world, monkeypa
                 assert ask(client, prompt, "eagle", "auto", False)[0] == expected[prompt]
     online.close()
     assert online.recorded > 0  # the server's requests fed the learner (the one head of the model)
+
+
+def test_async_draft_through_the_server_equals_plain(world, monkeypatch) -> None:
+    """--async-draft: model drafts draft ahead in the model's one drafter thread while the batch verifies; requests
+    side by side (one batch) and one by one all get plain decoding's text."""
+    llm, _, draft_dir, cache = world
+    monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
+    expected = {p: plain(llm, p) for p in PROMPTS}
+    batch_cost = BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)])
+    config = ServerConfig("tiny", method="draft", draft=str(draft_dir), max_batch=4, async_draft=True,
+                          methods=("draft", "layer-skip", "prompt-lookup"))
+    with TestClient(create_app(llm, config, batch_cost)) as client:
+        asks = [(prompt, method) for prompt in PROMPTS for method in ("draft", "layer-skip", "prompt-lookup")]
+        with ThreadPoolExecutor(len(asks)) as pool:
+            texts = list(pool.map(lambda a: ask(client, a[0], a[1], 3, False)[0], asks))
+        assert texts == [expected[prompt] for prompt, _ in asks]
+        for prompt, method in asks:
+            assert ask(client, prompt, method, "auto", True)[0] == expected[prompt]
+    assert llm._drafter is not None and llm._drafter._holders == 0  # used, and every request let its cores go
 
 
 def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -> None:

@@ -172,13 +172,11 @@ class AsyncDraftProposer(Proposer):
         if self._handed:
             self.stats.span("target", self._handed)
         if self._generator is None:  # the drafts' own draws, seeded from the request's
-            device = self.inner.model.device
-            self._generator = torch.Generator(device)
+            self._generator = torch.Generator()
             if generator is None:
                 self._generator.seed()
             else:
-                self._generator.manual_seed(int(torch.randint(2**62, (), generator=generator,
-                                                              device=generator.device)))
+                self._generator.manual_seed(int(torch.randint(2**62, (), generator=generator)))
         taken = self._take(tuple(tokens[self._base :]) if len(tokens) > self._base else None, k)
         if taken is None:
             tree = self.inner.draft(tokens, k, params, self._generator)

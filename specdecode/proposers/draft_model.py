@@ -116,7 +116,8 @@ class DraftModelProposer(Proposer):
         """Whether the draft keeps a lookup guess: greedy, its own choice; sampled, with probability q(guess)."""
         if q is None:
             return int(logits.argmax()) == guess
-        return float(torch.rand((), generator=generator, dtype=torch.float64, device=q.device)) < float(q[guess])
+        device = generator.device if generator is not None else q.device
+        return float(torch.rand((), generator=generator, dtype=torch.float64, device=device)) < float(q[guess])
 
     @staticmethod
     def _pick(logits: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None,
