@@ -188,7 +188,10 @@ class AsyncDraftProposer(Proposer):
         waited = time.perf_counter() - started
         self.stats.waited += waited
         self.stats.span("hit" if taken is not None else "miss", started)
-        self.seconds_per_guess = waited / tree.num_drafted if tree.num_drafted else None  # what guessing cost now
+        # what a guess cost the engine: on a hit the wait; on a miss the draft's own steady cost (its first forward
+        # also caught up on text committed while it did not draft, which the next steps will not pay again)
+        self.seconds_per_guess = (waited / tree.num_drafted if tree.num_drafted else None) if taken is not None \
+            else self.inner.seconds_per_guess
         if tree.num_drafted and self.max_outcomes:
             self._ahead(list(tokens), tree.tokens[1:], logits, k, params)
         self._handed = time.perf_counter()
