@@ -139,7 +139,8 @@ def plot(timelines: dict[str, list[tuple[str, float, float]]], drafter: list[tup
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"draft": "tab:blue", "miss": "tab:blue", "hit": "tab:cyan", "target": "tab:orange", "ahead": "tab:green"}
+    colors = {"draft": "tab:blue", "miss": "tab:blue", "hit": "tab:cyan", "wait": "tab:red", "target": "tab:orange",
+              "ahead": "tab:green"}
     rows = [("sync: engine thread", timelines["sync"]), ("async: engine thread", timelines["async"]),
             ("async: drafter thread", drafter)]
     fig, ax = plt.subplots(figsize=(11, 2.8))
@@ -156,8 +157,8 @@ def plot(timelines: dict[str, list[tuple[str, float, float]]], drafter: list[tup
     ax.set_xlim(0, window_ms)
     ax.set_xlabel("ms since the request's first step")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["draft (engine)", "draft on a miss", "wait on a hit", "target verifies", "draft ahead"],
-              ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35), fontsize=8)
+    ax.legend(handles, ["draft (engine)", "draft on a miss", "take a hit", "wait for the drafter", "target verifies",
+                        "draft ahead"], ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35), fontsize=8)
     fig.tight_layout()
     path = out / "timeline.png"
     fig.savefig(path, dpi=120)

@@ -151,6 +151,8 @@ class Engine:
         b = len(self.rows)
         contexts = self.cache.lengths[:b]
         self.view.rows = b  # the batch that runs now
+        if self.threads is not None:  # a drafter drafting ahead during this forward took cores (async_draft)
+            self.cost.use_threads(self.threads.update())
         trees = self.choose([planned[id(row)] for row in self.rows], contexts)
         self.last_depths = [t.depth for t in trees]
         inputs = [t.forward_inputs(c) for t, c in zip(trees, contexts, strict=True)]

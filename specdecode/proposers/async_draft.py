@@ -16,8 +16,10 @@ the quantized self-draft, layer skipping): EAGLE and Medusa heads draft from the
 tokens being verified, which exist only once verification has run.
 
 The drafter is one worker thread (shared by a model's requests) with its own thread count (torch's OpenMP builds
-keep the count per calling thread) and, on a GPU, a CUDA stream of its own. A draft model's cache is touched by
-one thread at a time: the engine's thread waits for the drafter to stop before it drafts itself.
+keep the count per calling thread) and, on a GPU, a CUDA stream of its own. It drafts for a request from the end of
+the request's proposal to the end of its verification, and on a CPU its cores are taken from the target's forwards
+for just that long. A draft model's cache is touched by one thread at a time: the engine's thread stops the drafter
+(and waits for it) before anything else touches the draft.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ OTHERS = 2  # tokens ranked as the bonus after a rejection at each depth
 
 class Drafter:
     """The worker thread that drafts ahead (one per model, shared by its asynchronous requests). On a CPU it takes
-    `threads` cores: while asynchronous requests run, the target's forwards (in the thread that runs the engine) keep
-    the others."""
+    `threads` cores: while it drafts ahead, the target's forwards (in the thread that runs the engine) keep the
+    others."""
 
     def __init__(self, threads: int = 1, device: torch.device | None = None) -> None:
         if threads < 1:
@@ -74,7 +76,7 @@ class Drafter:
         return self.pool.submit(on_stream)
 
     def hold(self) -> None:
-        """An asynchronous request starts (in the engine's thread): the target's forwards leave the drafter's cores."""
+        """The drafter starts drafting ahead (in the engine's thread): the target's forwards leave its cores."""
         if self._holders == 0 and self.on_cpu:
             self._engine_threads = torch.get_num_threads()
             share = min(self._engine_threads, self.cores - self.threads)
@@ -85,7 +87,7 @@ class Drafter:
         self._holders += 1
 
     def release(self) -> None:
-        """An asynchronous request ended: with none left, the target's forwards get their threads back."""
+        """A request's drafting ahead ended: with none left, the target's forwards get their threads back."""
         self._holders -= 1
         if self._holders == 0 and self.on_cpu and torch.get_num_threads() != self._engine_threads:
             torch.set_num_threads(self._engine_threads)
@@ -111,13 +113,17 @@ class AsyncStats:
     def hit_rate(self) -> float:
         return self.hits / self.steps if self.steps else 0.0
 
-    def span(self, what: str, start: float) -> None:
+    def span(self, what: str, start: float, end: float | None = None) -> None:
         if self.spans is not None:
-            self.spans.append((what, start, time.perf_counter()))
+            self.spans.append((what, start, time.perf_counter() if end is None else end))
 
 
 class AsyncDraftProposer(Proposer):
-    """A token-state proposer (a model draft) drafting ahead in `drafter` while the target verifies."""
+    """A token-state proposer (a model draft) drafting ahead in `drafter` while the target verifies.
+
+    The drafter works for this request only from the end of its proposal to the end of its verification (`observe`
+    stops it, and gives back the cores it took from the target's forwards): other requests' steps in between, in a
+    batch or a benchmark's interleaving, never share their cores with it."""
 
     def __init__(self, inner: DraftModelProposer, drafter: Drafter, *, max_outcomes: int = MAX_OUTCOMES,
                  patient: bool = False, timeline: bool = False) -> None:
@@ -136,22 +142,20 @@ class AsyncDraftProposer(Proposer):
         self._stop = threading.Event()
         self._wanted: tuple[int, ...] | None = None  # the outcome that came true (the drafter may finish it)
         self._ready: dict[tuple[int, ...], tuple[DraftTree, list[torch.Tensor]]] = {}  # by committed suffix
-        self._base = 0  # tokens committed when the outcomes were drafted
+        self._committed: list[int] = []  # tokens committed when the outcomes were drafted
+        self._taken: tuple[list[int], DraftTree, list[torch.Tensor]] | None = None  # the chain for what came true
+        self._waited = 0.0  # seconds observe() waited for the drafter to finish that chain
         self._generator: torch.Generator | None = None
         self._handed = 0.0  # when the last proposal went to the target
         self._since = (0, 0)
-        self._held = False  # this request holds the drafter's cores (begin to finish)
 
     def bind(self, cost, acceptance) -> None:
         self.inner.bind(cost, acceptance)
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         self._halt()
-        if not self._held:
-            self.drafter.hold()
-            self._held = True
         self.inner.begin(prompt, max_len)
-        self._ready, self._base, self._generator, self._handed = {}, 0, None, 0.0
+        self._taken, self._generator, self._handed = None, None, 0.0
         self._since = (self.stats.hits, self.stats.steps)  # the request's counts start here
 
     def ahead(self) -> tuple[int, int]:
@@ -159,38 +163,55 @@ class AsyncDraftProposer(Proposer):
 
     def finish(self, tokens: list[int]) -> None:
         self._halt()
-        if self._held:
-            self.drafter.release()
-            self._held = False
         self.inner.finish(tokens)
 
     def observe(self, tree, verdict, extra_logits) -> None:
-        self.inner.observe(tree, verdict, extra_logits)  # token-state drafts keep no drafting state here
+        """The verification is over: stop the drafter (it may finish the chain for the outcome that came true)."""
+        started = time.perf_counter()
+        if self._handed:
+            self.stats.span("target", self._handed, started)
+            self._handed = 0.0
+        if self._job is not None:
+            suffix = (*(tree.tokens[i] for i in verdict.path[1:]), verdict.next_token)
+            found = self._stop_job(suffix)
+            self._taken = (self._committed + list(suffix), *found) if found is not None else None
+            self._waited = time.perf_counter() - started
+            self.stats.span("wait", started)
+        self.inner.observe(tree, verdict, extra_logits)  # token-state drafts keep no drafting state there
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         started = time.perf_counter()
-        if self._handed:
-            self.stats.span("target", self._handed)
         if self._generator is None:  # the drafts' own draws, seeded from the request's
             self._generator = torch.Generator()
             if generator is None:
                 self._generator.seed()
             else:
                 self._generator.manual_seed(int(torch.randint(2**62, (), generator=generator)))
-        taken = self._take(tuple(tokens[self._base :]) if len(tokens) > self._base else None, k)
-        if taken is None:
+        self._halt()  # (a proposal without a verification in between: a drafter still at work stops)
+        taken, self._taken = self._taken, None
+        hit = taken is not None and taken[0] == tokens and taken[1].num_drafted >= k
+        if hit:
+            assert taken is not None
+            _, tree, logits = taken
+            if tree.num_drafted > k:
+                tree = DraftTree.chain(tree.tokens[0], tree.tokens[1 : k + 1], tree.draft_probs[1 : k + 1])
+                logits = logits[:k]
+            if self.drafter.stream is not None:  # made on the drafter's stream, read on the engine's
+                for q in tree.draft_probs:
+                    if q is not None:
+                        q.record_stream(torch.cuda.current_stream(q.device))
+        else:
             tree = self.inner.draft(tokens, k, params, self._generator)
             logits = list(self.inner.last_logits)
-        else:
-            tree, logits = taken
+        waited = time.perf_counter() - started + (self._waited if hit else 0.0)
+        self._waited = 0.0
         self.stats.steps += 1
-        self.stats.hits += taken is not None
-        waited = time.perf_counter() - started
+        self.stats.hits += hit
         self.stats.waited += waited
-        self.stats.span("hit" if taken is not None else "miss", started)
-        # what a guess cost the engine: on a hit the wait; on a miss the draft's own steady cost (its first forward
+        self.stats.span("hit" if hit else "miss", started)
+        # what a guess cost the engine: on a hit the waits; on a miss the draft's own steady cost (its first forward
         # also caught up on text committed while it did not draft, which the next steps will not pay again)
-        self.seconds_per_guess = (waited / tree.num_drafted if tree.num_drafted else None) if taken is not None \
+        self.seconds_per_guess = (waited / tree.num_drafted if tree.num_drafted else None) if hit \
             else self.inner.seconds_per_guess
         if tree.num_drafted and self.max_outcomes:
             self._ahead(list(tokens), tree.tokens[1:], logits, k, params)
@@ -198,42 +219,31 @@ class AsyncDraftProposer(Proposer):
         return tree
 
     # ---------------------------------------------------------------------------------------- drafting ahead
-    def _take(self, suffix: tuple[int, ...] | None, k: int) -> tuple[DraftTree, list[torch.Tensor]] | None:
-        """Stop the drafter (letting it finish `suffix`'s chain if it is drafting it) and take that chain."""
-        if self._job is None:
-            return None
+    def _stop_job(self, suffix: tuple[int, ...] | None) -> tuple[DraftTree, list[torch.Tensor]] | None:
+        """Stop the drafter (letting it finish `suffix`'s chain if it is drafting it), give the target its cores
+        back, and return that chain if it was drafted."""
+        assert self._job is not None
         self._wanted = suffix
-        if not self.patient:
+        if not self.patient or suffix is None:
             self._stop.set()
         self._job.result()
         self.drafter.joined()
+        self.drafter.release()
         self._job = None
-        found = self._ready.pop(suffix, None) if suffix is not None else None
+        found = self._ready.get(suffix) if suffix is not None else None
         self._ready = {}
-        if found is None or found[0].num_drafted < k:
-            return None
-        tree, logits = found
-        if tree.num_drafted > k:
-            tree = DraftTree.chain(tree.tokens[0], tree.tokens[1 : k + 1], tree.draft_probs[1 : k + 1])
-        if self.drafter.stream is not None:  # made on the drafter's stream, read on the engine's
-            for q in tree.draft_probs:
-                if q is not None:
-                    q.record_stream(torch.cuda.current_stream(q.device))
-        return tree, logits[:k]
+        return found
 
     def _halt(self) -> None:
         if self._job is not None:
-            self._wanted = None
-            self._stop.set()
-            self._job.result()
-            self.drafter.joined()
-            self._job = None
+            self._stop_job(None)
 
     def _ahead(self, tokens: list[int], drafted: list[int], logits: list[torch.Tensor], k: int,
                params: SamplingParams) -> None:
         outcomes = self.outcomes(drafted, logits, params)[: self.max_outcomes]
-        self._base, self._wanted, self._ready = len(tokens), None, {}
+        self._committed, self._wanted, self._ready = tokens, None, {}
         self._stop.clear()
+        self.drafter.hold()  # the target's forward of this step leaves the drafter's cores
         self._job = self.drafter.submit(lambda: self._draft_outcomes(tokens, drafted, outcomes, k, params))
 
     @staticmethod
