@@ -201,8 +201,11 @@ def main() -> None:
         llm = LLM.load(args.model, quantization=None if args.quantization == "none" else args.quantization)
         target = llm.model
         prompts = [llm.encode(q.prompt, chat=True) for q in load_questions(None, "all", 1)][: args.prompts]
-        make = {"sync": lambda: Recorded(llm.proposer(args.method, k=args.k)),
-                "async": lambda: llm.proposer(args.method, k=args.k, async_draft=True)}
+        def recorded_async() -> Proposer:
+            proposer = llm.proposer(args.method, k=args.k, async_draft=True)
+            proposer.stats.spans = []  # type: ignore[attr-defined]
+            return proposer
+        make = {"sync": lambda: Recorded(llm.proposer(args.method, k=args.k)), "async": recorded_async}
     record: dict = {"command": "python " + " ".join(sys.argv), "device": str(device), "method": args.method,
                     "k": args.k, "cpu_threads": torch.get_num_threads()}
     if device.type == "cuda":

@@ -54,9 +54,6 @@ class Drafter:
             raise ValueError(f"the drafter needs at least 1 thread, got {threads}")
         self.threads, self.on_cpu = threads, device is None or device.type == "cpu"
         self.cores = len(usable_cores())
-        if self.on_cpu and threads >= self.cores:
-            raise ValueError(f"a drafter of {threads} threads leaves none of this machine's {self.cores} cores to "
-                             "the target: give it fewer (draft_threads)")
         self._holders, self._engine_threads = 0, 0
         self.stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specdecode-drafter",
@@ -79,7 +76,7 @@ class Drafter:
         """The drafter starts drafting ahead (in the engine's thread): the target's forwards leave its cores."""
         if self._holders == 0 and self.on_cpu:
             self._engine_threads = torch.get_num_threads()
-            share = min(self._engine_threads, self.cores - self.threads)
+            share = min(self._engine_threads, max(1, self.cores - self.threads))  # one core: the two share it
             if share != self._engine_threads:
                 log.info("asynchronous drafting: the drafter takes %d of %d cores, the target's forwards run on %d "
                          "threads", self.threads, self.cores, share)
@@ -106,7 +103,7 @@ class AsyncStats:
     steps: int = 0  # proposals made
     hits: int = 0  # ... taken from a chain drafted ahead
     ahead: int = 0  # outcomes drafted ahead (whole chains)
-    waited: float = 0.0  # seconds the engine spent in propose (waiting for the drafter, or drafting on a miss)
+    waited: float = 0.0  # seconds the engine spent drafting on misses and waiting for the drafter
     spans: list[tuple[str, float, float]] | None = field(default=None, repr=False)  # (what, start, end): a timeline
 
     @property
