@@ -138,6 +138,7 @@ class Engine:
         self.view.rows = len(self.rows)
         if self.threads is not None:  # before planning: the steps are priced for the threads they run on
             self.cost.use_threads(self.threads.update())
+        planned_on = torch.get_num_threads()
         planned: dict[int, DraftTree] = {}
         for i, row in enumerate(self.rows):
             try:
@@ -151,7 +152,10 @@ class Engine:
         b = len(self.rows)
         contexts = self.cache.lengths[:b]
         self.view.rows = b  # the batch that runs now
-        if self.threads is not None:  # a drafter drafting ahead during this forward took cores (async_draft)
+        # a drafter drafting ahead during this forward took cores (async_draft): the step is priced on what is left,
+        # and not learned from (the table's plain steps, paired with it, ran on every core)
+        drafting_ahead = torch.get_num_threads() != planned_on
+        if drafting_ahead and self.threads is not None:
             self.cost.use_threads(self.threads.update())
         trees = self.choose([planned[id(row)] for row in self.rows], contexts)
         self.last_depths = [t.depth for t in trees]
@@ -183,7 +187,8 @@ class Engine:
                 results.append((row, e))
             return results
         seconds = time.perf_counter() - started
-        self.cost.observe(b, n, max(contexts), seconds)
+        if not drafting_ahead:
+            self.cost.observe(b, n, max(contexts), seconds)
         plain = self.cost.seconds(b, 1, max(contexts)) if self.cost.priced else 0.0  # the speedup's measure
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
             try:

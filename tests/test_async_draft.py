@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+import specdecode.threads
+from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.proposers import (
     AsyncDraftProposer,
@@ -20,6 +22,7 @@ from specdecode.proposers import (
 )
 from specdecode.proposers.base import Capabilities
 from specdecode.sampling import SamplingParams
+from specdecode.threads import usable_cores
 
 from .helpers import noisy_copy, tiny_model
 from .test_lossless import PROMPTS, VOCAB, naive_greedy
@@ -159,3 +162,28 @@ def test_async_drafting_on_a_gpu_stream() -> None:
         out, stats = generate_ids(target, PROMPTS[4], proposer=draft, k=4, max_new_tokens=NEW, params=params, seed=0)
         assert len(out) == NEW and stats.drafted > 0
     worker.close()
+
+
+@pytest.mark.skipif(len(usable_cores()) < 2, reason="the drafter shares the only core: the target keeps its threads")
+def test_steps_drafted_ahead_do_not_teach_the_cost_table(monkeypatch) -> None:
+    """A step the drafter drafts ahead during runs on the cores it left: such steps are not learned from (the cost
+    table pairs every size with plain steps on all cores), and the target gets its cores back afterwards."""
+    target = tiny_model(0, dtype=torch.float32, vocab_size=VOCAB)
+    assert target.native_kernels  # the engine governs threads only where the kernels do not depend on them
+    observed = []
+    monkeypatch.setattr(CostModel, "observe", lambda self, *step: observed.append(step))
+    monkeypatch.setattr(specdecode.threads.governor(), "enabled", False)  # other processes' load changes nothing
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        worker = Drafter(1)
+        generate_ids(target, PROMPTS[4], proposer=DraftModelProposer(target, VOCAB), k=3, max_new_tokens=NEW)
+        synchronous = len(observed)
+        observed.clear()
+        generate_ids(target, PROMPTS[4], proposer=AsyncDraftProposer(DraftModelProposer(target, VOCAB), worker),
+                     k=3, max_new_tokens=NEW)
+        worker.close()
+        assert synchronous > 0 and not observed
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

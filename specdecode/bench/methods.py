@@ -48,7 +48,7 @@ SPECULATIVE = ("prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "e
 
 
 PEERS = ("transformers", "llama.cpp")
-MODIFIERS = {"async": {"async_draft": True}, "cascade": {"cascade": "prompt-lookup"}}
+MODIFIERS: dict[str, dict[str, Any]] = {"async": {"async_draft": True}, "cascade": {"cascade": "prompt-lookup"}}
 
 
 def parse_methods(spec: str, ks: list[int | str], peers: bool | set[str] | list[str]) -> list[Method]:
