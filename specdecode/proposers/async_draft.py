@@ -45,9 +45,9 @@ OTHERS = 2  # tokens ranked as the bonus after a rejection at each depth
 
 
 class Drafter:
-    """The worker thread that drafts ahead (one per model, shared by its asynchronous requests). On a CPU it takes
-    `threads` cores: while it drafts ahead, the target's forwards (in the thread that runs the engine) keep the
-    others."""
+    """The worker thread that drafts ahead (one per model, shared by its asynchronous requests: in a batch, the rows'
+    chains are drafted one row after another, as far as the verification's time goes). On a CPU it takes `threads`
+    cores: while it drafts ahead, the target's forwards (in the thread that runs the engine) keep the others."""
 
     def __init__(self, threads: int = 1, device: torch.device | None = None) -> None:
         if threads < 1:
