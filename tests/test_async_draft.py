@@ -187,3 +187,19 @@ def test_steps_drafted_ahead_do_not_teach_the_cost_table(monkeypatch) -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_failing_drafter_fails_its_request_and_gives_the_cores_back(target, drafter, monkeypatch) -> None:
+    inner = DraftModelProposer(noisy_copy(target, 1, 0.05), VOCAB)
+    draft = inner.draft
+
+    def broken(*args, **kwargs):
+        if threading.current_thread().name.startswith("specdecode-drafter"):
+            raise RuntimeError("drafter out of memory")
+        return draft(*args, **kwargs)
+
+    monkeypatch.setattr(inner, "draft", broken)
+    threads = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="drafter out of memory"):
+        generate_ids(target, PROMPTS[4], proposer=AsyncDraftProposer(inner, drafter), k=3, max_new_tokens=NEW)
+    assert torch.get_num_threads() == threads and drafter._holders == 0

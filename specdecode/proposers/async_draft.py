@@ -223,10 +223,12 @@ class AsyncDraftProposer(Proposer):
         self._wanted = suffix
         if not self.patient or suffix is None:
             self._stop.set()
-        self._job.result()
-        self.drafter.joined()
-        self.drafter.release()
-        self._job = None
+        try:
+            self._job.result()  # the drafter's error, if any, fails this request
+        finally:
+            self.drafter.joined()
+            self.drafter.release()
+            self._job = None
         found = self._ready.get(suffix) if suffix is not None else None
         self._ready = {}
         return found
