@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of name[:draft][@K]: name one of {', '.join(METHODS)}; :PATH for draft, "
                    "medusa (required), hybrid and eagle; @K runs that method at K only (e.g. prompt-lookup@4, "
                    "none@0 for a second plain run as a noise control)")
+    b.add_argument("--async-draft", action="store_true",
+                   help="each model draft in --methods (draft, quantized, layer-skip) also runs drafting ahead while "
+                        "the target verifies (name+async), side by side")
     b.add_argument("--workload", default="spec-bench",
                    help="spec-bench (default), or a repetitive workload built from the training data: repetitive "
                         "(= revise, code-edit, tool-loop), revise, code-edit, tool-loop")
@@ -223,6 +226,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
+    from .bench.methods import with_async
     from .bench.workloads import load_workload
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
@@ -236,7 +240,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         questions = load_workload(args.workload, categories, args.prompts_per_category, seed=args.seed)
     cfg = BenchConfig(
-        model=args.model, methods=parse_methods(args.methods, ks, peers=[] if args.peers == "none" else
+        model=args.model, methods=parse_methods(with_async(args.methods) if args.async_draft else args.methods, ks,
+                                                peers=[] if args.peers == "none" else
                                                 args.peers.split(",")),
         dtype=args.dtype, quantization=quantization(args),
         questions=questions, temperatures=temperatures, max_new_tokens=args.max_new_tokens, seed=args.seed,

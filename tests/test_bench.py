@@ -10,7 +10,7 @@ import pytest
 
 from specdecode.bench import aggregate, load_questions, parse_methods
 from specdecode.bench.data import is_sample
-from specdecode.bench.methods import Method
+from specdecode.bench.methods import Method, with_async
 from specdecode.bench.runner import fastest, run_round
 from specdecode.cli import main as cli_main
 from specdecode.data import SPEC_BENCH_SAMPLE, spec_bench_questions
@@ -166,6 +166,16 @@ def test_questions_and_methods_are_checked(questions: Path) -> None:
     assert [m.label for m in two_heads] == ["none", "eagle@k=auto", "eagle:new@k=auto"]
     with pytest.raises(ValueError, match="twice in --methods"):
         parse_methods("prompt-lookup@2,prompt-lookup@2", [4], peers=False)
+    # modifiers: drafting ahead, prompt lookup guessing for the draft; --async-draft adds each model draft's twin
+    spec = with_async("none@0,quantized@4,draft:d,quantized+cascade@auto,eagle@auto")
+    assert spec == "none@0,quantized@4,quantized+async@4,draft:d,draft+async:d,quantized+cascade@auto," \
+        "quantized+cascade+async@auto,eagle@auto"
+    methods = {m.label: m for m in parse_methods(spec, [4], peers=False)}
+    assert methods["quantized+async@k=4"].options == {"async_draft": True}
+    assert methods["draft+async"].draft == "d" and methods["draft+async"].method == "draft"
+    assert methods["quantized+cascade+async@k=auto"].options == {"cascade": "prompt-lookup", "async_draft": True}
+    with pytest.raises(ValueError, match="unknown modifier"):
+        parse_methods("quantized+fast", [4], peers=False)
 
 
 def test_default_questions_are_spec_bench_or_its_shipped_sample(tmp_path, monkeypatch) -> None:

@@ -51,6 +51,22 @@ PEERS = ("transformers", "llama.cpp")
 MODIFIERS: dict[str, dict[str, Any]] = {"async": {"async_draft": True}, "cascade": {"cascade": "prompt-lookup"}}
 
 
+ASYNC_DRAFTS = ("draft", "quantized", "layer-skip")  # the methods that can draft ahead (name+async)
+
+
+def with_async(spec: str) -> str:
+    """--async-draft: each model draft in a --methods list runs twice, side by side: as given and drafting ahead
+    ('quantized@4' -> 'quantized@4,quantized+async@4')."""
+    items = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        items.append(item)
+        head, at, fixed_k = item.partition("@")
+        name, colon, arg = head.partition(":")
+        if name.split("+")[0] in ASYNC_DRAFTS and "async" not in name.split("+")[1:]:
+            items.append(f"{name}+async{colon}{arg}{at}{fixed_k}")
+    return ",".join(items)
+
+
 def parse_methods(spec: str, ks: list[int | str], peers: bool | set[str] | list[str]) -> list[Method]:
     """'none,prompt-lookup,draft:PATH,hybrid[:PATH],lookahead@auto' -> methods; each without @K runs every K
     of the sweep `ks`; `none` always first, peers last (peers=True: transformers)."""
