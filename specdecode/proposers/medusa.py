@@ -226,7 +226,8 @@ class MedusaProposer(Proposer):
         """Every node's token drawn from its head's q, independently; and that q."""
         q = params.probs(self.heads.to_target_vocab(logits))  # [depth, V]
         counts = np.bincount(heads, minlength=len(q)).tolist()
-        draws = [torch.multinomial(q[j], n, replacement=True, generator=generator).tolist() if n else []
+        drawn_from = q.to(generator.device) if generator is not None else q  # the request's generator: the CPU's
+        draws = [torch.multinomial(drawn_from[j], n, replacement=True, generator=generator).tolist() if n else []
                  for j, n in enumerate(counts)]
         return [draws[j].pop() for j in heads], [q[j] for j in heads]
 
