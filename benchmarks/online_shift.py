@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=50, help="requests per tau point")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=OnlineConfig.lr)
+    p.add_argument("--reward", type=float, default=OnlineConfig.reward,
+                   help="weight of pushing down the guesses the target rejected (DVI's reward; 0: distillation alone)")
     p.add_argument("--rest", action="store_true",
                    help="the policy as users get it (the head rests where it does not pay): what learning costs")
     p.add_argument("--out", required=True)
@@ -48,7 +50,7 @@ def main() -> None:
     rng = random.Random(0)
     rng.shuffle(questions)
     questions = questions[: args.requests]
-    online = llm.online_head(args.draft, OnlineConfig(lr=args.lr))
+    online = llm.online_head(args.draft, OnlineConfig(lr=args.lr, reward=args.reward))
     arms = {"static": {}, "online": {"online_draft": True}}
     rows = {arm: [] for arm in arms}
     started = time.perf_counter()

@@ -40,6 +40,12 @@ class OnlineConfig:
     ttt_steps: int = 3  # draft depths unrolled in training
     duty: float = 1.0  # the learner computes at most this share of the wall time (it sleeps the rest) ...
     min_duty: float = 1 / 32  # ... and at least this share, while its heads gain nothing
+    # DVI's reward: the guesses the target rejected (r = 0) are pushed down, with this weight against the committed
+    # token's 1 (unlikelihood, -log(1 - q): the bounded form of the policy-gradient term, since the replay buffer
+    # repeats old rejections), once `reward_after` learner steps of distillation alone have calibrated the head
+    # (DVI's KL -> RL schedule); 0 turns it off
+    reward: float = 0.3
+    reward_after: int = 20
     judge_steps: int = 48  # drafting steps over which a published head is judged
     tolerance: float = 0.9  # reverted if it accepts fewer tokens per step than this x its predecessor
     seed: int = 0
@@ -64,7 +70,7 @@ class OnlineHead:
         self.optimizer = self._optimizer()
         self.served = copy.deepcopy(self.learner.state_dict())  # the learner's weights behind `current`
         self._restore: dict[str, torch.Tensor] | None = None  # weights the learner restarts from (after a revert)
-        self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=self.cfg.buffer_chunks)
+        self.buffer: deque[Chunk] = deque(maxlen=self.cfg.buffer_chunks)
         self.recorded = 0  # chunks ever recorded
         self.steps = 0  # learner steps taken
         self.reverts = 0
@@ -83,13 +89,18 @@ class OnlineHead:
         with self.lock:
             return self.current, self.version
 
-    def record(self, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
+    def record(self, hidden: torch.Tensor, tokens: Sequence[int], rejected: torch.Tensor | None = None) -> None:
         """One chunk the target verified: `hidden` [n, layers x H] at n positions and the n + 1 tokens from the
-        first of them on (token i + 1 is the one committed after position i)."""
+        first of them on (token i + 1 is the one committed after position i); `rejected` [n, R]: the guesses the
+        target rejected for token i + 1 (-1: none)."""
         if len(tokens) != hidden.shape[0] + 1:
             raise ValueError(f"{hidden.shape[0]} positions need {hidden.shape[0] + 1} tokens, got {len(tokens)}")
+        if rejected is not None and rejected.shape[0] != hidden.shape[0]:
+            raise ValueError(f"{hidden.shape[0]} positions need {hidden.shape[0]} rows of rejected guesses, got "
+                             f"{rejected.shape[0]}")
+        kept = None if rejected is None else rejected.detach().to("cpu", torch.long).clone()
         with self.lock:
-            self.buffer.append((hidden.detach().to("cpu", torch.float16).clone(), torch.tensor(tokens)))
+            self.buffer.append((hidden.detach().to("cpu", torch.float16).clone(), torch.tensor(tokens), kept))
             self.recorded += 1
 
     def report(self, version: int, accepted: int) -> None:
@@ -136,7 +147,8 @@ class OnlineHead:
             chunks = self.rng.sample(list(self.buffer), self.cfg.batch)
         from .training.eagle import ttt_loss  # training code loads only where a head learns
 
-        batch = chunk_batch(chunks, self.learner.config.target_layers)
+        reward = self.cfg.reward if self.steps >= self.cfg.reward_after else 0.0
+        batch = chunk_batch(chunks, self.learner.config.target_layers, reward)
         self.learner.train()
         loss, _ = ttt_loss(self.learner, self.embed, self.t2d, batch, self.cfg.ttt_steps)
         self.optimizer.zero_grad(set_to_none=True)
@@ -199,11 +211,25 @@ def float_copy(head: EagleHead) -> EagleHead:
     return out
 
 
-def chunk_batch(chunks: list[tuple[torch.Tensor, torch.Tensor]], layers: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Recorded chunks as a training batch of `ttt_loss`: the committed next token is the teacher (probability 1)."""
-    n = min(h.shape[0] for h, _ in chunks)
-    hidden = torch.stack([h[:n] for h, _ in chunks]).float()
+# (hidden states [n, layers x H], the n + 1 committed tokens, the rejected guesses [n, R] or None)
+Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def chunk_batch(chunks: list[Chunk], layers: Sequence[int], reward: float = 0.0) -> dict[str, torch.Tensor]:
+    """Recorded chunks as a training batch of `ttt_loss`: the committed next token is the teacher (weight 1) and,
+    with `reward`, each guess the target rejected there is a teacher of weight -reward (pushed down)."""
+    n = min(h.shape[0] for h, _, _ in chunks)
+    hidden = torch.stack([h[:n] for h, _, _ in chunks]).float()
     hidden = hidden.view(len(chunks), n, len(layers), -1)
-    tokens = torch.stack([t[: n + 1] for _, t in chunks])
+    tokens = torch.stack([t[: n + 1] for _, t, _ in chunks])
+    ids, weights = tokens[:, 1:, None], torch.ones(len(chunks), n, 1)
+    width = max((r.shape[1] for _, _, r in chunks if r is not None), default=0)
+    if reward and width:
+        rejected = torch.full((len(chunks), n, width), -1, dtype=torch.long)
+        for row, (_, _, r) in enumerate(chunks):
+            if r is not None:
+                rejected[row, :, : r.shape[1]] = r[:n]
+        ids = torch.cat((ids, rejected.clamp_min(0)), -1)
+        weights = torch.cat((weights, -reward * (rejected >= 0).float()), -1)
     return {"hidden": hidden, "tokens": tokens[:, :n], "mask": torch.ones(len(chunks), n, dtype=torch.bool),
-            "teacher_ids": tokens[:, 1:, None], "teacher_probs": torch.ones(len(chunks), n, 1)}
+            "teacher_ids": ids, "teacher_probs": weights}

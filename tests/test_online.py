@@ -9,8 +9,9 @@ import torch
 from specdecode.cli import main as cli_main
 from specdecode.engine import generate_ids
 from specdecode.models.eagle import EagleConfig, EagleHead
-from specdecode.online import OnlineConfig, OnlineHead
+from specdecode.online import OnlineConfig, OnlineHead, chunk_batch
 from specdecode.proposers import EagleProposer
+from specdecode.training.eagle import ttt_loss
 
 from .helpers import tiny_model
 from .test_lossless import PROMPTS, VOCAB
@@ -140,3 +141,38 @@ def test_online_learning_errors_say_what_to_do(target, capsys) -> None:
         online.record(torch.zeros(3, 3 * target.config.hidden_size), [1, 2, 3])
     assert cli_main(["generate", "hi", "--model", "nowhere", "--method", "prompt-lookup", "--online-draft"]) == 2
     assert "use it with --method eagle or hybrid" in capsys.readouterr().err
+
+
+def test_rejected_guesses_are_recorded_and_pushed_down(target) -> None:
+    """DVI's reward: the guesses the target rejected are recorded beside the token it committed there, and the
+    learner with the reward term lowers their probability more than distillation alone, from the same weights and
+    the same batches."""
+    head = fresh_head(target)
+    online = OnlineHead(head, target.embed, OnlineConfig(chunk=16, batch=4, publish_every=10**6))
+    for prompt in PROMPTS:
+        generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=2, nodes=4, online=online), k=2,
+                     max_new_tokens=NEW)
+    chunks = list(online.buffer)
+    marked = 0
+    for _, tokens, rejected in chunks:
+        assert rejected is not None
+        for i in (rejected >= 0).any(-1).nonzero().flatten().tolist():
+            guesses = rejected[i][rejected[i] >= 0]
+            assert int(tokens[i + 1]) not in guesses.tolist()  # a rejected guess is never the committed token
+            marked += 1
+    assert marked > 0
+    layers = head.config.target_layers
+    probe = chunk_batch(chunks, layers, reward=1.0)  # scored: the rejected guesses' mean negative log-likelihood
+    probe["teacher_probs"] = probe["teacher_probs"].abs() * (torch.arange(probe["teacher_ids"].shape[-1]) > 0)
+
+    def rejected_nll(reward: float) -> float:
+        learner = OnlineHead(head, target.embed, OnlineConfig(chunk=16, batch=4, publish_every=10**6, lr=2e-3,
+                                                               reward=reward, reward_after=0, seed=3))
+        learner.buffer.extend(chunks)
+        for _ in range(30):
+            learner.step()
+        with torch.no_grad():
+            return float(ttt_loss(learner.learner, learner.embed, learner.t2d, probe, 1)[0])
+
+    with_reward, without = rejected_nll(0.5), rejected_nll(0.0)
+    assert with_reward > without + 0.05

@@ -64,6 +64,7 @@ MIN_EVIDENCE = 4  # steps judged before the head may rest: one step gains 0 or s
 # a resting head reads the target's hidden states again this many steps before it probes (at least as many positions):
 # its catch-up starts there, a quarter of a HEAD_CONTEXT one, and the steps before pay no hidden-state copies
 HIDDEN_LEAD = 32
+REJECTED = 4  # rejected guesses kept per position for online learning (DVI's reward)
 
 
 class EagleProposer(Proposer):
@@ -116,6 +117,9 @@ class EagleProposer(Proposer):
         self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
         self.known = self.known_from = self.cached = self.fused = self.offset = 0
         self.recorded = 0  # positions below this one were recorded for online learning (or skipped)
+        # for online learning: per position i, the guesses for token i + 1 the target rejected (-1: none)
+        self.rejected = torch.full((max_len if self.online is not None else 0, REJECTED), -1, dtype=torch.long)
+        self.root = 0  # the last proposal's root position
         # what earlier requests found carries over (the head is shared): resting at the end of the last request,
         # this one starts resting too, and does not pay the head's pass over the whole prompt for nothing
         self.resting = Rest(MAX_REST, MIN_EVIDENCE)
@@ -179,6 +183,7 @@ class EagleProposer(Proposer):
             tree, predicted = self._chain(tokens[-1], root, logits, hidden, k, params, generator, spent)
         self.last = (tree, params.greedy, predicted)
         self.step_head = (time.perf_counter() - proposing, root)
+        self.root = root
         return tree
 
     def _learn_online(self, tokens: list[int]) -> None:
@@ -188,7 +193,7 @@ class EagleProposer(Proposer):
         self.recorded = max(self.recorded, self.known_from)
         while self.recorded + chunk < min(self.known, len(tokens)):  # a chunk's n + 1 tokens are all committed
             a = self.recorded
-            online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1])
+            online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1], self.rejected[a : a + chunk])
             self.recorded += chunk
         head, version = online.serving()
         if version != self.version:
@@ -198,6 +203,10 @@ class EagleProposer(Proposer):
     def observe(self, tree, verdict, extra_logits) -> None:
         if self.online is not None and len(tree) > 1:
             self.online.report(self.version, verdict.num_accepted)
+            last = verdict.path[-1]  # its guessed children were all rejected (the target chose another token)
+            guesses = [tree.tokens[c] for c in tree.children(last)][:REJECTED]
+            if guesses:
+                self.rejected[self.root + len(verdict.path) - 1, : len(guesses)] = torch.tensor(guesses)
         if self.last is not None and self.last[0] is tree:  # the tree went out as proposed
             counts = self.calibration[self.last[1]]
             counts[0] = 0.95 * counts[0] + verdict.num_accepted

@@ -82,7 +82,9 @@ def ttt_logits(head: EagleHead, embed: torch.nn.Embedding, batch: dict, steps: i
 
 def ttt_loss(head: EagleHead, embed: torch.nn.Embedding, t2d: torch.Tensor, batch: dict, steps: int,
              decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted sum over steps (decay^j) of the soft cross-entropy to the teacher; per-step accuracies."""
+    """Weighted sum over steps (decay^j) of the soft cross-entropy to the teacher; per-step accuracies. A negative
+    teacher weight marks a token to push down (a guess the target rejected, online learning): its term is the
+    unlikelihood -w log(1 - q), which stops pulling once q is small (a replay buffer repeats old rejections)."""
     logits_per_step = ttt_logits(head, embed, batch, steps)
     ids, probs = batch["teacher_ids"][:, 1:], batch["teacher_probs"][:, 1:]  # teacher for token t + 2
     draft_ids = t2d[ids]  # -1: outside the draft vocabulary (weight dropped)
@@ -95,7 +97,10 @@ def ttt_loss(head: EagleHead, embed: torch.nn.Embedding, t2d: torch.Tensor, batc
         valid = base & (positions >= j)
         count = valid.sum().clamp_min(1)
         logp = logits.float().log_softmax(-1).gather(-1, gather_ids)
-        loss = -((weight * logp).sum(-1) * valid).sum() / count
+        terms = weight.clamp_min(0) * logp
+        if bool((weight < 0).any()):
+            terms = terms - weight.clamp_max(0) * torch.log1p(-logp.exp().clamp_max(1 - 1e-6))
+        loss = -(terms.sum(-1) * valid).sum() / count
         hit = (head.d2t[logits.argmax(-1)] == ids[..., 0]) & valid
         total = total + decay**j * loss
         metrics[f"acc{j + 1}"] = float(hit.sum() / count)
