@@ -78,7 +78,8 @@ def main() -> None:
     lines = ["# Online learning under a domain shift", "",
              f"- command: `python benchmarks/online_shift.py --workload {args.workload} --categories "
              f"{args.categories} --requests {args.requests} --window {args.window} --max-new-tokens "
-             f"{args.max_new_tokens} --lr {args.lr}{' --rest' if args.rest else ''} --out {args.out}`",
+             f"{args.max_new_tokens} --lr {args.lr} --reward {args.reward}{' --rest' if args.rest else ''} "
+             f"--out {args.out}`",
              f"- learner: {online.steps} steps, {online.version} heads published or brought back, "
              f"{online.reverts} reverted, {online.recorded} chunks recorded", "",
              "| requests | static tau | online tau | online / static |", "|---|---:|---:|---:|"]
