@@ -37,6 +37,7 @@ from .proposers.suffix_eagle import SuffixEagleProposer
 
 METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized",
            "suffix")
+ASYNC_DRAFTS = ("draft", "quantized", "layer-skip")  # the methods that can draft ahead (async_draft)
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
 # it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
 # 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
@@ -106,12 +107,7 @@ class Drafting:
                 raise ValueError(f"cascade: prompt lookup guesses for a model draft (method draft, quantized or "
                                  f"layer-skip), not for {method!r}")
             proposer.lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram)
-        if async_draft:
-            if not isinstance(proposer, DraftModelProposer):
-                raise ValueError(f"async_draft: only a model draft that depends on the tokens alone (method draft, "
-                                 f"quantized or layer-skip) drafts ahead, not {method!r}: EAGLE and Medusa heads draft "
-                                 "from the target's hidden states of the tokens being verified, which exist only "
-                                 "after verification; n-gram methods cost nothing to hide")
+        if async_draft:  # AsyncDraftProposer refuses what cannot draft ahead, and says why
             proposer = AsyncDraftProposer(proposer, self.drafter(draft_threads))
         return proposer
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..api import LLM
+from ..drafting import ASYNC_DRAFTS
 from ..engine import Generation
 
 
@@ -49,9 +50,6 @@ SPECULATIVE = ("prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "e
 
 PEERS = ("transformers", "llama.cpp")
 MODIFIERS: dict[str, dict[str, Any]] = {"async": {"async_draft": True}, "cascade": {"cascade": "prompt-lookup"}}
-
-
-ASYNC_DRAFTS = ("draft", "quantized", "layer-skip")  # the methods that can draft ahead (name+async)
 
 
 def with_async(spec: str) -> str:

@@ -103,7 +103,6 @@ class AsyncStats:
     steps: int = 0  # proposals made
     hits: int = 0  # ... taken from a chain drafted ahead
     ahead: int = 0  # outcomes drafted ahead (whole chains)
-    waited: float = 0.0  # seconds the engine spent drafting on misses and waiting for the drafter
     spans: list[tuple[str, float, float]] | None = field(default=None, repr=False)  # (what, start, end): a timeline
 
     @property
@@ -122,14 +121,15 @@ class AsyncDraftProposer(Proposer):
     stops it, and gives back the cores it took from the target's forwards): other requests' steps in between, in a
     batch or a benchmark's interleaving, never share their cores with it."""
 
-    def __init__(self, inner: DraftModelProposer, drafter: Drafter, *, max_outcomes: int = MAX_OUTCOMES,
+    def __init__(self, inner: Proposer, drafter: Drafter, *, max_outcomes: int = MAX_OUTCOMES,
                  patient: bool = False, timeline: bool = False) -> None:
         """max_outcomes: 0 drafts nothing ahead (every step a miss); patient: wait for every outcome each step
         (deterministic hits: tests); timeline: record when the engine waited, drafted and verified."""
-        if not inner.capabilities.token_state:
-            raise ValueError(f"asynchronous drafting needs a draft that depends on the tokens alone (draft, quantized, "
-                             f"layer-skip), not {inner.name!r}: EAGLE and Medusa heads draft from the target's hidden "
-                             "states of the tokens being verified, which exist only after verification")
+        if not isinstance(inner, DraftModelProposer) or not inner.capabilities.token_state:
+            raise ValueError(f"asynchronous drafting needs a model draft that depends on the tokens alone (draft, "
+                             f"quantized, layer-skip), not {inner.name!r}: EAGLE and Medusa heads draft from the "
+                             "target's hidden states of the tokens being verified, which exist only after "
+                             "verification; n-gram methods cost nothing to hide")
         self.inner, self.drafter = inner, drafter
         self.name = f"{inner.name}+async"
         self.capabilities = inner.capabilities
@@ -204,7 +204,6 @@ class AsyncDraftProposer(Proposer):
         self._waited = 0.0
         self.stats.steps += 1
         self.stats.hits += hit
-        self.stats.waited += waited
         self.stats.span("hit" if hit else "miss", started)
         # what a guess cost the engine: on a hit the waits; on a miss the draft's own steady cost (its first forward
         # also caught up on text committed while it did not draft, which the next steps will not pay again)

@@ -29,6 +29,7 @@ from .. import request as engine_request
 from ..acceptance import AcceptanceStats
 from ..api import LLM
 from ..batch_cost import BatchCost
+from ..drafting import ASYNC_DRAFTS
 from ..engine import Engine, policy_for
 from ..grammar import Constraint
 from ..sampling import SamplingParams
@@ -38,8 +39,6 @@ from .errors import APIError, bad_request, internal_error
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Done, Failed, Job, LockedTokenizer, Piece, Scheduler
 from .warmup import DEFAULT_METHODS, warm_up
-
-ASYNC_METHODS = ("draft", "quantized", "layer-skip")  # the model drafts that can draft ahead (--async-draft)
 
 
 @dataclass
@@ -144,7 +143,7 @@ class Server:
                                     repetition_penalty=req.repetition_penalty or 1.0,
                                     min_tokens=req.min_tokens or 0)
             online = self.config.online_draft and method in ("eagle", "hybrid")
-            ahead = self.config.async_draft and method in ASYNC_METHODS
+            ahead = self.config.async_draft and method in ASYNC_DRAFTS
             proposer = self.llm.proposer(method, self.config.draft, k=k, online_draft=online,  # set up at start
                                          async_draft=ahead)
             acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
