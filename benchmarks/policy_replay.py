@@ -6,27 +6,35 @@ policy cuts the guesses, the step accepts the longest branch that matches the kn
 costs what the cost table says a forward of its size costs at its context. No timing noise: a change to the
 policy or the table is judged on 39 prompts in seconds, before a bench confirms it on the machine.
 
-It leaves out what a real run adds to every method alike (proposing, the prefill, the machine's drift), so
-its speedups are higher than a bench's; the ratios between policies are what it is for. `oracle` knows how
-far each proposal will match and verifies exactly the depth that pays most: the ceiling for a depth policy.
+It leaves out what a real run adds to every method alike (the prefill, the machine's drift), so its speedups
+are higher than a bench's; the ratios between policies are what it is for. `oracle` knows how far each proposal
+will match and verifies exactly the depth that pays most: the ceiling for a depth policy.
+
+With --methods (e.g. prompt-lookup,suffix) it compares proposers instead, each under its own k='auto' sizing, and
+adds each step's proposing time as measured (the one cost that differs between cheap proposers): tau, speedup
+and proposing time per category, on as many prompts as wanted, with no machine noise in the forwards.
 
     python benchmarks/policy_replay.py --out benchmarks/results/policy-replay-smollm2-cpu.md
+    python benchmarks/policy_replay.py --methods prompt-lookup,suffix --prompts-per-category 10
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import specdecode
 from specdecode.acceptance import AcceptanceStats
 from specdecode.bench.data import load_questions
+from specdecode.bench.workloads import load_workload
 from specdecode.cost import CostModel
 from specdecode.paths import default_cache_dir
 from specdecode.policy import AdaptiveK, FixedK, Policy, StepRecord
-from specdecode.proposers import PromptLookupProposer
+from specdecode.proposers import PromptLookupProposer, SuffixCache, SuffixProposer
+from specdecode.proposers.suffix import MAX_DEPTH
 from specdecode.tree import DraftTree
 
 PROPOSE_SECONDS = 3e-4  # what proposing costs a step (measured: 0.2-0.35 ms); under 1% of a step, so always asked
@@ -49,13 +57,18 @@ def greedy_outputs(llm: specdecode.LLM, questions, max_new_tokens: int, path: Pa
 
 def matched(tree: DraftTree, truth: list[int]) -> int:
     """How many guesses of the tree's best branch match the known continuation."""
-    node, m = 0, 0
-    while m < len(truth):
-        nxt = [c for c in tree.children(node) if tree.tokens[c] == truth[m]]
+    return len(accepted_path(tree, truth)) - 1
+
+
+def accepted_path(tree: DraftTree, truth: list[int]) -> list[int]:
+    """The nodes of the tree's branch that matches the known continuation, root first (a greedy verdict's path)."""
+    path = [0]
+    while len(path) <= len(truth):
+        nxt = [c for c in tree.children(path[-1]) if tree.tokens[c] == truth[len(path) - 1]]
         if not nxt:
             break
-        node, m = nxt[0], m + 1
-    return m
+        path.append(nxt[0])
+    return path
 
 
 def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], output: list[int]) -> float:
@@ -82,6 +95,84 @@ def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], 
     return seconds
 
 
+class Verdict:
+    """What a proposer's observe reads of a greedy verification."""
+
+    def __init__(self, path: list[int]) -> None:
+        self.path = path
+
+
+def replay_method(method: str, cost: CostModel, data: dict[str, dict], rounds: int) -> dict[str, dict[str, float]]:
+    """Per category: table-priced forward seconds plus measured proposing seconds, steps and tokens of one proposer
+    under its k='auto' sizing (prompt lookup: the adaptive policy; suffix: its own sizing by the cost table, with a
+    global cache of the earlier prompts' outputs, as the bench and the server keep one)."""
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    shared, cache = AcceptanceStats(), SuffixCache()
+    for d in data.values():
+        for r in range(rounds):
+            if method == "prompt-lookup":
+                proposer, policy = PromptLookupProposer(), AdaptiveK(cost, shared, cheap=True)
+            elif method == "suffix":
+                proposer, policy = SuffixProposer(cache, cost=cost), FixedK(MAX_DEPTH)
+            else:
+                raise ValueError(f"replay compares prompt-lookup and suffix, not {method!r}")
+            tokens, output = list(d["prompt"]), d["output"]
+            proposer.begin(tokens, len(tokens) + len(output) + 64)
+            row, pos = totals[d["category"]] if r == rounds - 1 else defaultdict(float), 0
+            while pos < len(output):
+                context, remaining, truth = len(tokens) - 1, len(output) - pos, output[pos:]
+                started = time.perf_counter()
+                k = policy.depth_to_propose(context, remaining - 1)
+                proposal = proposer.propose(tokens, k, None, None) if k > 0 else DraftTree.root_only(tokens[-1])
+                tree = policy.choose(proposal, context)
+                proposing = time.perf_counter() - started
+                path = accepted_path(tree, truth)
+                new = truth[:len(path)]
+                proposer.observe(tree, Verdict(path), None)
+                row["forward"] += cost.forward_seconds(len(tree.tokens), context)
+                row["propose"] += proposing
+                row["steps"] += 1
+                row["tokens"] += len(new)
+                start, tokens, pos = len(tokens), tokens + new, pos + len(new)
+                policy.observe(StepRecord(proposal, tree, start, tokens, context, proposing))
+            policy.finish(tokens)
+            proposer.finish(tokens)
+    return totals
+
+
+def compare_methods(methods: list[str], cost: CostModel, data: dict[str, dict], rounds: int, command: str,
+                    model: str) -> str:
+    plain: dict[str, float] = defaultdict(float)
+    for d in data.values():
+        plain[d["category"]] += sum(cost.forward_seconds(1, len(d["prompt"]) - 1 + i) for i in range(len(d["output"])))
+    results = {m: replay_method(m, cost, data, rounds) for m in methods}
+    categories = [*plain, "all"]
+    for per in [plain, *results.values()]:
+        if per is plain:
+            plain["all"] = sum(plain.values())
+        else:
+            per["all"] = defaultdict(float)
+            for c in categories[:-1]:
+                for key, value in per[c].items():
+                    per["all"][key] += value
+    head = " | ".join(f"{m} speedup | {m} forwards only | {m} tau | {m} ms/step" for m in methods)
+    lines = [f"# Proposer replay on {model}: {', '.join(methods)}, {len(data)} prompts", "",
+             f"Command: `{command}`", f"Cost table: {cost.machine} (version {cost.version}).", "",
+             "Speedup over plain decoding: forwards priced by the cost table, plus each step's proposing time as "
+             "measured here (forwards only: without it); tau = tokens per step; ms/step = proposing time.", "",
+             f"| category | {head} |", "|---|" + "---:|" * (4 * len(methods))]
+    for c in categories:
+        cells = []
+        for m in methods:
+            row = results[m][c]
+            cells += [f"{plain[c] / (row['forward'] + row['propose']):.3f}", f"{plain[c] / row['forward']:.3f}",
+                      f"{row['tokens'] / row['steps']:.2f}",
+                      f"{1e3 * row['propose'] / row['steps']:.3f}"]
+        name = f"**{c}**" if c == "all" else c
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -91,15 +182,27 @@ def main() -> None:
                     "the last counts")
     ap.add_argument("--ks", default="2,3,4,5,8", help="fixed k to compare")
     ap.add_argument("--branches", default="1,3", help="prompt-lookup branches to compare")
+    ap.add_argument("--workload", default="spec-bench", help="spec-bench, or a repetitive workload (bench --workload)")
+    ap.add_argument("--methods", help="compare these proposers (prompt-lookup, suffix) instead of k and branches")
     ap.add_argument("--outputs", help="cache of the greedy outputs (default: in the specdecode cache dir)")
     ap.add_argument("--out")
     args = ap.parse_args()
     llm = specdecode.load(args.model)
-    questions = load_questions(per_category=args.prompts_per_category)
-    outputs = Path(args.outputs or default_cache_dir() / "replay" / f"{args.model}-{args.max_new_tokens}.json")
+    questions = (load_questions(per_category=args.prompts_per_category) if args.workload == "spec-bench"
+                 else load_workload(args.workload, per_category=args.prompts_per_category))
+    outputs = Path(args.outputs or default_cache_dir() / "replay" /
+                   f"{args.model}-{args.workload}-{args.prompts_per_category}x{args.max_new_tokens}.json")
     outputs.parent.mkdir(parents=True, exist_ok=True)
     data = greedy_outputs(llm, questions, args.max_new_tokens, outputs)
     cost = llm.cost_model()  # prices every step; observing those prices leaves its load at 1
+    flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items() if value is not None)
+    if args.methods:
+        report = compare_methods(args.methods.split(","), cost, data, args.rounds,
+                                 f"python benchmarks/policy_replay.py {flags}", args.model)
+        print(report)
+        if args.out:
+            Path(args.out).write_text(report)
+        return
 
     configs: dict[str, tuple[str | int | None, int]] = {}
     for b in (int(x) for x in args.branches.split(",")):
@@ -121,7 +224,6 @@ def main() -> None:
                                                for i in range(len(d["output"])))
 
     names = list(configs)
-    flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items() if value is not None)
     lines = [f"# Policy replay: prompt lookup on {args.model}, {len(data)} Spec-Bench prompts", "",
              f"Command: `python benchmarks/policy_replay.py {flags}`",
              f"Cost table: {cost.machine} (version {cost.version}).", "",
