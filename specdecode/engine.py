@@ -201,6 +201,8 @@ class Engine:
                     path = slice(len(kept)) if kept[-1] == len(kept) - 1 else torch.tensor(kept, device=logits.device)
                     row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
                                                               for layer in row.hidden_layers])
+                if row.proposer.reads_teacher():  # the target's distributions, to learn from (online EAGLE)
+                    row.proposer.observe_teacher(contexts[i], logits[verdict.path])
                 new = row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, plain)
                 if row.logprobs is not None:  # token j was predicted at the path's node j
                     row.record_logprobs(logits[verdict.path], new)

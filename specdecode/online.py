@@ -1,11 +1,12 @@
 """Online learning of the EAGLE head from the verifier (after DVI, arXiv 2510.05421): a head that drifts from the
 traffic learns it while serving, and output stays exactly the target's, since verification is unchanged.
 
-Every step already computes what the head needs to learn: the target's hidden states at the head's layers and
-the tokens the target committed. Proposers `record` them in chunks into a bounded replay buffer; a background
-thread fine-tunes a float copy of the head on it (the training-time-test loss of `specdecode train eagle`, with
-the committed tokens as the teacher) and every `publish_every` steps publishes a new serving head. A proposer
-takes the newest head only at the start of a step (`current` is read once there), so no step mixes two heads.
+Every step already computes what the head needs to learn: the target's hidden states at the head's layers, its
+distribution at every verified position and the tokens it committed. Proposers `record` them in chunks into a
+bounded replay buffer; a background thread fine-tunes a float copy of the head on it (the training-time-test loss
+of `specdecode train eagle`, the target's top 8 probabilities as the teacher) and every `publish_every` steps
+publishes a new serving head. A proposer takes the newest head only at the start of a step (`current` is read once
+there), so no step mixes two heads.
 The guard: a published head is judged over its first `judge_steps` drafting steps by tokens accepted per step;
 under `tolerance` x its predecessor's, the predecessor comes back (and the learner restarts from it).
 The learner works only as hard as it pays: after a publish it waits for the verdict (a head that rests, not
@@ -46,6 +47,9 @@ class OnlineConfig:
     # (DVI's KL -> RL schedule); 0 turns it off
     reward: float = 0.3
     reward_after: int = 20
+    # the teacher: the target's top-8 distribution at each verified position (KD, as offline training has it), or
+    # the committed token alone (False); positions without one kept (the prompt's) are taught by their next token
+    soft: bool = True
     judge_steps: int = 48  # drafting steps over which a published head is judged
     tolerance: float = 0.9  # reverted if it accepts fewer tokens per step than this x its predecessor
     seed: int = 0
@@ -89,18 +93,25 @@ class OnlineHead:
         with self.lock:
             return self.current, self.version
 
-    def record(self, hidden: torch.Tensor, tokens: Sequence[int], rejected: torch.Tensor | None = None) -> None:
+    def record(self, hidden: torch.Tensor, tokens: Sequence[int], rejected: torch.Tensor | None = None,
+               teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One chunk the target verified: `hidden` [n, layers x H] at n positions and the n + 1 tokens from the
         first of them on (token i + 1 is the one committed after position i); `rejected` [n, R]: the guesses the
-        target rejected for token i + 1 (-1: none)."""
+        target rejected for token i + 1 (-1: none); `teacher` ([n, K] ids, [n, K] probabilities): the target's
+        most likely tokens after position i (ids -1 where none was kept)."""
         if len(tokens) != hidden.shape[0] + 1:
             raise ValueError(f"{hidden.shape[0]} positions need {hidden.shape[0] + 1} tokens, got {len(tokens)}")
         if rejected is not None and rejected.shape[0] != hidden.shape[0]:
             raise ValueError(f"{hidden.shape[0]} positions need {hidden.shape[0]} rows of rejected guesses, got "
                              f"{rejected.shape[0]}")
+        if teacher is not None and teacher[0].shape[0] != hidden.shape[0]:
+            raise ValueError(f"{hidden.shape[0]} positions need {hidden.shape[0]} teacher rows, got "
+                             f"{teacher[0].shape[0]}")
         kept = None if rejected is None else rejected.detach().to("cpu", torch.long).clone()
+        soft = None if teacher is None else (teacher[0].to("cpu", torch.long).clone(),
+                                             teacher[1].to("cpu", torch.float32).clone())
         with self.lock:
-            self.buffer.append((hidden.detach().to("cpu", torch.float16).clone(), torch.tensor(tokens), kept))
+            self.buffer.append((hidden.detach().to("cpu", torch.float16).clone(), torch.tensor(tokens), kept, soft))
             self.recorded += 1
 
     def report(self, version: int, accepted: int) -> None:
@@ -211,24 +222,37 @@ def float_copy(head: EagleHead) -> EagleHead:
     return out
 
 
-# (hidden states [n, layers x H], the n + 1 committed tokens, the rejected guesses [n, R] or None)
-Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+# (hidden states [n, layers x H], the n + 1 committed tokens, the rejected guesses [n, R] or None, the target's
+# top-k (ids [n, K], -1 where none was kept; probabilities [n, K]) or None)
+Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def chunk_batch(chunks: list[Chunk], layers: Sequence[int], reward: float = 0.0) -> dict[str, torch.Tensor]:
-    """Recorded chunks as a training batch of `ttt_loss`: the committed next token is the teacher (weight 1) and,
-    with `reward`, each guess the target rejected there is a teacher of weight -reward (pushed down)."""
-    n = min(h.shape[0] for h, _, _ in chunks)
-    hidden = torch.stack([h[:n] for h, _, _ in chunks]).float()
+    """Recorded chunks as a training batch of `ttt_loss`: the teacher is the target's top-k distribution where one
+    was kept, else the committed next token (weight 1); with `reward`, each guess the target rejected there is a
+    teacher of weight -reward (pushed down)."""
+    n = min(c[0].shape[0] for c in chunks)
+    hidden = torch.stack([c[0][:n] for c in chunks]).float()
     hidden = hidden.view(len(chunks), n, len(layers), -1)
-    tokens = torch.stack([t[: n + 1] for _, t, _ in chunks])
+    tokens = torch.stack([c[1][: n + 1] for c in chunks])
     ids, weights = tokens[:, 1:, None], torch.ones(len(chunks), n, 1)
-    width = max((r.shape[1] for _, _, r in chunks if r is not None), default=0)
+    topk = max((c[3][0].shape[1] for c in chunks if c[3] is not None), default=0)
+    if topk:  # the committed token in the first column, zero weights after it, where no distribution was kept
+        ids = torch.cat((ids, torch.zeros(len(chunks), n, topk - 1, dtype=torch.long)), -1)
+        weights = torch.cat((weights, torch.zeros(len(chunks), n, topk - 1)), -1)
+        for row, c in enumerate(chunks):
+            if c[3] is not None:
+                top, probs = c[3][0][:n], c[3][1][:n]
+                kept = top[:, 0] >= 0
+                ids[row, kept, : top.shape[1]] = top[kept]
+                weights[row, kept] = 0.0
+                weights[row, kept, : top.shape[1]] = probs[kept]
+    width = max((c[2].shape[1] for c in chunks if c[2] is not None), default=0)
     if reward and width:
         rejected = torch.full((len(chunks), n, width), -1, dtype=torch.long)
-        for row, (_, _, r) in enumerate(chunks):
-            if r is not None:
-                rejected[row, :, : r.shape[1]] = r[:n]
+        for row, c in enumerate(chunks):
+            if c[2] is not None:
+                rejected[row, :, : c[2].shape[1]] = c[2][:n]
         ids = torch.cat((ids, rejected.clamp_min(0)), -1)
         weights = torch.cat((weights, -reward * (rejected >= 0).float()), -1)
     return {"hidden": hidden, "tokens": tokens[:, :n], "mask": torch.ones(len(chunks), n, dtype=torch.bool),

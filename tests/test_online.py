@@ -154,7 +154,7 @@ def test_rejected_guesses_are_recorded_and_pushed_down(target) -> None:
                      max_new_tokens=NEW)
     chunks = list(online.buffer)
     marked = 0
-    for _, tokens, rejected in chunks:
+    for _, tokens, rejected, _ in chunks:
         assert rejected is not None
         for i in (rejected >= 0).any(-1).nonzero().flatten().tolist():
             guesses = rejected[i][rejected[i] >= 0]
@@ -163,7 +163,7 @@ def test_rejected_guesses_are_recorded_and_pushed_down(target) -> None:
     assert marked > 0
     layers = head.config.target_layers
     probe = chunk_batch(chunks, layers, reward=1.0)  # scored: the rejected guesses' mean negative log-likelihood
-    probe["teacher_probs"] = probe["teacher_probs"].abs() * (torch.arange(probe["teacher_ids"].shape[-1]) > 0)
+    probe["teacher_probs"] = (probe["teacher_probs"] < 0).to(probe["teacher_probs"].dtype)  # the rejected columns
 
     def rejected_nll(reward: float) -> float:
         learner = OnlineHead(head, target.embed, OnlineConfig(chunk=16, batch=4, publish_every=10**6, lr=2e-3,
@@ -176,3 +176,48 @@ def test_rejected_guesses_are_recorded_and_pushed_down(target) -> None:
 
     with_reward, without = rejected_nll(0.5), rejected_nll(0.0)
     assert with_reward > without + 0.05
+
+
+def test_the_teacher_is_the_targets_distribution_at_each_verified_position(target) -> None:
+    """What the proposer records for the learner: at every position verified while it drafted, the target's top-8
+    probabilities, as a full forward over the committed text computes them (the first id the committed token,
+    greedy); prompt positions, which no verification saw, are taught by their next token; the committed-token
+    teacher alone where `soft` is off."""
+    head = fresh_head(target)
+    online = OnlineHead(head, target.embed, OnlineConfig(chunk=8, batch=2, publish_every=10**6))
+    prompt = PROMPTS[3]  # 17 tokens: two chunks of prompt positions before the first verification
+    new, _ = generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=2, nodes=4, online=online), k=2,
+                          max_new_tokens=NEW)
+    text = prompt + new
+    cache = target.new_cache(len(text) + 8)
+    with torch.no_grad():
+        full = target.forward(torch.tensor([text]), cache).logits[0].float().softmax(-1)
+    soft = taught = 0
+    for i, (_, tokens, _, teacher) in enumerate(online.buffer):
+        assert teacher is not None
+        ids, probs = teacher
+        for j in range(len(ids)):
+            position = 8 * i + j
+            assert int(tokens[j]) == text[position]
+            if ids[j, 0] < 0:  # not verified: a prompt position
+                assert position < len(prompt) - 1
+                continue
+            top = full[position].topk(8)
+            assert ids[j].tolist() == top.indices.tolist() and int(ids[j, 0]) == text[position + 1]
+            torch.testing.assert_close(probs[j], top.values, atol=2e-3, rtol=0)
+            soft += 1
+    assert soft > NEW // 2
+    batch = chunk_batch(list(online.buffer), head.config.target_layers)
+    for i, (_, tokens, _, (ids, _)) in enumerate(online.buffer):
+        for j in range(len(ids)):
+            if ids[j, 0] >= 0:
+                assert batch["teacher_ids"][i, j].tolist() == ids[j].tolist()
+            else:
+                assert batch["teacher_ids"][i, j, 0] == tokens[j + 1] and batch["teacher_probs"][i, j].tolist() == [
+                    1.0] + [0.0] * 7
+                taught += 1
+    assert taught > 0
+    hard = OnlineHead(head, target.embed, OnlineConfig(chunk=8, batch=2, publish_every=10**6, soft=False))
+    generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=2, nodes=4, online=hard), k=2,
+                 max_new_tokens=NEW)
+    assert all(teacher is None for *_, teacher in hard.buffer)

@@ -63,6 +63,14 @@ class Proposer(ABC):
         start..start+n-1: after each prefill chunk, then after every verification (the root and accepted guesses),
         where `reads_hidden` said so."""
 
+    def reads_teacher(self) -> bool:
+        """Whether it wants the target's logits at this step's committed positions (an EAGLE head learning online)."""
+        return False
+
+    def observe_teacher(self, start: int, logits: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """The target's raw logits ([n, V]) at the committed positions start..start+n-1 of a verification (row i
+        predicts the token after position start + i), where `reads_teacher` said so."""
+
     def observe(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor) -> None:  # noqa: B027
         """After verification: the tree the target saw (maybe cut by the policy), its verdict, and the
         target's logits for the tree's extra nodes ([m, V]; empty without extra nodes)."""

@@ -65,6 +65,7 @@ MIN_EVIDENCE = 4  # steps judged before the head may rest: one step gains 0 or s
 # its catch-up starts there, a quarter of a HEAD_CONTEXT one, and the steps before pay no hidden-state copies
 HIDDEN_LEAD = 32
 REJECTED = 4  # rejected guesses kept per position for online learning (DVI's reward)
+TEACHER_TOPK = 8  # the target's most likely tokens kept per position for online learning (as offline training keeps)
 
 
 class EagleProposer(Proposer):
@@ -119,6 +120,10 @@ class EagleProposer(Proposer):
         self.recorded = 0  # positions below this one were recorded for online learning (or skipped)
         # for online learning: per position i, the guesses for token i + 1 the target rejected (-1: none)
         self.rejected = torch.full((max_len if self.online is not None else 0, REJECTED), -1, dtype=torch.long)
+        # and the target's distribution there (top TEACHER_TOPK; id -1: none kept, the committed token teaches)
+        rows = max_len if self.online is not None and self.online.cfg.soft else 0
+        self.teacher_ids = torch.full((rows, TEACHER_TOPK), -1, dtype=torch.int32)
+        self.teacher_probs = torch.zeros((rows, TEACHER_TOPK), dtype=torch.float16)
         self.root = 0  # the last proposal's root position
         # what earlier requests found carries over (the head is shared): resting at the end of the last request,
         # this one starts resting too, and does not pay the head's pass over the whole prompt for nothing
@@ -129,6 +134,15 @@ class EagleProposer(Proposer):
 
     def reads_hidden(self) -> bool:
         return self.online is not None or self.resting.left < HIDDEN_LEAD
+
+    def reads_teacher(self) -> bool:
+        return self.online is not None and self.online.cfg.soft
+
+    def observe_teacher(self, start: int, logits: torch.Tensor) -> None:
+        """Keep the target's top TEACHER_TOPK probabilities at the committed positions: the learner distils them."""
+        probs, top = logits.float().softmax(-1).topk(TEACHER_TOPK, dim=-1)
+        self.teacher_ids[start : start + len(top)] = top.to("cpu", torch.int32)
+        self.teacher_probs[start : start + len(top)] = probs.to("cpu", torch.float16)
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
@@ -193,7 +207,9 @@ class EagleProposer(Proposer):
         self.recorded = max(self.recorded, self.known_from)
         while self.recorded + chunk < min(self.known, len(tokens)):  # a chunk's n + 1 tokens are all committed
             a = self.recorded
-            online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1], self.rejected[a : a + chunk])
+            teacher = (self.teacher_ids[a : a + chunk], self.teacher_probs[a : a + chunk]) if self.reads_teacher() \
+                else None
+            online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1], self.rejected[a : a + chunk], teacher)
             self.recorded += chunk
         head, version = online.serving()
         if version != self.version:

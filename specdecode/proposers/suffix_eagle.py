@@ -57,6 +57,12 @@ class SuffixEagleProposer(Proposer):
     def observe_hidden(self, start, hidden) -> None:
         self.eagle.observe_hidden(start, hidden)
 
+    def reads_teacher(self) -> bool:
+        return self.eagle.reads_teacher()
+
+    def observe_teacher(self, start, logits) -> None:
+        self.eagle.observe_teacher(start, logits)
+
     def propose(self, tokens, k, params, generator) -> DraftTree:
         found = self.suffix.candidates(tokens, k)
         ranked = found.ranked()[: self.suffix.nodes]
