@@ -50,6 +50,9 @@ class OnlineConfig:
     # the teacher: the target's top-8 distribution at each verified position (KD, as offline training has it), or
     # the committed token alone (False); positions without one kept (the prompt's) are taught by their next token
     soft: bool = True
+    # with `soft`: the loss covers the positions the target verified (its answers) and a prompt's positions are
+    # context only, as offline EAGLE training learns on answers alone; chunks of the prompt alone are not recorded
+    answers_only: bool = True
     judge_steps: int = 48  # drafting steps over which a published head is judged
     tolerance: float = 0.9  # reverted if it accepts fewer tokens per step than this x its predecessor
     seed: int = 0
@@ -159,7 +162,7 @@ class OnlineHead:
         from .training.eagle import ttt_loss  # training code loads only where a head learns
 
         reward = self.cfg.reward if self.steps >= self.cfg.reward_after else 0.0
-        batch = chunk_batch(chunks, self.learner.config.target_layers, reward)
+        batch = chunk_batch(chunks, self.learner.config.target_layers, reward, self.cfg.answers_only)
         self.learner.train()
         loss, _ = ttt_loss(self.learner, self.embed, self.t2d, batch, self.cfg.ttt_steps)
         self.optimizer.zero_grad(set_to_none=True)
@@ -227,16 +230,19 @@ def float_copy(head: EagleHead) -> EagleHead:
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
 
 
-def chunk_batch(chunks: list[Chunk], layers: Sequence[int], reward: float = 0.0) -> dict[str, torch.Tensor]:
+def chunk_batch(chunks: list[Chunk], layers: Sequence[int], reward: float = 0.0, answers_only: bool = False
+                ) -> dict[str, torch.Tensor]:
     """Recorded chunks as a training batch of `ttt_loss`: the teacher is the target's top-k distribution where one
     was kept, else the committed next token (weight 1); with `reward`, each guess the target rejected there is a
-    teacher of weight -reward (pushed down)."""
+    teacher of weight -reward (pushed down). answers_only: in chunks with distributions kept, the positions without
+    one (the prompt's) are context only, not taught."""
     n = min(c[0].shape[0] for c in chunks)
     hidden = torch.stack([c[0][:n] for c in chunks]).float()
     hidden = hidden.view(len(chunks), n, len(layers), -1)
     tokens = torch.stack([c[1][: n + 1] for c in chunks])
     ids, weights = tokens[:, 1:, None], torch.ones(len(chunks), n, 1)
     topk = max((c[3][0].shape[1] for c in chunks if c[3] is not None), default=0)
+    mask = torch.ones(len(chunks), n, dtype=torch.bool)
     if topk:  # the committed token in the first column, zero weights after it, where no distribution was kept
         ids = torch.cat((ids, torch.zeros(len(chunks), n, topk - 1, dtype=torch.long)), -1)
         weights = torch.cat((weights, torch.zeros(len(chunks), n, topk - 1)), -1)
@@ -244,6 +250,8 @@ def chunk_batch(chunks: list[Chunk], layers: Sequence[int], reward: float = 0.0)
             if c[3] is not None:
                 top, probs = c[3][0][:n], c[3][1][:n]
                 kept = top[:, 0] >= 0
+                if answers_only:
+                    mask[row] = kept
                 ids[row, kept, : top.shape[1]] = top[kept]
                 weights[row, kept] = 0.0
                 weights[row, kept, : top.shape[1]] = probs[kept]
@@ -255,5 +263,5 @@ def chunk_batch(chunks: list[Chunk], layers: Sequence[int], reward: float = 0.0)
                 rejected[row, :, : c[2].shape[1]] = c[2][:n]
         ids = torch.cat((ids, rejected.clamp_min(0)), -1)
         weights = torch.cat((weights, -reward * (rejected >= 0).float()), -1)
-    return {"hidden": hidden, "tokens": tokens[:, :n], "mask": torch.ones(len(chunks), n, dtype=torch.bool),
+    return {"hidden": hidden, "tokens": tokens[:, :n], "mask": mask,
             "teacher_ids": ids, "teacher_probs": weights}

@@ -181,43 +181,34 @@ def test_rejected_guesses_are_recorded_and_pushed_down(target) -> None:
 def test_the_teacher_is_the_targets_distribution_at_each_verified_position(target) -> None:
     """What the proposer records for the learner: at every position verified while it drafted, the target's top-8
     probabilities, as a full forward over the committed text computes them (the first id the committed token,
-    greedy); prompt positions, which no verification saw, are taught by their next token; the committed-token
-    teacher alone where `soft` is off."""
+    greedy); each answer position is taught exactly once (the tail after the last whole chunk too), the prompt's
+    positions are context only; with `soft` off, the committed tokens of every chunk teach."""
     head = fresh_head(target)
     online = OnlineHead(head, target.embed, OnlineConfig(chunk=8, batch=2, publish_every=10**6))
     prompt = PROMPTS[3]  # 17 tokens: two chunks of prompt positions before the first verification
-    new, _ = generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=2, nodes=4, online=online), k=2,
-                          max_new_tokens=NEW)
+    proposer = EagleProposer(head, target, topk=2, nodes=4, online=online)
+    new, _ = generate_ids(target, prompt, proposer=proposer, k=2, max_new_tokens=NEW)
     text = prompt + new
     cache = target.new_cache(len(text) + 8)
     with torch.no_grad():
         full = target.forward(torch.tensor([text]), cache).logits[0].float().softmax(-1)
-    soft = taught = 0
-    for i, (_, tokens, _, teacher) in enumerate(online.buffer):
-        assert teacher is not None
-        ids, probs = teacher
-        for j in range(len(ids)):
-            position = 8 * i + j
-            assert int(tokens[j]) == text[position]
-            if ids[j, 0] < 0:  # not verified: a prompt position
-                assert position < len(prompt) - 1
-                continue
-            top = full[position].topk(8)
-            assert ids[j].tolist() == top.indices.tolist() and int(ids[j, 0]) == text[position + 1]
-            torch.testing.assert_close(probs[j], top.values, atol=2e-3, rtol=0)
-            soft += 1
-    assert soft > NEW // 2
-    batch = chunk_batch(list(online.buffer), head.config.target_layers)
-    for i, (_, tokens, _, (ids, _)) in enumerate(online.buffer):
-        for j in range(len(ids)):
-            if ids[j, 0] >= 0:
-                assert batch["teacher_ids"][i, j].tolist() == ids[j].tolist()
-            else:
-                assert batch["teacher_ids"][i, j, 0] == tokens[j + 1] and batch["teacher_probs"][i, j].tolist() == [
-                    1.0] + [0.0] * 7
-                taught += 1
-    assert taught > 0
+    for position in range(len(text) - 1):
+        ids, probs = proposer.teacher_ids[position], proposer.teacher_probs[position].float()
+        if position < len(prompt) - 1:  # no verification saw it
+            assert (ids < 0).all()
+            continue
+        top = full[position].topk(8)
+        assert ids.tolist() == top.indices.tolist() and int(ids[0]) == text[position + 1]
+        torch.testing.assert_close(probs, top.values, atol=2e-3, rtol=0)
+    batch = chunk_batch(list(online.buffer), head.config.target_layers, answers_only=True)
+    taught = batch["mask"]
+    assert int(taught.sum()) == len(new)  # every answer position once, none of the prompt's
+    for row, chunk in enumerate(online.buffer):  # greedy: the teacher's first id is the committed next token
+        following = chunk[1][1 : taught.shape[1] + 1]
+        assert (batch["teacher_ids"][row, taught[row], 0] == following[taught[row]]).all()
+    assert all(bool(c[3][0][:, 0].ge(0).any()) for c in online.buffer)  # no chunk of the prompt alone
     hard = OnlineHead(head, target.embed, OnlineConfig(chunk=8, batch=2, publish_every=10**6, soft=False))
     generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=2, nodes=4, online=hard), k=2,
                  max_new_tokens=NEW)
-    assert all(teacher is None for *_, teacher in hard.buffer)
+    assert all(teacher is None for *_, teacher in hard.buffer) and len(hard.buffer) >= 2  # the prompt's too
+    assert bool(chunk_batch(list(hard.buffer), head.config.target_layers)["mask"].all())

@@ -206,15 +206,34 @@ class EagleProposer(Proposer):
         chunk = online.cfg.chunk
         self.recorded = max(self.recorded, self.known_from)
         while self.recorded + chunk < min(self.known, len(tokens)):  # a chunk's n + 1 tokens are all committed
-            a = self.recorded
-            teacher = (self.teacher_ids[a : a + chunk], self.teacher_probs[a : a + chunk]) if self.reads_teacher() \
-                else None
-            online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1], self.rejected[a : a + chunk], teacher)
+            self._record(self.recorded, tokens)
             self.recorded += chunk
         head, version = online.serving()
         if version != self.version:
             self.head, self.version = head, version
             self.cached = self.fused = self.offset  # its cache and features restart: the weights changed
+
+    def _record(self, a: int, tokens: list[int], new_from: int = 0) -> None:
+        """Positions a..a+chunk-1 go to the learner (those before `new_from`, recorded already, as context only)."""
+        online, chunk = self.online, self.online.cfg.chunk
+        teacher = None
+        if self.reads_teacher():
+            teacher = (self.teacher_ids[a : a + chunk].clone(), self.teacher_probs[a : a + chunk])
+            teacher[0][: max(new_from - a, 0)] = -1
+            if online.cfg.answers_only and bool((teacher[0][:, 0] < 0).all()):
+                return  # the prompt alone: nothing the target answered to learn from
+        online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1], self.rejected[a : a + chunk], teacher)
+
+    def finish(self, tokens: list[int]) -> None:
+        """The positions after the last whole chunk (most of a short answer) go to the learner too, in a chunk that
+        ends at the last committed token; its positions recorded already are context only."""
+        if self.online is None or not self.reads_teacher() or not self.online.cfg.answers_only:
+            return
+        end = min(self.known, len(tokens) - 1)  # position end - 1's next token is the last committed one
+        start = max(end - self.online.cfg.chunk, self.known_from)
+        if end - start == self.online.cfg.chunk and end > self.recorded:
+            self._record(start, tokens, new_from=self.recorded)
+        self.recorded = end
 
     def observe(self, tree, verdict, extra_logits) -> None:
         if self.online is not None and len(tree) > 1:
