@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=OnlineConfig.lr)
     p.add_argument("--reward", type=float, default=OnlineConfig.reward,
                    help="weight of pushing down the guesses the target rejected (DVI's reward; 0: distillation alone)")
+    p.add_argument("--chunk", type=int, default=OnlineConfig.chunk, help="positions per recorded chunk")
     p.add_argument("--teacher", choices=("soft", "token"), default="soft",
                    help="the learner's teacher: the target's top-8 distribution, or the committed token alone")
     p.add_argument("--rest", action="store_true",
@@ -52,7 +53,8 @@ def main() -> None:
     rng = random.Random(0)
     rng.shuffle(questions)
     questions = questions[: args.requests]
-    online = llm.online_head(args.draft, OnlineConfig(lr=args.lr, reward=args.reward, soft=args.teacher == "soft"))
+    online = llm.online_head(args.draft, OnlineConfig(lr=args.lr, reward=args.reward, soft=args.teacher == "soft",
+                                                      chunk=args.chunk))
     arms = {"static": {}, "online": {"online_draft": True}}
     rows = {arm: [] for arm in arms}
     started = time.perf_counter()
@@ -80,7 +82,8 @@ def main() -> None:
     lines = ["# Online learning under a domain shift", "",
              f"- command: `python benchmarks/online_shift.py --workload {args.workload} --categories "
              f"{args.categories} --requests {args.requests} --window {args.window} --max-new-tokens "
-             f"{args.max_new_tokens} --lr {args.lr} --reward {args.reward} --teacher {args.teacher}"
+             f"{args.max_new_tokens} --lr {args.lr} --reward {args.reward} --teacher {args.teacher} "
+             f"--chunk {args.chunk}"
              f"{' --rest' if args.rest else ''} "
              f"--out {args.out}`",
              f"- learner: {online.steps} steps, {online.version} heads published or brought back, "

@@ -9,10 +9,13 @@ publishes a new serving head. A proposer takes the newest head only at the start
 there), so no step mixes two heads.
 The guard: a published head is judged over its first `judge_steps` drafting steps by tokens accepted per step;
 under `tolerance` x its predecessor's, the predecessor comes back (and the learner restarts from it).
-The learner works only as hard as it pays: after a publish it waits for the verdict (a head that rests, not
-drafting, is never judged: its learner stays idle), and its share of the time doubles after a head that accepted
-more than its predecessor and falls by 30% after one that did not (between `min_duty` and `duty`). Traffic the head
-already knows costs a few percent of a core; traffic it does not gets the learner's full share.
+The learner works only as hard as it pays: after a publish it learns on for at most `publish_every` more steps
+while the verdict is awaited (the next head, published as soon as the verdict keeps this one), then waits (a head
+that rests, not drafting, is never judged: its learner stays idle), and its share of the time doubles after a head
+that accepted more than its predecessor and falls by 30% after one that did not (between `min_duty` and `duty`).
+Traffic the head already knows costs a few percent of a core; traffic it does not gets the learner's full share
+(idle while each verdict was awaited, the learner made half the steps: on tool-call traffic the head needs some
+600 steps, about three a request, to gain 20%).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class OnlineConfig:
     reward: float = 0.3
     reward_after: int = 20
     # the teacher: the target's top-8 distribution at each verified position (KD, as offline training has it), or
-    # the committed token alone (False); positions without one kept (the prompt's) are taught by their next token
+    # the committed token alone (False)
     soft: bool = True
     # with `soft`: the loss covers the positions the target verified (its answers) and a prompt's positions are
     # context only, as offline EAGLE training learns on answers alone; chunks of the prompt alone are not recorded
@@ -80,6 +83,7 @@ class OnlineHead:
         self.buffer: deque[Chunk] = deque(maxlen=self.cfg.buffer_chunks)
         self.recorded = 0  # chunks ever recorded
         self.steps = 0  # learner steps taken
+        self.unpublished = 0  # learner steps since the last publish (or restart)
         self.reverts = 0
         self.duty = self.cfg.duty  # the learner's share of the time now (see the module docstring)
         self.lock = threading.Lock()
@@ -150,13 +154,15 @@ class OnlineHead:
 
     # ------------------------------------------------------------------ learning side
     def step(self) -> float | None:
-        """One learner step on a batch from the buffer (None: too little data yet); publishes every
-        `publish_every` steps. The background thread calls this; tests may too."""
+        """One learner step on a batch from the buffer (None: too little data yet, or a verdict awaited with the next
+        head ready); publishes after `publish_every` steps once no verdict is awaited. The background thread calls
+        this; tests may too."""
         with self.lock:
             if self._restore is not None:
                 self.learner.load_state_dict(self._restore)
-                self.optimizer, self._restore = self._optimizer(), None
-            if len(self.buffer) < self.cfg.batch or self.previous is not None:  # no data, or a verdict awaited
+                self.optimizer, self._restore, self.unpublished = self._optimizer(), None, 0
+            ahead = self.previous is not None and self.unpublished >= self.cfg.publish_every
+            if len(self.buffer) < self.cfg.batch or ahead:  # no data, or the next head is ready: a verdict awaited
                 return None
             chunks = self.rng.sample(list(self.buffer), self.cfg.batch)
         from .training.eagle import ttt_loss  # training code loads only where a head learns
@@ -170,7 +176,8 @@ class OnlineHead:
         torch.nn.utils.clip_grad_norm_(self.learner.parameters(), 1.0)
         self.optimizer.step()
         self.steps += 1
-        if self.steps % self.cfg.publish_every == 0:
+        self.unpublished += 1
+        if self.unpublished >= self.cfg.publish_every and self.previous is None:
             self.publish()
         return float(loss.detach())
 
@@ -184,6 +191,7 @@ class OnlineHead:
         if rest is not None:  # the policy's view of the head carries over
             head.rest_state = rest
         state = copy.deepcopy(self.learner.state_dict())
+        self.unpublished = 0
         with self.lock:
             if self.previous is None:  # a head still being judged stays the one to come back to
                 self.previous = (self.current, self.served, self.version)

@@ -121,7 +121,8 @@ def test_learner_waits_for_each_verdict_and_works_as_hard_as_it_pays(target) -> 
         online.record(hidden, [1, 2, 3, 4, 5])
     online.report(0, 2)
     assert online.step() is not None and online.version == 1  # trained and published ...
-    assert online.step() is None  # ... and waits for the verdict on that head
+    assert online.step() is not None and online.version == 1  # ... learns the next one while its verdict is awaited
+    assert online.step() is None  # ... and, that one ready, waits for the verdict
     online.report(1, 1)
     online.report(1, 1)  # accepted less than before (1 < 2; kept, at tolerance 0): the learner's share falls
     assert online.duty == pytest.approx(0.35) and online.step() is not None
