@@ -36,6 +36,7 @@ from specdecode.policy import AdaptiveK, FixedK, Policy, StepRecord
 from specdecode.proposers import PromptLookupProposer, SuffixCache, SuffixProposer
 from specdecode.proposers.suffix import MAX_DEPTH
 from specdecode.tree import DraftTree
+from specdecode.verify import Verdict
 
 PROPOSE_SECONDS = 3e-4  # what proposing costs a step (measured: 0.2-0.35 ms); under 1% of a step, so always asked
 
@@ -95,13 +96,6 @@ def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], 
     return seconds
 
 
-class Verdict:
-    """What a proposer's observe reads of a greedy verification."""
-
-    def __init__(self, path: list[int]) -> None:
-        self.path = path
-
-
 def replay_method(method: str, cost: CostModel, data: dict[str, dict], rounds: int) -> dict[str, dict[str, float]]:
     """Per category: table-priced forward seconds plus measured proposing seconds, steps and tokens of one proposer
     under its k='auto' sizing (prompt lookup: the adaptive policy; suffix: its own sizing by the cost table, with a
@@ -128,7 +122,7 @@ def replay_method(method: str, cost: CostModel, data: dict[str, dict], rounds: i
                 proposing = time.perf_counter() - started
                 path = accepted_path(tree, truth)
                 new = truth[:len(path)]
-                proposer.observe(tree, Verdict(path), None)
+                proposer.observe(tree, Verdict(path, new[-1]), None)
                 row["forward"] += cost.forward_seconds(len(tree.tokens), context)
                 row["propose"] += proposing
                 row["steps"] += 1
@@ -147,14 +141,12 @@ def compare_methods(methods: list[str], cost: CostModel, data: dict[str, dict], 
         plain[d["category"]] += sum(cost.forward_seconds(1, len(d["prompt"]) - 1 + i) for i in range(len(d["output"])))
     results = {m: replay_method(m, cost, data, rounds) for m in methods}
     categories = [*plain, "all"]
-    for per in [plain, *results.values()]:
-        if per is plain:
-            plain["all"] = sum(plain.values())
-        else:
-            per["all"] = defaultdict(float)
-            for c in categories[:-1]:
-                for key, value in per[c].items():
-                    per["all"][key] += value
+    plain["all"] = sum(plain.values())
+    for per in results.values():  # the "all" row: every category's sums
+        per["all"] = defaultdict(float)
+        for c in categories[:-1]:
+            for key, value in per[c].items():
+                per["all"][key] += value
     head = " | ".join(f"{m} speedup | {m} forwards only | {m} tau | {m} ms/step" for m in methods)
     lines = [f"# Proposer replay on {model}: {', '.join(methods)}, {len(data)} prompts", "",
              f"Command: `{command}`", f"Cost table: {cost.machine} (version {cost.version}).", "",
