@@ -72,11 +72,15 @@ def accepted_path(tree: DraftTree, truth: list[int]) -> list[int]:
     return path
 
 
-def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], output: list[int]) -> float:
-    """Seconds (table-priced) to commit `output`; policy None: the oracle."""
-    tokens, pos, seconds = list(prompt), 0, 0.0
+def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], output: list[int],
+           propose_seconds: float | None = PROPOSE_SECONDS) -> dict[str, float]:
+    """Commit `output`: table-priced forward seconds, measured proposing seconds, steps and tokens; policy None: the
+    oracle. The policy learns that proposing costs `propose_seconds` a step (None: as measured)."""
+    tokens, pos, row = list(prompt), 0, defaultdict(float)
+    proposer.begin(tokens, len(tokens) + len(output) + 64)
     while pos < len(output):
         context, remaining, truth = len(tokens) - 1, len(output) - pos, output[pos:]
+        started = time.perf_counter()
         k = min(16, remaining - 1) if policy is None else policy.depth_to_propose(context, remaining - 1)
         proposal = proposer.propose(tokens, k, None, None) if k > 0 else DraftTree.root_only(tokens[-1])
         if policy is None:
@@ -85,15 +89,22 @@ def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], 
                                     key=lambda d: (1 + min(m, d)) / cost.forward_seconds(sizes[d], context)))
         else:
             tree = policy.choose(proposal, context)
-        new = truth[: matched(tree, truth) + 1]
-        price = cost.forward_seconds(len(tree.tokens), context)
-        seconds += price
+        proposing = time.perf_counter() - started
+        path = accepted_path(tree, truth)
+        new = truth[: len(path)]
+        proposer.observe(tree, Verdict(path, new[-1]), None)
+        row["forward"] += cost.forward_seconds(len(tree.tokens), context)
+        row["propose"] += proposing
+        row["steps"] += 1
+        row["tokens"] += len(new)
         start, tokens, pos = len(tokens), tokens + new, pos + len(new)
         if policy is not None:
-            policy.observe(StepRecord(proposal, tree, start, tokens, context, PROPOSE_SECONDS))
+            policy.observe(StepRecord(proposal, tree, start, tokens, context,
+                                      proposing if propose_seconds is None else propose_seconds))
     if policy is not None:
         policy.finish(tokens)
-    return seconds
+    proposer.finish(tokens)
+    return row
 
 
 def replay_method(method: str, cost: CostModel, data: dict[str, dict], rounds: int) -> dict[str, dict[str, float]]:
@@ -110,27 +121,10 @@ def replay_method(method: str, cost: CostModel, data: dict[str, dict], rounds: i
                 proposer, policy = SuffixProposer(cache, cost=cost), FixedK(MAX_DEPTH)
             else:
                 raise ValueError(f"replay compares prompt-lookup and suffix, not {method!r}")
-            tokens, output = list(d["prompt"]), d["output"]
-            proposer.begin(tokens, len(tokens) + len(output) + 64)
-            row, pos = totals[d["category"]] if r == rounds - 1 else defaultdict(float), 0
-            while pos < len(output):
-                context, remaining, truth = len(tokens) - 1, len(output) - pos, output[pos:]
-                started = time.perf_counter()
-                k = policy.depth_to_propose(context, remaining - 1)
-                proposal = proposer.propose(tokens, k, None, None) if k > 0 else DraftTree.root_only(tokens[-1])
-                tree = policy.choose(proposal, context)
-                proposing = time.perf_counter() - started
-                path = accepted_path(tree, truth)
-                new = truth[:len(path)]
-                proposer.observe(tree, Verdict(path, new[-1]), None)
-                row["forward"] += cost.forward_seconds(len(tree.tokens), context)
-                row["propose"] += proposing
-                row["steps"] += 1
-                row["tokens"] += len(new)
-                start, tokens, pos = len(tokens), tokens + new, pos + len(new)
-                policy.observe(StepRecord(proposal, tree, start, tokens, context, proposing))
-            policy.finish(tokens)
-            proposer.finish(tokens)
+            row = replay(policy, proposer, cost, d["prompt"], d["output"], propose_seconds=None)
+            if r == rounds - 1:
+                for key, value in row.items():
+                    totals[d["category"]][key] += value
     return totals
 
 
@@ -207,7 +201,7 @@ def main() -> None:
         for d in data.values():
             for r in range(args.rounds):
                 policy = None if k is None else AdaptiveK(cost, shared, cheap=True) if k == "auto" else FixedK(k)
-                took = replay(policy, proposer, cost, d["prompt"], d["output"])
+                took = replay(policy, proposer, cost, d["prompt"], d["output"])["forward"]
                 if r == args.rounds - 1:
                     seconds[d["category"]][name] += took
         print(name, flush=True)

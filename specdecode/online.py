@@ -14,8 +14,7 @@ while the verdict is awaited (the next head, published as soon as the verdict ke
 that rests, not drafting, is never judged: its learner stays idle), and its share of the time doubles after a head
 that accepted more than its predecessor and falls by 30% after one that did not (between `min_duty` and `duty`).
 Traffic the head already knows costs a few percent of a core; traffic it does not gets the learner's full share
-(idle while each verdict was awaited, the learner made half the steps: on tool-call traffic the head needs some
-600 steps, about three a request, to gain 20%).
+(idle while each verdict was awaited, the learner made 247 steps in 200 tool-call requests; learning ahead, 277).
 """
 
 from __future__ import annotations

@@ -218,9 +218,12 @@ class EagleProposer(Proposer):
         online, chunk = self.online, self.online.cfg.chunk
         teacher = None
         if self.reads_teacher():
-            teacher = (self.teacher_ids[a : a + chunk].clone(), self.teacher_probs[a : a + chunk])
-            teacher[0][: max(new_from - a, 0)] = -1
-            if online.cfg.answers_only and bool((teacher[0][:, 0] < 0).all()):
+            ids = self.teacher_ids[a : a + chunk]
+            if new_from > a:  # a copy (record copies the rest): these rows stay taught where first recorded
+                ids = ids.clone()
+                ids[: new_from - a] = -1
+            teacher = (ids, self.teacher_probs[a : a + chunk])
+            if online.cfg.answers_only and bool((ids[:, 0] < 0).all()):
                 return  # the prompt alone: nothing the target answered to learn from
         online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1], self.rejected[a : a + chunk], teacher)
 
