@@ -34,6 +34,8 @@ def main() -> None:
     p.add_argument("--checkpoints", default="200,600,1200", help="learner steps after which tau is measured")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=OnlineConfig.lr)
+    p.add_argument("--vocab-swaps", type=int, default=OnlineConfig.vocab_swaps,
+                   help="draft vocabulary rows a new head may give to tokens of the traffic (0: the vocabulary stays)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     eagle.MAX_REST = 0  # the head never rests: it is what is measured
@@ -41,7 +43,8 @@ def main() -> None:
     questions = load_workload("repetitive", [args.category], args.record + args.held_out)
     random.Random(0).shuffle(questions)
     recorded, held_out = questions[: args.record], questions[args.record :]
-    online = llm.online_head(None, OnlineConfig(lr=args.lr, publish_every=10**9))
+    online = llm.online_head(None, OnlineConfig(lr=args.lr, publish_every=10**9,
+                                                     vocab_swaps=args.vocab_swaps))
     online.close()  # recording only: the learner runs below, on the buffer as recorded
 
     def tau(prompts, **options) -> float:
@@ -53,13 +56,13 @@ def main() -> None:
 
     def held_out_tau() -> float:
         """tau of the published head on the held-out requests, which must not join what it learns from"""
-        kept, count = list(online.buffer), online.recorded
+        kept, count, mass = list(online.buffer), online.recorded, online.mass.clone()
         try:
             return tau(held_out, online_draft=True)
         finally:
             online.buffer.clear()
             online.buffer.extend(kept)
-            online.recorded = count
+            online.recorded, online.mass = count, mass
 
     started = time.perf_counter()
     rows = [{"steps": 0, "tau": tau(held_out)}]
@@ -79,12 +82,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows,
-                                                  "chunks": online.recorded}, indent=1))
+                                                  "chunks": online.recorded,
+                                                  "vocab_rows_swapped": online.swapped}, indent=1))
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
     lines = [f"# Online learning's ceiling on {args.category}", "",
              f"- command: `python benchmarks/online_ceiling.py {flags}`",
              f"- replay buffer: {online.recorded} chunks recorded from {len(recorded)} requests (the buffer keeps "
-             f"the last {online.cfg.buffer_chunks}); tau on {len(held_out)} other requests, greedy, the head never "
+             f"the last {online.cfg.buffer_chunks}); {online.swapped} draft vocabulary rows given to tokens of the "
+             f"traffic; tau on {len(held_out)} other requests, greedy, the head never "
              "resting", "", "| learner steps | held-out tau | over the shipped head |", "|---:|---:|---:|"]
     lines += [f"| {r['steps']} | {r['tau']:.3f} | {r['tau'] / rows[0]['tau']:.2f}x |" for r in rows]
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -39,6 +39,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=OnlineConfig.chunk, help="positions per recorded chunk")
     p.add_argument("--teacher", choices=("soft", "token"), default="soft",
                    help="the learner's teacher: the target's top-8 distribution, or the committed token alone")
+    p.add_argument("--vocab-swaps", type=int, default=OnlineConfig.vocab_swaps,
+                   help="draft vocabulary rows a new head may give to tokens of the traffic (0: the vocabulary stays)")
     p.add_argument("--rest", action="store_true",
                    help="the policy as users get it (the head rests where it does not pay): what learning costs")
     p.add_argument("--out", required=True)
@@ -54,7 +56,7 @@ def main() -> None:
     rng.shuffle(questions)
     questions = questions[: args.requests]
     online = llm.online_head(args.draft, OnlineConfig(lr=args.lr, reward=args.reward, soft=args.teacher == "soft",
-                                                      chunk=args.chunk))
+                                                      chunk=args.chunk, vocab_swaps=args.vocab_swaps))
     arms = {"static": {}, "online": {"online_draft": True}}
     rows = {arm: [] for arm in arms}
     started = time.perf_counter()
@@ -68,7 +70,8 @@ def main() -> None:
         if (i + 1) % args.window == 0:
             print(f"{i + 1} requests ({time.perf_counter() - started:.0f} s): "
                   + " ".join(f"{arm} tau {window_tau(rows[arm][-args.window:]):.2f}" for arm in arms)
-                  + f"; learner {online.steps} steps, {online.version} heads, {online.reverts} reverted", flush=True)
+                  + f"; learner {online.steps} steps, {online.version} heads, {online.reverts} reverted, "
+                  f"{online.swapped} vocabulary rows swapped", flush=True)
     online.close()
     windows = [(w, {arm: window_tau(rows[arm][w : w + args.window]) for arm in arms})
                for w in range(0, len(questions), args.window)]
@@ -76,18 +79,19 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows, "learner": {
         "steps": online.steps, "heads": online.version, "reverts": online.reverts,
-        "chunks": online.recorded}}, indent=1))
+        "chunks": online.recorded, "vocab_rows_swapped": online.swapped}}, indent=1))
     plot(windows, args.window, out_dir / "tau_per_window.png")
     speed = {arm: sum(r["tokens"] for r in rows[arm]) / sum(r["seconds"] for r in rows[arm]) for arm in arms}
     lines = ["# Online learning under a domain shift", "",
              f"- command: `python benchmarks/online_shift.py --workload {args.workload} --categories "
              f"{args.categories} --requests {args.requests} --window {args.window} --max-new-tokens "
              f"{args.max_new_tokens} --lr {args.lr} --reward {args.reward} --teacher {args.teacher} "
-             f"--chunk {args.chunk}"
+             f"--chunk {args.chunk} --vocab-swaps {args.vocab_swaps}"
              f"{' --rest' if args.rest else ''} "
              f"--out {args.out}`",
              f"- learner: {online.steps} steps, {online.version} heads published or brought back, "
-             f"{online.reverts} reverted, {online.recorded} chunks recorded", "",
+             f"{online.reverts} reverted, {online.recorded} chunks recorded, {online.swapped} draft vocabulary rows "
+             "given to tokens of the traffic", "",
              "| requests | static tau | online tau | online / static |", "|---|---:|---:|---:|"]
     for w, taus in windows:
         lines.append(f"| {w + 1}-{w + args.window} | {taus['static']:.2f} | {taus['online']:.2f} | "

@@ -238,7 +238,8 @@ class Drafting:
         key = next(k for k, v in self._heads.items() if v is head)
         if key not in self._online:
             quantized = self.model.quantization.endswith("-a8")
-            self._online[key] = OnlineHead(head, self.model.embed, cfg, EAGLE_BESIDE_A8 if quantized else None)
+            self._online[key] = OnlineHead(head, self.model.embed, cfg, EAGLE_BESIDE_A8 if quantized else None,
+                                            output=self.model.lm_head)
             self._online[key].start()
         return self._online[key]
 

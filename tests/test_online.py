@@ -213,3 +213,72 @@ def test_the_teacher_is_the_targets_distribution_at_each_verified_position(targe
                  max_new_tokens=NEW)
     assert all(teacher is None for *_, teacher in hard.buffer) and len(hard.buffer) >= 2  # the prompt's too
     assert bool(chunk_batch(list(hard.buffer), head.config.target_layers)["mask"].all())
+
+
+def test_draft_vocabulary_rows_go_to_the_tokens_the_traffic_needs(target) -> None:
+    """refresh_vocab: tokens outside the draft vocabulary with teacher mass >= vocab_min_mass and >= twice the row's
+    take the rows of the tokens with the least mass (ties: the highest id), starting from the target's output row
+    scaled to the rows' mean norm, with fresh optimizer moments; a published head carries the new vocabulary and a
+    revert brings the old one back to the learner."""
+    head = fresh_head(target)  # vocabulary: tokens 8..55
+    online = OnlineHead(head, target.embed, OnlineConfig(chunk=4, batch=2, publish_every=10**6, judge_steps=2))
+    hidden = torch.zeros(4, 3 * target.config.hidden_size)
+    for _ in range(2):
+        online.record(hidden, [9, 10, 11, 12, 13])
+    online.step()  # optimizer moments exist now
+    before = online.learner.d2t.clone()
+    mass = torch.full((VOCAB,), 1.5, dtype=torch.float64)
+    mass[:8] = 0.0
+    mass[[54, 55]] = 0.0  # the two rows to give away: 55's first
+    mass[3], mass[2] = 5.0, 4.0  # outside, wanted
+    mass[1] = 2.5  # outside, but under twice the next row's mass (1.5)
+    mass[5] = 1.9  # outside, under vocab_min_mass
+    norm = online.learner.lm_head.weight.norm(dim=1).mean()
+    assert online.refresh_vocab(mass) == 2
+    d2t = online.learner.d2t
+    assert int(d2t[before.tolist().index(55)]) == 3 and int(d2t[before.tolist().index(54)]) == 2
+    assert sorted(set(d2t.tolist()) - set(before.tolist())) == [2, 3]
+    assert (online.t2d[d2t] == torch.arange(len(d2t))).all() and int((online.t2d >= 0).sum()) == len(d2t)
+    rows = [before.tolist().index(t) for t in (55, 54)]
+    weight = online.learner.lm_head.weight
+    torch.testing.assert_close(weight[rows].norm(dim=1), norm.expand(2), rtol=1e-3, atol=0)
+    assert torch.nn.functional.cosine_similarity(weight[rows[0]], target.embed.weight[3].float(), dim=0) > 0.999
+    assert (online.optimizer.state[weight]["exp_avg"][rows] == 0).all()
+    online.report(0, 3)
+    online.report(0, 3)
+    online.publish()
+    assert online.current.d2t.tolist() == d2t.tolist()
+    online.report(1, 0)
+    online.report(1, 0)  # the new head accepts less: the one before comes back, to the learner too
+    assert online.reverts == 1
+    online.step()
+    assert online.learner.d2t.tolist() == before.tolist()
+    assert (online.t2d[before] == torch.arange(len(before))).all() and int((online.t2d >= 0).sum()) == len(before)
+
+
+def test_a_head_learns_the_tokens_its_vocabulary_lacked(target) -> None:
+    """A head whose draft vocabulary misses the tokens the target says most cannot guess them, nor learn them; with
+    its vocabulary following the traffic it learns them, from the same served text."""
+    said = torch.zeros(VOCAB)
+    for prompt in PROMPTS:
+        said += torch.bincount(torch.tensor(generate_ids(target, prompt, max_new_tokens=NEW)[0]), minlength=VOCAB)
+    vocab = said.argsort(stable=True)[: VOCAB - 8].sort().values  # all but the 8 most said
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        head = EagleHead(EagleConfig.for_target(target.config, len(vocab), target_layers=[0, 2, 3]))
+    head.init_from_target(target, vocab)
+    head = head.to(target.dtype).eval().requires_grad_(False)
+
+    def learnt(swaps: int) -> float:
+        online = OnlineHead(head, target.embed, OnlineConfig(chunk=16, batch=4, publish_every=150, lr=2e-3, seed=1,
+                                                             vocab_swaps=swaps))
+        for prompt in PROMPTS:
+            generate_ids(target, prompt, proposer=EagleProposer(head, target, topk=1, nodes=1, online=online), k=1,
+                         max_new_tokens=NEW)
+        for _ in range(150):
+            online.step()
+        assert online.version == 1
+        return acceptance(target, online.current)
+
+    fixed, following = learnt(0), learnt(8)
+    assert following > fixed + 0.1, (fixed, following)
