@@ -6,7 +6,9 @@ distribution at every verified position and the tokens it committed. Proposers `
 bounded replay buffer; a background thread fine-tunes a float copy of the head on it (the training-time-test loss
 of `specdecode train eagle`, the target's top 8 probabilities as the teacher) and every `publish_every` steps
 publishes a new serving head. A proposer takes the newest head only at the start of a step (`current` is read once
-there), so no step mixes two heads.
+there), so no step mixes two heads. Before each new head is learned, its draft vocabulary follows the traffic
+(`refresh_vocab`): a head can neither guess nor learn a token outside it, and tool-call answers had 16% of theirs
+outside the shipped head's.
 The guard: a published head is judged over its first `judge_steps` drafting steps by tokens accepted per step;
 under `tolerance` x its predecessor's, the predecessor comes back (and the learner restarts from it).
 The learner works only as hard as it pays: after a publish it learns on for at most `publish_every` more steps

@@ -117,11 +117,15 @@ def test_online_draft_through_the_server_learns_and_equals_plain(world, monkeypa
     batch_cost = BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)])
     config = ServerConfig("tiny", method="eagle", draft=str(heads["eagle"]), max_batch=4, online_draft=True)
     with TestClient(create_app(llm, config, batch_cost)) as client:
+        assert f"specdecode_online_draft_chunks_recorded {float(online.recorded)}" in client.get("/metrics").text
         for _ in range(3):
             for prompt in PROMPTS:
                 assert ask(client, prompt, "eagle", "auto", False)[0] == expected[prompt]
-    online.close()
+        online.close()
+        metrics = client.get("/metrics").text
     assert online.recorded > 0  # the server's requests fed the learner (the one head of the model)
+    assert f"specdecode_online_draft_chunks_recorded {float(online.recorded)}" in metrics
+    assert f"specdecode_online_draft_learner_steps {float(online.steps)}" in metrics
 
 
 def test_async_draft_through_the_server_equals_plain(world, monkeypatch) -> None:

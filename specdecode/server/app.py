@@ -80,6 +80,7 @@ class Server:
         llm.grammar()  # structured output's view of the tokenizer (half a second): at start, never in a request
         self.metrics = Metrics(config.model_name, self.context)
         self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
+        self.metrics.watch_online(lambda: list(llm._online.values()))  # --online-draft's learners
         self.engine = Engine(llm.model, cost)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics, prefill_share=config.prefill_share)

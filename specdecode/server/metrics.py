@@ -154,5 +154,21 @@ class Metrics:
                                                 "since start")):
             Gauge(p + name, doc, registry=r).set_function(read(attribute))
 
+    def watch_online(self, heads: Callable[[], list]) -> None:
+        """Gauges read at scrape time from the model's heads learning online (`heads()`: its OnlineHeads, summed):
+        what the learner did, and what the guard threw back."""
+        def read(attribute: str) -> Callable[[], float]:
+            return lambda: float(sum(getattr(h, attribute) for h in heads()))
+
+        r, p = self.registry, "specdecode_online_draft_"
+        for name, attribute, doc in (
+                ("learner_steps", "steps", "Learner steps of the heads learning online, since start"),
+                ("heads", "version", "Heads published or brought back by the guard, since start"),
+                ("reverts", "reverts", "Published heads the guard threw back (they accepted less), since start"),
+                ("chunks_recorded", "recorded", "Chunks of verified positions recorded for the learner, since start"),
+                ("vocab_rows_swapped", "swapped", "Draft vocabulary rows given to tokens of the traffic, since "
+                                                  "start")):
+            Gauge(p + name, doc, registry=r).set_function(read(attribute))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
