@@ -190,3 +190,44 @@ def test_engine_distillation_answers_as_the_loaded_target_does_one_request_at_a_
         alone = llm.generate(prompt, method="none", max_new_tokens=12)
         assert sample.tokens[sample.prompt_len :] == list(alone.token_ids)
     assert engine_distill(llm, prompts, max_new_tokens=12, batch_size=2, seconds=0.0) == []
+
+
+def test_interrupted_self_distillation_answers_only_the_rest(setup, tmp_path, monkeypatch, capsys) -> None:
+    """--distill-only stops after the answers; the answers are kept batch by batch as they come, so a run stopped
+    after its first batch answers only the prompts left when started again, and its samples.jsonl is the one an
+    uninterrupted run writes, byte for byte."""
+    import specdecode.training.common as common
+
+    target, data = setup
+    args = ("--distill-only", "--gen-batch", "3", *DRAFT)
+    assert cli_main(train_args("draft", target, data, tmp_path / "whole", *args)) == 0
+    assert "8 answers in" in capsys.readouterr().err
+    assert not (tmp_path / "whole" / "model.safetensors").exists()  # answers only
+    real = common.engine_distill
+    answered: list[int] = []
+
+    def stopped_after_one_batch(llm, prompts, *, on_batch, **kw):
+        def once(batch):
+            on_batch(batch)
+            raise KeyboardInterrupt  # like Ctrl-C after the first batch
+
+        return real(llm, prompts, on_batch=once, **kw)
+
+    def counting(llm, prompts, **kw):
+        answered.append(len(prompts))
+        return real(llm, prompts, **kw)
+
+    monkeypatch.setattr(common, "engine_distill", stopped_after_one_batch)
+    stopped = tmp_path / "stopped"
+    assert cli_main(train_args("draft", target, data, stopped, *args)) == 130
+    partial = stopped / "work" / "samples.partial.jsonl"
+    assert len(partial.read_text().splitlines()) == 3 and not (stopped / "work" / "samples.jsonl").exists()
+    with partial.open("a") as f:
+        f.write('{"tokens": [1, 2')  # a line the interruption cut short
+    monkeypatch.setattr(common, "engine_distill", counting)
+    capsys.readouterr()
+    assert cli_main(train_args("draft", target, data, stopped, *args)) == 0
+    assert "resuming self-distillation: 3 answers kept" in capsys.readouterr().err
+    assert answered == [5] and not partial.exists()
+    whole = (tmp_path / "whole" / "work" / "samples.jsonl").read_bytes()
+    assert (stopped / "work" / "samples.jsonl").read_bytes() == whole

@@ -1,7 +1,8 @@
 """`specdecode train eagle|medusa|draft`: self-distilled data -> cached target features -> a trained draft.
 
 Every stage is cached under OUT/work, so an interrupted run picks up where it stopped: the target's
-answers (samples.jsonl), the features (work/features-*), and training checkpoints.
+answers (samples.jsonl; while they are being written, samples.partial.jsonl batch by batch), the features
+(work/features-*), and training checkpoints. --distill-only stops after the answers (train elsewhere).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from . import distill_cli, medusa_cli
-from .common import add_common, err, prepare, target_config, train_config, write_report
+from .common import add_common, answers, err, prepare, target_config, train_config, write_report
 from .distributed import finish, init, launch, launched, samples_trained_on, world
 
 
@@ -37,10 +38,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     world, args.device = init(args.device)
     err.quiet = not world.main  # one voice: the main worker's
     try:
+        if args.distill_only:
+            return answer_only(args)
         run = {"eagle": train_eagle_cmd, "medusa": medusa_cli.run, "draft": distill_cli.run}[args.kind]
         return run(args)
     finally:
         finish()
+
+
+def answer_only(args: argparse.Namespace) -> int:
+    """--distill-only: the target's answers, and where to take them."""
+    _, samples = answers(args)
+    path = Path(args.samples_file) if args.samples_file else Path(args.out) / "work" / "samples.jsonl"
+    if world().main:
+        err.print(f"{len(samples)} answers in {path}: train with `specdecode train {args.kind} --samples-file "
+                  f"{path} ...` here or on another machine, or run this command again without --distill-only")
+    return 0
 
 
 def train_eagle_cmd(args: argparse.Namespace) -> int:

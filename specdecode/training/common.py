@@ -6,13 +6,23 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .data import DEFAULT_TRAIN_DIR, engine_distill, load_prompts, load_samples, save_samples, self_distill, split
+from .data import (
+    DEFAULT_TRAIN_DIR,
+    engine_distill,
+    load_answered,
+    load_prompts,
+    load_samples,
+    save_samples,
+    self_distill,
+    split,
+)
 from .distributed import barrier, shard, unshard, world
 from .features import FeatureStore, extract_features
 from .loop import TrainConfig
@@ -45,6 +55,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (and saves)")
     p.add_argument("--distill-seconds", type=float,
                    help="time budget of self-distillation: prompts not answered by then are left out")
+    p.add_argument("--distill-only", action="store_true",
+                   help="answer the prompts and stop: train later, here or on another machine (a GPU), with "
+                        "--samples-file OUT/work/samples.jsonl")
     p.add_argument("--train-seconds", type=float,
                    help="time budget of training: the step count (at most --steps) is fitted to it")
     p.add_argument("--feature-cache", choices=["disk", "memory"], default="disk",
@@ -70,9 +83,9 @@ def progress_bar() -> Progress:
                     console=err, disable=not world().main)
 
 
-def prepare(args: argparse.Namespace, layers: list[int]):
-    """(llm, train features, held-out features) for `args`, every stage cached under OUT/work. Under torchrun each
-    worker answers and extracts its own shard (train features cached per worker); all hold the held-out set."""
+def answers(args: argparse.Namespace):
+    """(llm, the target's answers): those of --samples-file or OUT/work/samples.jsonl, else the target answers now
+    (self-distillation; kept on disk batch by batch, so an interrupted run resumes where it stopped)."""
     from ..api import LLM
 
     work = Path(args.out) / "work"
@@ -88,6 +101,14 @@ def prepare(args: argparse.Namespace, layers: list[int]):
         err.print(f"using {len(samples)} target answers from {samples_path}")
     else:
         samples = distill(llm, args, samples_path)
+    return llm, samples
+
+
+def prepare(args: argparse.Namespace, layers: list[int]):
+    """(llm, train features, held-out features) for `args`, every stage cached under OUT/work. Under torchrun each
+    worker answers and extracts its own shard (train features cached per worker); all hold the held-out set."""
+    llm, samples = answers(args)
+    work = Path(args.out) / "work"
     train_samples, heldout_samples = split(samples, args.heldout, args.seed)
     stores, w = [], world()
     in_memory = args.feature_cache == "memory"
@@ -124,14 +145,32 @@ def distill(llm, args: argparse.Namespace, path: Path):
         engine = "transformers" if str(args.device).startswith("cuda") else "specdecode"
     options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, temperature=args.temperature,
                    seed=args.seed, seconds=args.distill_seconds)
+    w = world()
+    partial = path.with_name(f"{path.stem}.partial{f'.{w.rank}of{w.size}' if w.size > 1 else ''}.jsonl")
+    order = {tuple(p): i for i, p in enumerate(prompts)}
+    done = [s for s in load_answered(partial) if tuple(s.tokens[: s.prompt_len]) in order]
+    answered = {tuple(s.tokens[: s.prompt_len]) for s in done}
+    left = [p for p in prompts if tuple(p) not in answered]
+    if done:
+        err.print(f"resuming self-distillation: {len(done)} answers kept in {partial}, {len(left)} prompts left")
+    save_samples(partial, done)  # without a line the interruption cut short
+
     started = time.perf_counter()
-    with progress_bar() as bar:
+    with progress_bar() as bar, partial.open("a") as kept:
+        def keep(batch: list) -> None:  # on disk as they come: an interrupted run answers only the rest
+            kept.write("".join(json.dumps(asdict(s)) + "\n" for s in batch))
+            kept.flush()
+
         task = bar.add_task(f"the target answers training prompts ({engine})", total=len(prompts))
+        bar.advance(task, len(done))
+        hooks = dict(progress=lambda n: bar.advance(task, n), on_batch=keep)
         if engine == "specdecode":
-            samples = engine_distill(llm, prompts, progress=lambda n: bar.advance(task, n), **options)
+            samples = engine_distill(llm, left, **hooks, **options)
         else:
-            samples = hf_distill(llm, args, prompts, progress=lambda n: bar.advance(task, n), **options)
+            samples = hf_distill(llm, args, left, **hooks, **options)
+    samples = sorted(done + samples, key=lambda s: order[tuple(s.tokens[: s.prompt_len])])  # in prompt order
     samples = gather_samples(samples, path)
+    partial.unlink()
     answer = sum(len(s.tokens) - s.prompt_len for s in samples)
     err.print(f"{len(samples)} answers, {answer} tokens in {time.perf_counter() - started:.0f} s -> {path}")
     return samples

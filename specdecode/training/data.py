@@ -135,20 +135,28 @@ def engine_distill(
     seed: int = 0,
     seconds: float | None = None,
     progress: Callable[[int], None] | None = None,
+    on_batch: Callable[[list[Sample]], None] | None = None,
 ) -> list[Sample]:
     """The target as loaded (`llm`: quantized as it will serve) answers every prompt through specdecode's own
     engine: plain decoding, `batch_size` prompts at a time in one continuous batch. On a CPU about 3x
     transformers' float32 `generate`, and the answers are the served model's own (a float copy of 4-bit weights
-    writes other text). Same batching and time budget as `self_distill`."""
+    writes other text). Same batching, time budget and hooks as `self_distill`."""
     out: list[Sample | None] = [None] * len(prompts)
     for b, idx in enumerate(timed_batches(prompts, batch_size, seed, seconds)):
         answers = llm.generate([prompts[i] for i in idx], method="none", max_new_tokens=max_new_tokens,
                                temperature=temperature, seed=seed + b)
         for i, answer in zip(idx, answers, strict=True):  # token_ids end with the stop token, when one came
             out[i] = Sample(prompts[i] + list(answer.token_ids), len(prompts[i]))
-        if progress is not None:
-            progress(len(idx))
+        _answered(out, idx, progress, on_batch)
     return [s for s in out if s is not None]
+
+
+def _answered(out: list[Sample | None], idx: list[int], progress: Callable[[int], None] | None,
+              on_batch: Callable[[list[Sample]], None] | None) -> None:
+    if on_batch is not None:
+        on_batch([out[i] for i in idx])  # type: ignore[misc]
+    if progress is not None:
+        progress(len(idx))
 
 
 @torch.inference_mode()
@@ -164,11 +172,13 @@ def self_distill(
     seed: int = 0,
     seconds: float | None = None,
     progress: Callable[[int], None] | None = None,
+    on_batch: Callable[[list[Sample]], None] | None = None,
 ) -> list[Sample]:
     """The target (a transformers model) answers every prompt: batched, left-padded `generate`, prompts sorted
     by length so a batch wastes little padding. Answers end at the first stop token (kept) or the limit.
     With `seconds`, no batch starts once that time is spent: the batches run in a seeded random order, so the
-    prompts answered by then are a fair sample of all (not the shortest)."""
+    prompts answered by then are a fair sample of all (not the shortest). `on_batch` gets each batch's samples
+    as they are answered (to keep them on disk)."""
     device = next(hf_model.parameters()).device
     out: list[Sample | None] = [None] * len(prompts)
     torch.manual_seed(seed)
@@ -191,8 +201,7 @@ def self_distill(
                 if tok in stops:
                     break
             out[i] = Sample(prompts[i] + answer, len(prompts[i]))
-        if progress is not None:
-            progress(len(idx))
+        _answered(out, idx, progress, on_batch)
     return [s for s in out if s is not None]
 
 
@@ -207,6 +216,20 @@ def load_samples(path: Path | str) -> list[Sample]:
     if not path.exists():
         raise FileNotFoundError(f"samples file {path} not found: run self-distillation first")
     return [Sample(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_answered(path: Path) -> list[Sample]:
+    """The samples an interrupted self-distillation kept in `path`, one line each as they came (a last line cut
+    short by the interruption is dropped); none if there is no such file."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(Sample(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            break  # written when the run stopped: that batch is answered again
+    return out
 
 
 def split(samples: list[Sample], heldout: int, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
