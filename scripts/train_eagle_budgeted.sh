@@ -4,6 +4,10 @@
 # `stage1` keeps the GGUF's first 60 MB (.gpu/part.a) in /tmp/w and `stage2` (the next call, same machine)
 # joins the rest (.gpu/part.b), checks it, unpacks the training prompts (.gpu/train.tar.xz), trains, and packs
 # the head and the target's answers into $OUT in pieces under 16 MB. SIZES overrides the run's sizes.
+# Answers made beforehand (`specdecode train eagle --distill-only` on a CPU: the served int4 model's own, kept as
+# .gpu/answers*.jsonl.xz) join those the GPU makes in its own --distill-seconds: more data for the same loan.
+# DRAFT_VOCAB: 16384 by default (benchmarks/results/draft-vocab-coverage-smollm2.md: 95% of Spec-Bench answers'
+# tokens, against 90% at 8192).
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 GGUF=/tmp/w/SmolLM2-135M-Instruct.Q4_1.gguf
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/gguf-*.whl || exit 1
@@ -20,9 +24,15 @@ mkdir -p /tmp/data && tar xJf .gpu/train.tar.xz -C /tmp/data || exit 1
 date +%T
 SIZES=${SIZES:---samples 60000 --heldout 256 --max-new-tokens 256 --gen-batch 1024 --distill-seconds 170 \
   --steps 20000 --train-seconds 230 --batch-size 64 --eval-every 500 --bf16 --device cuda}
-timeout ${TRAIN_LIMIT:-530} python3 -m specdecode.cli train eagle --target $GGUF --data /tmp/data/train \
-  --out /tmp/eagle $SIZES --max-len 1024 --lr 6e-4 --warmup 100 --ttt-steps 5 \
-  --draft-vocab 8192 --feature-cache memory --seed 1 > $OUT/log.txt 2>&1
+ARGS="--target $GGUF --data /tmp/data/train --out /tmp/eagle $SIZES --max-len 1024 --lr 6e-4 --warmup 100 \
+  --ttt-steps 5 --draft-vocab ${DRAFT_VOCAB:-16384} --feature-cache memory --seed 1"
+if ls .gpu/answers*.jsonl.xz >/dev/null 2>&1; then  # the GPU's answers first, then all of them train
+  python3 -m specdecode.cli train eagle $ARGS --distill-only > $OUT/distill.txt 2>&1
+  xz -dc .gpu/answers*.jsonl.xz | cat /tmp/eagle/work/samples.jsonl - > /tmp/data/samples.jsonl
+  ARGS="$ARGS --samples-file /tmp/data/samples.jsonl"
+  wc -l /tmp/data/samples.jsonl
+fi
+timeout ${TRAIN_LIMIT:-530} python3 -m specdecode.cli train eagle $ARGS > $OUT/log.txt 2>&1
 echo "train exit $?"; date +%T
 tail -c 3000 $OUT/log.txt
 cd /tmp/eagle && ls -la . work

@@ -60,7 +60,7 @@ class OnlineConfig:
     # the draft vocabulary follows the traffic: before each new head is learned, up to this many of the target tokens
     # the teacher gave most probability mass outside the draft vocabulary (at least `vocab_min_mass`, and twice the
     # row's) take the rows of the draft tokens with the least (0 turns it off). The head cannot guess, nor learn, a
-    # token outside its vocabulary: on tool-call traffic 16% of the answers' tokens were
+    # token outside its vocabulary, and 16% of tool-call answers' tokens were outside the shipped head's
     vocab_swaps: int = 64
     vocab_min_mass: float = 2.0
     judge_steps: int = 48  # drafting steps over which a published head is judged
