@@ -206,34 +206,17 @@ class OnlineHead:
         return t2d
 
     def refresh_vocab(self, mass: torch.Tensor) -> int:
-        """Give the rows of the draft tokens with the least teacher mass (ties: the highest id first, as BPE ids rise
-        where merges get rarer) to the tokens outside the vocabulary with the most (see OnlineConfig.vocab_swaps).
-        A new row starts from the target's output row scaled to the draft rows' mean norm (unscaled, the larger
-        norms of rarer tokens overrule the head's trained rows: tau 1.44 -> 1.31 on tool-call traffic); its
-        optimizer moments start at zero. Returns the rows swapped."""
+        """The learner's draft vocabulary towards the traffic's (`EagleHead.swap_vocab`, OnlineConfig.vocab_swaps);
+        a swapped row's optimizer moments start at zero. Returns the rows swapped."""
         if self.cfg.vocab_swaps <= 0:
             return 0
-        d2t, weight = self.learner.d2t, self.learner.lm_head.weight
-        outside = mass.clone()
-        outside[d2t] = 0.0
-        top = outside.topk(min(self.cfg.vocab_swaps, len(outside)))
-        row_mass = mass[d2t]
-        victims = (row_mass * (len(mass) + 1) - d2t.double()).argsort()  # least mass, then highest id
-        state = self.optimizer.state.get(weight, {})
-        swapped = 0
-        with torch.no_grad():
-            norm = weight.norm(dim=1).mean()
-            for m, token, row in zip(top.values.tolist(), top.indices.tolist(), victims.tolist(), strict=False):
-                if m < max(self.cfg.vocab_min_mass, 2 * float(row_mass[row])):
-                    break
-                self.t2d[d2t[row]] = -1
-                d2t[row], self.t2d[token] = token, row
-                weight[row] = self.output[token] * (norm / self.output[token].norm().clamp_min(1e-6))
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    if moment in state:
-                        state[moment][row] = 0.0
-                swapped += 1
-        return swapped
+        rows = self.learner.swap_vocab(mass, self.output, self.cfg.vocab_swaps, self.cfg.vocab_min_mass)
+        state = self.optimizer.state.get(self.learner.lm_head.weight, {})
+        for moment in ("exp_avg", "exp_avg_sq"):
+            if moment in state:
+                state[moment][rows] = 0.0
+        self.t2d = self._t2d()
+        return len(rows)
 
     def publish(self) -> None:
         """The learner's weights become the serving head (as the serving one is stored: dtype, quantization)."""

@@ -367,9 +367,14 @@ def test_cli_train_eagle_end_to_end_and_resume(tmp_path, capsys, monkeypatch) ->
     assert cli_main([*common, "--method", "none"]) == 0
     assert eagle["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
     assert eagle["stats"]["drafted"] > 0
+    tuned = tmp_path / "tuned"  # fine-tuned from that head, on answers already made
+    assert cli_main([*args[:7], str(tuned), *args[8:], "--steps", "2", "--init", str(out), "--samples-file",
+                     str(out / "work" / "samples.jsonl")]) == 0
+    assert "the head before fine-tuning" in capsys.readouterr().err
+    assert "| 0 |" in (tuned / "report.md").read_text() and (tuned / "eagle.safetensors").exists()
 
 
-def test_eagle_errors_say_what_to_do(tmp_path, target, head) -> None:
+def test_eagle_errors_say_what_to_do(tmp_path, target, head, capsys) -> None:
     with pytest.raises(FileNotFoundError, match="specdecode train eagle"):
         EagleHead.load(tmp_path)
     other = tiny_model(1, vocab_size=VOCAB + 8, num_layers=4)
@@ -384,6 +389,8 @@ def test_eagle_errors_say_what_to_do(tmp_path, target, head) -> None:
         specdecode.load(ckpt).generate("hi", method="eagle")
     assert cli_main(["train", "eagle", "--target", str(ckpt), "--data", str(tmp_path / "nope"), "--out",
                      str(tmp_path / "o"), "--device", "cpu"]) == 2
+    assert cli_main(["train", "eagle", "--target", str(ckpt), "--out", str(tmp_path / "o"), "--init", "shipped"]) == 2
+    assert "no EAGLE head ships" in capsys.readouterr().err
 
 
 def test_cli_trains_in_torchrun_workers_on_a_sharded_feature_cache(tmp_path, monkeypatch, capsys) -> None:
@@ -465,3 +472,35 @@ def test_unshard_undoes_the_round_robin_shards() -> None:
     assert unshard([items[r::3] for r in range(3)]) == items
     assert unshard([[], []]) == []
     assert without_nproc(["train", "--nproc", "2", "--out", "x", "--nproc=3"]) == ["train", "--out", "x"]
+
+
+def test_fine_tuning_starts_from_the_trained_head_and_takes_the_tokens_it_lacks(target, trained, store, reference,
+                                                                               tmp_path) -> None:
+    """train_eagle(init=head): step 0 of the log is the head as it was (its held-out score), its layers and
+    vocabulary size stay, up to vocab_swaps rows go to the tokens the new answers' teacher picks most that the head
+    lacks (at least twice), and the fine-tuned head drafts losslessly."""
+    init = EagleHead.load(trained)
+    lacking = sorted(set(range(VOCAB)) - set(init.d2t.tolist()))
+    assert len(lacking) == VOCAB - 48
+    shifted = copy.copy(store)
+    shifted.teacher_ids = store.teacher_ids.clone()
+    top = shifted.teacher_ids[:, 0]
+    top[:800], top[800:1200], top[1200:1201] = lacking[0], lacking[1], lacking[2]  # two taken; one seen once
+    least = torch.bincount(top, minlength=VOCAB)[init.d2t].sort().values[:2]
+    assert 2 * least[1] <= 400 and len(top) > 2000  # what the rows given away had
+    cfg = TrainConfig(steps=10, lr=1e-3, warmup=2, eval_every=10, save_every=10)
+    tuned = train_eagle(target, shifted, store, tmp_path, cfg, ttt_steps=3, batch_size=16, max_len=64,
+                        log=lambda *_: None, init=init, vocab_swaps=4)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 10]
+    before = json.loads((trained / "train_log.jsonl").read_text().splitlines()[-1])["heldout_chain_tau"]
+    assert log[0]["heldout_chain_tau"] == pytest.approx(before, abs=2e-3)  # the trained head, as it was
+    added = set(tuned.d2t.tolist()) - set(init.d2t.tolist())
+    assert added == {lacking[0], lacking[1]} and len(tuned.d2t) == len(init.d2t)
+    assert tuned.config.target_layers == init.config.target_layers
+    saved = EagleHead.load(tmp_path, dtype=torch.float64)
+    proposer = EagleProposer(saved, target, topk=2, nodes=6)
+    assert [generate_ids(target, p, proposer=proposer, k=3, max_new_tokens=NEW)[0] for p in PROMPTS] == reference
+    kept = train_eagle(target, shifted, store, tmp_path / "kept", cfg, ttt_steps=3, batch_size=16, max_len=64,
+                       log=lambda *_: None, init=init, vocab_swaps=0)
+    assert kept.d2t.tolist() == init.d2t.tolist()

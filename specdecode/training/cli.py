@@ -22,6 +22,11 @@ def add_train_parser(sub) -> None:
     add_common(e)
     e.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head predicts (most frequent)")
     e.add_argument("--ttt-steps", type=int, default=4, help="draft depths unrolled in training")
+    e.add_argument("--init", help="fine-tune this trained head (its folder, or 'shipped': the one shipped for the "
+                                  "target) on the answers to --data's prompts, your traffic's; its layers and draft "
+                                  "vocabulary size stay (--draft-vocab is not used)")
+    e.add_argument("--vocab-swaps", type=int, default=512,
+                   help="with --init: draft vocabulary rows the head may give to tokens of these answers it lacks")
     medusa_cli.add_medusa_parser(kinds, "medusa")
     distill_cli.add_draft_parser(kinds, "draft")
 
@@ -56,6 +61,18 @@ def answer_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_init(where: str, target: str):
+    """--init: a trained head's folder, or 'shipped' (the head shipped for a registry name)."""
+    from ..drafting import SHIPPED_EAGLE
+    from ..models.eagle import EagleHead
+
+    path = SHIPPED_EAGLE.get(target.lower()) if where == "shipped" else Path(where)
+    if path is None:
+        raise ValueError(f"no EAGLE head ships for {target!r} (heads ship for {', '.join(SHIPPED_EAGLE)}): "
+                         "pass --init DIR, a head you trained")
+    return EagleHead.load(path)
+
+
 def train_eagle_cmd(args: argparse.Namespace) -> int:
     from ..models.eagle import EagleConfig
     from .eagle import train_eagle
@@ -65,10 +82,13 @@ def train_eagle_cmd(args: argparse.Namespace) -> int:
     out = Path(args.out)
     from ..api import LLM  # noqa: F401 - fail early if the package is broken
 
-    layers = EagleConfig.for_target(target_config(args.target), args.draft_vocab).target_layers
+    init = None if args.init is None else load_init(args.init, args.target)
+    config = init.config if init else EagleConfig.for_target(target_config(args.target), args.draft_vocab)
+    layers = config.target_layers
     llm, store, heldout = prepare(args, layers)
     train_eagle(llm.model, store, heldout, out, train_config(args), draft_vocab=args.draft_vocab,
-                ttt_steps=args.ttt_steps, batch_size=args.batch_size, max_len=args.max_len, log=err.print)
+                ttt_steps=args.ttt_steps, batch_size=args.batch_size, max_len=args.max_len, log=err.print,
+                init=init, vocab_swaps=args.vocab_swaps)
     trained_on = samples_trained_on(store)  # every worker's shard
     if not world().main:
         return 0

@@ -11,6 +11,7 @@ vocabulary; the accuracy at step j is the greedy acceptance rate at depth j + 1 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ..models.eagle import EagleConfig, EagleHead
 from ..models.llama import rotate_half
 from .distributed import local_batch, summed, world
 from .features import FeatureStore
-from .loop import TrainConfig, train
+from .loop import LOG, TrainConfig, train
 
 
 def choose_draft_vocab(store: FeatureStore, size: int, vocab_size: int) -> torch.Tensor:
@@ -138,19 +139,31 @@ def train_eagle(
     batch_size: int = 16,
     max_len: int = 1024,
     log=print,
+    init: EagleHead | None = None,
+    vocab_swaps: int = 0,
 ) -> EagleHead:
-    """Train a head for `target` on cached features (which must hold the head's layers); save it in out_dir."""
+    """Train a head for `target` on cached features (which must hold the head's layers); save it in out_dir.
+    init: a trained head to fine-tune instead (its layers and vocabulary size; up to `vocab_swaps` of its draft
+    vocabulary's rows go to tokens these answers use that it lacks, `EagleHead.swap_vocab`)."""
     device = store.hidden.device
-    eagle_cfg = EagleConfig.for_target(target.config, draft_vocab)
+    if init is None:
+        eagle_cfg = EagleConfig.for_target(target.config, draft_vocab)
+        head = EagleHead(eagle_cfg).to(device)
+        vocab = choose_draft_vocab(store, eagle_cfg.draft_vocab_size, target.config.vocab_size).to(device)
+        head.init_from_target(target, vocab)  # float32 copies of its weights (dequantized where quantized)
+    else:
+        init.check_target(target)
+        head, eagle_cfg = EagleHead(init.config), init.config
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init.state_dict().items()})
+        head.to(device)
     layer_idx = [store.layer_index(i) for i in eagle_cfg.target_layers]
-    head = EagleHead(eagle_cfg).to(device)
-    vocab = choose_draft_vocab(store, eagle_cfg.draft_vocab_size, target.config.vocab_size).to(device)
-    head.init_from_target(target, vocab)  # float32 copies of its weights (dequantized where quantized)
-    head.requires_grad_(True)
-    head.d2t.requires_grad_(False)
     embed = torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone()).to(device)
-    t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=device)
-    t2d[vocab] = torch.arange(len(vocab), device=device)
+
+    def draft_ids(module: EagleHead) -> torch.Tensor:
+        """target id -> the head's draft id (-1: outside its vocabulary)"""
+        t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=device)
+        t2d[module.d2t] = torch.arange(len(module.d2t), device=device)
+        return t2d
 
     def pick(batch: dict) -> dict:
         return {**batch, "hidden": batch["hidden"][:, :, layer_idx]}
@@ -159,14 +172,29 @@ def train_eagle(
         for batch in store.batches(local_batch(batch_size), max_len, cfg.seed, start_step=start):
             yield pick(batch)
 
-    def loss_fn(module, batch):
-        return ttt_loss(module, embed, t2d, batch, ttt_steps)
-
     picked = FeatureStore(heldout.layers, heldout.tokens, heldout.offsets, heldout.prompt_lens,
                           heldout.hidden[:, layer_idx], heldout.teacher_ids, heldout.teacher_probs)
 
     def evaluate(module):
-        return evaluate_head(module, embed, t2d, picked, ttt_steps, batch_size, max_len)
+        return evaluate_head(module, embed, draft_ids(module), picked, ttt_steps, batch_size, max_len)
+
+    if init is not None:
+        first = Path(out_dir) / LOG
+        if world().main and not first.exists():  # where fine-tuning starts, the head as it was: step 0 of the log
+            first.parent.mkdir(parents=True, exist_ok=True)
+            scores = evaluate(head.eval())
+            first.write_text(json.dumps({"step": 0, "seconds": 0.0, **{f"heldout_{k}": round(v, 4)
+                                                                         for k, v in scores.items()}}) + "\n")
+            log(f"the head before fine-tuning: held-out chain_tau {scores['chain_tau']:.3f}")
+        counts = torch.bincount(store.teacher_ids[:, 0].long().cpu(), minlength=target.config.vocab_size)
+        swapped = head.swap_vocab(summed(counts.double()), target.lm_head.weight.detach(), vocab_swaps, 2.0)
+        log(f"{len(swapped)} of its {len(head.d2t)} draft vocabulary rows given to tokens of these answers it lacked")
+    head.requires_grad_(True)
+    head.d2t.requires_grad_(False)
+    t2d = draft_ids(head)
+
+    def loss_fn(module, batch):
+        return ttt_loss(module, embed, t2d, batch, ttt_steps)
 
     train(head, loss_fn, batches, out_dir, cfg, evaluate=evaluate, log=log)
     head.requires_grad_(False)
