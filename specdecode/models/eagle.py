@@ -122,14 +122,14 @@ class EagleHead(nn.Module):
         top = outside.topk(min(most, len(outside)))
         row_mass = mass[d2t.cpu()]
         victims = (row_mass * (len(mass) + 1) - d2t.cpu().double()).argsort()  # least mass, then highest id
-        norm = weight.float().norm(dim=1).mean()
+        norm = float(weight.float().norm(dim=1).mean())
         rows = []
         for m, token, row in zip(top.values.tolist(), top.indices.tolist(), victims.tolist(), strict=False):
             if m < max(min_mass, 2 * float(row_mass[row])):
                 break
             d2t[row] = token
             new = output[token].float()
-            weight[row] = (new * (norm / new.norm().clamp_min(1e-6))).to(weight.dtype)
+            weight[row] = (new * (norm / new.norm().clamp_min(1e-6))).to(weight.device, weight.dtype)
             rows.append(row)
         return rows
 
