@@ -154,7 +154,7 @@ def engine_distill(
 def _answered(out: list[Sample | None], idx: list[int], progress: Callable[[int], None] | None,
               on_batch: Callable[[list[Sample]], None] | None) -> None:
     if on_batch is not None:
-        on_batch([out[i] for i in idx])  # type: ignore[misc]
+        on_batch([s for i in idx if (s := out[i]) is not None])
     if progress is not None:
         progress(len(idx))
 
