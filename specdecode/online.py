@@ -32,7 +32,7 @@ from typing import cast
 
 import torch
 
-from .models.eagle import EagleHead, copy_weights_
+from .models.eagle import EagleHead
 
 
 @dataclass
@@ -77,7 +77,7 @@ class OnlineHead:
         self.cfg = cfg or OnlineConfig()
         self.current, self.version = head, 0
         self.quantization = quantization  # the serving head's linear layers' kind (None: as the learner's)
-        self.learner = float_copy(head)
+        self.learner = head.float_copy()
         self.learner.requires_grad_(True)  # its parameters (d2t is a buffer)
         table = cast(torch.Tensor, embed.weight)  # the target's embedding (a quantized one dequantizes)
         self.embed = torch.nn.Embedding.from_pretrained(table.detach().float().clone())
@@ -85,7 +85,7 @@ class OnlineHead:
         # the target's output rows, where new draft tokens' rows start (a tied model's are its embedding's)
         rows = embed if output is None else output
         self.output = self.embed.weight if rows is embed else cast(torch.Tensor, rows.weight).detach().float()
-        self.t2d = self._t2d()
+        self.t2d = self.learner.draft_ids()
         self.mass = torch.zeros(vocab_size, dtype=torch.float64)  # the teacher's probability mass per target token
         self.swapped = 0  # draft vocabulary rows given to new tokens
         self.optimizer = self._optimizer()
@@ -175,7 +175,7 @@ class OnlineHead:
             if self._restore is not None:
                 self.learner.load_state_dict(self._restore)  # its draft vocabulary (d2t) too
                 self.optimizer, self._restore, self.unpublished = self._optimizer(), None, 0
-                self.t2d = self._t2d()
+                self.t2d = self.learner.draft_ids()
             ahead = self.previous is not None and self.unpublished >= self.cfg.publish_every
             if len(self.buffer) < self.cfg.batch or ahead:  # no data, or the next head is ready: a verdict awaited
                 return None
@@ -199,12 +199,6 @@ class OnlineHead:
             self.publish()
         return float(loss.detach())
 
-    def _t2d(self) -> torch.Tensor:
-        """target id -> the learner's draft id (-1: outside its vocabulary)"""
-        t2d = torch.full((self.embed.weight.shape[0],), -1, dtype=torch.long)
-        t2d[self.learner.d2t] = torch.arange(len(self.learner.d2t))
-        return t2d
-
     def refresh_vocab(self, mass: torch.Tensor) -> int:
         """The learner's draft vocabulary towards the traffic's (`EagleHead.swap_vocab`, OnlineConfig.vocab_swaps);
         a swapped row's optimizer moments start at zero. Returns the rows swapped."""
@@ -215,12 +209,12 @@ class OnlineHead:
         for moment in ("exp_avg", "exp_avg_sq"):
             if moment in state:
                 state[moment][rows] = 0.0
-        self.t2d = self._t2d()
+        self.t2d = self.learner.draft_ids()
         return len(rows)
 
     def publish(self) -> None:
         """The learner's weights become the serving head (as the serving one is stored: dtype, quantization)."""
-        head = float_copy(self.learner).to(self.current.device, self.current.dtype)
+        head = self.learner.float_copy().to(self.current.device, self.current.dtype)
         head.requires_grad_(False)
         if self.quantization is not None:
             head.quantize_(self.quantization)
@@ -260,14 +254,6 @@ class OnlineHead:
             busy = time.perf_counter() - started
             if self.duty < 1.0:  # sleep so that computing stays within its share of the time
                 self._stop.wait(busy * (1.0 / self.duty - 1.0))
-
-
-def float_copy(head: EagleHead) -> EagleHead:
-    """A float32 copy of `head` on the CPU, its quantized layers dequantized."""
-    out = EagleHead(head.config)
-    copy_weights_(out, head)
-    out.d2t.copy_(head.d2t.cpu())
-    return out
 
 
 # (hidden states [n, layers x H], the n + 1 committed tokens, the rejected guesses [n, R] or None, the target's

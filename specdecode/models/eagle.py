@@ -107,6 +107,19 @@ class EagleHead(nn.Module):
             self.lm_head.weight.copy_(target.lm_head.weight[vocab.to(target.lm_head.weight.device)])
             self.d2t.copy_(vocab)
 
+    def draft_ids(self) -> torch.Tensor:
+        """[target vocabulary]: each target token's draft id, -1 outside the draft vocabulary (the inverse of d2t)."""
+        t2d = torch.full((self.config.block.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        t2d[self.d2t] = torch.arange(len(self.d2t), device=self.d2t.device)
+        return t2d
+
+    def float_copy(self) -> EagleHead:
+        """A float32 copy on the CPU, quantized layers dequantized."""
+        out = EagleHead(self.config)
+        copy_weights_(out, self)
+        out.d2t.copy_(self.d2t.cpu())
+        return out
+
     @torch.no_grad()
     def swap_vocab(self, mass: torch.Tensor, output: torch.Tensor, most: int, min_mass: float) -> list[int]:
         """The draft vocabulary towards a text's: up to `most` target tokens with the largest `mass` (how much a
@@ -115,13 +128,13 @@ class EagleHead(nn.Module):
         new row starts from the target's output row (`output`, [V, H]) scaled to the rows' mean norm (unscaled, the
         larger norms of rarer tokens overrule the trained rows: tau 1.44 -> 1.31 on tool-call traffic). A head can
         neither guess nor learn a token outside its vocabulary. Returns the rows swapped."""
-        d2t, weight = self.d2t, self.lm_head.weight
+        d2t, weight, ids = self.d2t, self.lm_head.weight, self.d2t.cpu()
         mass = mass.to(torch.float64).cpu()
         outside = mass.clone()
-        outside[d2t.cpu()] = 0.0
+        outside[ids] = 0.0
         top = outside.topk(min(most, len(outside)))
-        row_mass = mass[d2t.cpu()]
-        victims = (row_mass * (len(mass) + 1) - d2t.cpu().double()).argsort()  # least mass, then highest id
+        row_mass = mass[ids]
+        victims = (row_mass * (len(mass) + 1) - ids.double()).argsort()  # least mass, then highest id
         norm = float(weight.float().norm(dim=1).mean())
         rows = []
         for m, token, row in zip(top.values.tolist(), top.indices.tolist(), victims.tolist(), strict=False):

@@ -141,34 +141,30 @@ class Metrics:
     def watch_suffix(self, cache: Callable[[], object | None]) -> None:
         """Gauges read at scrape time from the model's suffix cache (`cache()`: a SuffixCache, None before one
         is made): its size and how often it helps."""
-        def read(attribute: str) -> Callable[[], float]:
-            return lambda: float(getattr(c, attribute)) if (c := cache()) is not None else 0.0
-
-        r, p = self.registry, "specdecode_suffix_cache_"
-        for name, attribute, doc in (
-                ("tokens", "tokens", "Tokens of earlier outputs held by the global suffix cache"),
-                ("bytes", "nbytes", "Bytes of the global suffix cache's arrays"),
-                ("sequences", "sequences", "Earlier outputs held by the global suffix cache"),
-                ("hit_rate", "hit_rate", "Share of suffix steps whose text's end the global cache had seen"),
-                ("accepted_tokens", "accepted", "Accepted guesses that only the global suffix cache offered, "
-                                                "since start")):
-            Gauge(p + name, doc, registry=r).set_function(read(attribute))
+        self._watch("specdecode_suffix_cache_", lambda: [c] if (c := cache()) is not None else [], (
+            ("tokens", "tokens", "Tokens of earlier outputs held by the global suffix cache"),
+            ("bytes", "nbytes", "Bytes of the global suffix cache's arrays"),
+            ("sequences", "sequences", "Earlier outputs held by the global suffix cache"),
+            ("hit_rate", "hit_rate", "Share of suffix steps whose text's end the global cache had seen"),
+            ("accepted_tokens", "accepted", "Accepted guesses that only the global suffix cache offered, since start")))
 
     def watch_online(self, heads: Callable[[], list]) -> None:
         """Gauges read at scrape time from the model's heads learning online (`heads()`: its OnlineHeads, summed):
         what the learner did, and what the guard threw back."""
-        def read(attribute: str) -> Callable[[], float]:
-            return lambda: float(sum(getattr(h, attribute) for h in heads()))
+        self._watch("specdecode_online_draft_", heads, (
+            ("learner_steps", "steps", "Learner steps of the heads learning online, since start"),
+            ("heads", "version", "Heads published or brought back by the guard, since start"),
+            ("reverts", "reverts", "Published heads the guard threw back (they accepted less), since start"),
+            ("chunks_recorded", "recorded", "Chunks of verified positions recorded for the learner, since start"),
+            ("vocab_rows_swapped", "swapped", "Draft vocabulary rows given to tokens of the traffic, since start")))
 
-        r, p = self.registry, "specdecode_online_draft_"
-        for name, attribute, doc in (
-                ("learner_steps", "steps", "Learner steps of the heads learning online, since start"),
-                ("heads", "version", "Heads published or brought back by the guard, since start"),
-                ("reverts", "reverts", "Published heads the guard threw back (they accepted less), since start"),
-                ("chunks_recorded", "recorded", "Chunks of verified positions recorded for the learner, since start"),
-                ("vocab_rows_swapped", "swapped", "Draft vocabulary rows given to tokens of the traffic, since "
-                                                  "start")):
-            Gauge(p + name, doc, registry=r).set_function(read(attribute))
+    def _watch(self, prefix: str, objects: Callable[[], list], gauges: tuple[tuple[str, str, str], ...]) -> None:
+        """Gauges `prefix + name`, each the sum of an attribute over `objects()` when scraped (none: 0)."""
+        def read(attribute: str) -> Callable[[], float]:
+            return lambda: float(sum(getattr(o, attribute) for o in objects()))
+
+        for name, attribute, doc in gauges:
+            Gauge(prefix + name, doc, registry=self.registry).set_function(read(attribute))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from .data import (
     load_answered,
     load_prompts,
     load_samples,
+    sample_lines,
     save_samples,
     self_distill,
     split,
@@ -158,7 +158,7 @@ def distill(llm, args: argparse.Namespace, path: Path):
     started = time.perf_counter()
     with progress_bar() as bar, partial.open("a") as kept:
         def keep(batch: list) -> None:  # on disk as they come: an interrupted run answers only the rest
-            kept.write("".join(json.dumps(asdict(s)) + "\n" for s in batch))
+            kept.write(sample_lines(batch))
             kept.flush()
 
         task = bar.add_task(f"the target answers training prompts ({engine})", total=len(prompts))

@@ -208,7 +208,12 @@ def self_distill(
 def save_samples(path: Path | str, samples: list[Sample]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
+    path.write_text(sample_lines(samples))
+
+
+def sample_lines(samples: list[Sample]) -> str:
+    """samples.jsonl's text of `samples`: one JSON object a line."""
+    return "".join(json.dumps(asdict(s)) + "\n" for s in samples)
 
 
 def load_samples(path: Path | str) -> list[Sample]:

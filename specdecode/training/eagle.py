@@ -153,17 +153,9 @@ def train_eagle(
         head.init_from_target(target, vocab)  # float32 copies of its weights (dequantized where quantized)
     else:
         init.check_target(target)
-        head, eagle_cfg = EagleHead(init.config), init.config
-        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init.state_dict().items()})
-        head.to(device)
+        head, eagle_cfg = init.float_copy().to(device), init.config
     layer_idx = [store.layer_index(i) for i in eagle_cfg.target_layers]
     embed = torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone()).to(device)
-
-    def draft_ids(module: EagleHead) -> torch.Tensor:
-        """target id -> the head's draft id (-1: outside its vocabulary)"""
-        t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=device)
-        t2d[module.d2t] = torch.arange(len(module.d2t), device=device)
-        return t2d
 
     def pick(batch: dict) -> dict:
         return {**batch, "hidden": batch["hidden"][:, :, layer_idx]}
@@ -176,7 +168,7 @@ def train_eagle(
                           heldout.hidden[:, layer_idx], heldout.teacher_ids, heldout.teacher_probs)
 
     def evaluate(module):
-        return evaluate_head(module, embed, draft_ids(module), picked, ttt_steps, batch_size, max_len)
+        return evaluate_head(module, embed, module.draft_ids(), picked, ttt_steps, batch_size, max_len)
 
     if init is not None:
         first = Path(out_dir) / LOG
@@ -191,7 +183,7 @@ def train_eagle(
         log(f"{len(swapped)} of its {len(head.d2t)} draft vocabulary rows given to tokens of these answers it lacked")
     head.requires_grad_(True)
     head.d2t.requires_grad_(False)
-    t2d = draft_ids(head)
+    t2d = head.draft_ids()
 
     def loss_fn(module, batch):
         return ttt_loss(module, embed, t2d, batch, ttt_steps)
