@@ -18,6 +18,7 @@ from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
 from specdecode.models.quant import quantize_linears_
+from specdecode.policy import FixedK
 from specdecode.proposers import EagleProposer
 from specdecode.sampling import SamplingParams
 from specdecode.training.data import Sample, prompt_texts
@@ -302,23 +303,41 @@ def random_head(target: Transformer, draft_vocab: int, seed: int) -> EagleHead:
     return head.to(target.dtype).eval().requires_grad_(False)
 
 
-def test_sampled_eagle_matches_target_distribution() -> None:
-    """A chain drawn from the head's q over a reduced vocabulary (tokens outside it have q = 0), top-p on both."""
-    params = SamplingParams(temperature=0.8, top_p=0.9)
-    target = tiny_model(3, head_gain=3.0, vocab_size=8, num_layers=1, hidden_size=32, intermediate_size=64,
-                        num_heads=2, num_kv_heads=1, head_dim=16)
-    proposer = EagleProposer(random_head(target, 6, seed=4), target)
-    samples, tokens = 2000, 3
-    counts: dict = {}
+def sampled_fit(proposer: EagleProposer, target: Transformer, params: SamplingParams, samples: int, k,
+                cost=None) -> tuple[float, float]:
+    """(chi-square p, total variation) of `samples` sampled 3-token outputs against the target's exact joint."""
+    tokens, counts = 3, Counter()
     drafted = accepted = 0
     for seed in range(samples):
-        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=2, max_new_tokens=tokens, params=params,
-                                  seed=seed)
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        out, stats = generate_ids(target, PROMPT, proposer=proposer, k=k, cost=cost, max_new_tokens=tokens,
+                                  params=params, seed=seed)
+        counts[tuple(out)] += 1
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0 < accepted < drafted
-    pvalue, tv = chi_square(Counter(counts), exact_joint(target, PROMPT, params, tokens), samples)
+    return chi_square(counts, exact_joint(target, PROMPT, params, tokens), samples)
+
+
+def sampling_target() -> Transformer:
+    return tiny_model(3, head_gain=3.0, vocab_size=8, num_layers=1, hidden_size=32, intermediate_size=64,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def test_sampled_eagle_matches_target_distribution() -> None:
+    """A chain drawn from the head's q over a reduced vocabulary (tokens outside it have q = 0), top-p on both."""
+    target = sampling_target()
+    proposer = EagleProposer(random_head(target, 6, seed=4), target)
+    pvalue, tv = sampled_fit(proposer, target, SamplingParams(temperature=0.8, top_p=0.9), 2000, k=2)
     assert pvalue > ALPHA and tv < 0.1, (pvalue, tv)
+
+
+def test_sampled_chains_sized_by_the_cost_model_match_target_distribution() -> None:
+    """The cost model decides how deep each chain goes, and whether a depth goes out must not read the token drawn
+    there: a cut that weighed each draw's own q(x) sent low-q draws too rarely (this head: p = 3e-10 before)."""
+    target = sampling_target()
+    cheap = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])  # guessing nearly always pays
+    proposer = EagleProposer(random_head(target, 6, seed=2), target, cost=cheap)
+    pvalue, tv = sampled_fit(proposer, target, SamplingParams(temperature=1.0), 6000, k=FixedK(5), cost=cheap)
+    assert pvalue > ALPHA and tv < 0.05, (pvalue, tv)
 
 
 # ---------------------------------------------------------------------------------- CLI and errors

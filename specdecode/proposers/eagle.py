@@ -297,10 +297,17 @@ class EagleProposer(Proposer):
         return full
 
     def _chain(self, root_token, root, logits, hidden, k, params, generator, spent) -> tuple[DraftTree, float]:
+        """Sampled: a chain of draws from the head's q. Whether depth d goes out is decided before x_d is drawn, from
+        the draws above it and q_d's expected chance (sum of q_d squared): a cut that read q(x_d) would send low-q
+        draws less often than q does, and min(1, p/q) with the residual would no longer give exactly p."""
         drafted, probs, chances = [], [], []
         alpha, path = self._alpha(False), 1.0
         for depth in range(1, k + 1):
             q = params.probs(self._full_logits(logits).float())
+            if self.cost is not None:
+                expected = min(1.0, alpha * path * float(q.square().sum()))
+                if self._best_count([*chances, expected], root, spent)[0] < depth:
+                    break
             drafted.append(sample(q, generator))
             probs.append(q)
             path *= float(q[drafted[-1]])
@@ -310,9 +317,8 @@ class EagleProposer(Proposer):
                 break
             (logits, hidden), elapsed = self._timed_run(hidden[None], drafted[-1:], [root - 1 + depth], None)
             logits, hidden, spent = logits[-1], hidden[-1], spent + elapsed
-        n = len(drafted) if self.cost is None else self._best_count(chances, root, spent)[0]
-        self.node_chances = chances[:n]
-        return DraftTree.chain(root_token, drafted[:n], probs[:n]), path_sum(probs[:n], drafted[:n])
+        self.node_chances = chances
+        return DraftTree.chain(root_token, drafted, probs), path_sum(probs, drafted)
 
     def _tree(self, root_token, root, logits, hidden, k, spent) -> tuple[DraftTree, float]:
         """EAGLE-2: grow by cumulative log-probability, then keep the best nodes."""
