@@ -8,7 +8,8 @@
 # .gpu/answers*.jsonl.xz) join those the GPU makes in its own --distill-seconds: more data for the same loan.
 # DRAFT_VOCAB: 16384 by default (benchmarks/results/draft-vocab-coverage-smollm2.md: 95% of Spec-Bench answers'
 # tokens, against 90% at 8192).
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# TF32 matrix products (cuBLAS override): the float32 self-distillation's products on the tensor cores.
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1
 GGUF=/tmp/w/SmolLM2-135M-Instruct.Q4_1.gguf
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/gguf-*.whl || exit 1
 if [ "$1" = stage1 ]; then
