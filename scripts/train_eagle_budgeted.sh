@@ -6,6 +6,8 @@
 # the head and the target's answers into $OUT in pieces under 16 MB. SIZES overrides the run's sizes.
 # Answers made beforehand (`specdecode train eagle --distill-only` on a CPU: the served int4 model's own, kept as
 # .gpu/answers*.jsonl.xz) join those the GPU makes in its own --distill-seconds: more data for the same loan.
+# TRAIN_LIMIT (seconds, the whole stage) must exceed --distill-seconds + --train-seconds by ~90 s (loading, the last
+# batch of answers, features, saving), or the run ends before it saves (run 3 of the report).
 # DRAFT_VOCAB: 16384 by default (benchmarks/results/draft-vocab-coverage-smollm2.md: 95% of Spec-Bench answers'
 # tokens, against 90% at 8192).
 # TF32 matrix products (cuBLAS override): the float32 self-distillation's products on the tensor cores.
