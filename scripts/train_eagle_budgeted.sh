@@ -3,9 +3,12 @@
 # benchmarks/results/eagle-training-h200-budgets.md). The device tool carries at most 64 MiB a call, so
 # `stage1` keeps the GGUF's first 60 MB (.gpu/part.a) in /tmp/w and `stage2` (the next call, same machine)
 # joins the rest (.gpu/part.b), checks it, unpacks the training prompts (.gpu/train.tar.xz), trains, and packs
-# the head and the target's answers into $OUT in pieces under 16 MB. SIZES overrides the run's sizes.
-# Answers made beforehand (`specdecode train eagle --distill-only` on a CPU: the served int4 model's own, kept as
-# .gpu/answers*.jsonl.xz) join those the GPU makes in its own --distill-seconds: more data for the same loan.
+# the head and the target's answers into $OUT in pieces under 16 MB. SIZES overrides the run's sizes. The 64 MiB count
+# the working tree too (~42 MB tracked): run 3 moved benchmarks/results and specdecode/drafts out of the checkout for
+# its two calls (and back after).
+# Answers made beforehand (data/answers/*.jsonl.xz: an earlier loan's; .gpu/answers*.jsonl.xz: e.g. a CPU's
+# `specdecode train eagle --distill-only`) start the run as a resumed self-distillation's: the GPU answers only the
+# prompts they leave, in its own --distill-seconds, and all of them train.
 # TRAIN_LIMIT (seconds, the whole stage) must exceed --distill-seconds + --train-seconds by ~90 s (loading, the last
 # batch of answers, features, saving), or the run ends before it saves (run 3 of the report).
 # DRAFT_VOCAB: 16384 by default (benchmarks/results/draft-vocab-coverage-smollm2.md: 95% of Spec-Bench answers'
@@ -29,11 +32,10 @@ SIZES=${SIZES:---samples 60000 --heldout 256 --max-new-tokens 256 --gen-batch 10
   --steps 20000 --train-seconds 230 --batch-size 64 --eval-every 500 --bf16 --device cuda}
 ARGS="--target $GGUF --data /tmp/data/train --out /tmp/eagle $SIZES --max-len 1024 --lr 6e-4 --warmup 100 \
   --ttt-steps 5 --draft-vocab ${DRAFT_VOCAB:-16384} --feature-cache memory --seed 1"
-if ls .gpu/answers*.jsonl.xz >/dev/null 2>&1; then  # the GPU's answers first, then all of them train
-  python3 -m specdecode.cli train eagle $ARGS --distill-only > $OUT/distill.txt 2>&1
-  xz -dc .gpu/answers*.jsonl.xz | cat /tmp/eagle/work/samples.jsonl - > /tmp/data/samples.jsonl
-  ARGS="$ARGS --samples-file /tmp/data/samples.jsonl"
-  wc -l /tmp/data/samples.jsonl
+ANSWERS=$(ls data/answers/*.jsonl.xz .gpu/answers*.jsonl.xz 2>/dev/null)
+if [ -n "$ANSWERS" ]; then  # answers made before, as a resumed run's: the GPU answers only the prompts they leave
+  mkdir -p /tmp/eagle/work && xz -dc $ANSWERS > /tmp/eagle/work/samples.partial.jsonl
+  wc -l /tmp/eagle/work/samples.partial.jsonl
 fi
 timeout ${TRAIN_LIMIT:-530} python3 -m specdecode.cli train eagle $ARGS > $OUT/log.txt 2>&1
 echo "train exit $?"; date +%T
