@@ -300,7 +300,9 @@ class EagleProposer(Proposer):
         """Sampled: a chain of draws from the head's q. Whether depth d goes out is decided before x_d is drawn, from
         the draws above it and q_d's expected chance (sum of q_d squared): a cut that read q(x_d) would send low-q
         draws less often than q does, and min(1, p/q) with the residual would no longer give exactly p."""
-        drafted, probs, chances = [], [], []
+        drafted: list[int] = []
+        probs: list[torch.Tensor] = []
+        chances: list[float] = []
         alpha, path = self._alpha(False), 1.0
         for depth in range(1, k + 1):
             q = params.probs(self._full_logits(logits).float())
