@@ -41,6 +41,8 @@ def main() -> None:
                    help="the learner's teacher: the target's top-8 distribution, or the committed token alone")
     p.add_argument("--vocab-swaps", type=int, default=OnlineConfig.vocab_swaps,
                    help="draft vocabulary rows a new head may give to tokens of the traffic (0: the vocabulary stays)")
+    p.add_argument("--vocab-half-life", type=int, default=OnlineConfig.vocab_half_life,
+                   help="chunks recorded over which the traffic's counted token mass halves (0: it never fades)")
     p.add_argument("--rest", action="store_true",
                    help="the policy as users get it (the head rests where it does not pay): what learning costs")
     p.add_argument("--out", required=True)
@@ -56,7 +58,8 @@ def main() -> None:
     rng.shuffle(questions)
     questions = questions[: args.requests]
     online = llm.online_head(args.draft, OnlineConfig(lr=args.lr, reward=args.reward, soft=args.teacher == "soft",
-                                                      chunk=args.chunk, vocab_swaps=args.vocab_swaps))
+                                                      chunk=args.chunk, vocab_swaps=args.vocab_swaps,
+                                                      vocab_half_life=args.vocab_half_life))
     arms = {"static": {}, "online": {"online_draft": True}}
     rows = {arm: [] for arm in arms}
     started = time.perf_counter()
@@ -86,7 +89,7 @@ def main() -> None:
              f"- command: `python benchmarks/online_shift.py --workload {args.workload} --categories "
              f"{args.categories} --requests {args.requests} --window {args.window} --max-new-tokens "
              f"{args.max_new_tokens} --lr {args.lr} --reward {args.reward} --teacher {args.teacher} "
-             f"--chunk {args.chunk} --vocab-swaps {args.vocab_swaps}"
+             f"--chunk {args.chunk} --vocab-swaps {args.vocab_swaps} --vocab-half-life {args.vocab_half_life}"
              f"{' --rest' if args.rest else ''} "
              f"--out {args.out}`",
              f"- learner: {online.steps} steps, {online.version} heads published or brought back, "

@@ -63,6 +63,9 @@ class OnlineConfig:
     # token outside its vocabulary, and 16% of tool-call answers' tokens were outside the shipped head's
     vocab_swaps: int = 64
     vocab_min_mass: float = 2.0
+    # the counted mass fades, by half every this many chunks recorded (the replay buffer's turnover; 0: never), so
+    # the vocabulary follows traffic that shifts more than once: rows an earlier traffic used heavily go back
+    vocab_half_life: int = 512
     judge_steps: int = 48  # drafting steps over which a published head is judged
     tolerance: float = 0.9  # reverted if it accepts fewer tokens per step than this x its predecessor
     seed: int = 0
@@ -87,6 +90,7 @@ class OnlineHead:
         self.output = self.embed.weight if rows is embed else cast(torch.Tensor, rows.weight).detach().float()
         self.t2d = self.learner.draft_ids()
         self.mass = torch.zeros(vocab_size, dtype=torch.float64)  # the teacher's probability mass per target token
+        self.faded_at = 0  # chunks recorded when the mass last faded
         self.swapped = 0  # draft vocabulary rows given to new tokens
         self.optimizer = self._optimizer()
         self.served = copy.deepcopy(self.learner.state_dict())  # the learner's weights behind `current`
@@ -180,7 +184,7 @@ class OnlineHead:
             if len(self.buffer) < self.cfg.batch or ahead:  # no data, or the next head is ready: a verdict awaited
                 return None
             chunks = self.rng.sample(list(self.buffer), self.cfg.batch)
-            mass = self.mass.clone() if self.unpublished == 0 else None
+            mass = self.fade_mass().clone() if self.unpublished == 0 else None
         if mass is not None:  # a new head begins: its vocabulary first
             self.swapped += self.refresh_vocab(mass)
         from .training.eagle import ttt_loss  # training code loads only where a head learns
@@ -198,6 +202,14 @@ class OnlineHead:
         if self.unpublished >= self.cfg.publish_every and self.previous is None:
             self.publish()
         return float(loss.detach())
+
+    def fade_mass(self) -> torch.Tensor:
+        """The teacher's mass per token, faded for the chunks recorded since it last was (OnlineConfig.vocab_half_life).
+        Called under the lock."""
+        if self.cfg.vocab_half_life > 0 and self.recorded > self.faded_at:
+            self.mass *= 0.5 ** ((self.recorded - self.faded_at) / self.cfg.vocab_half_life)
+        self.faded_at = self.recorded
+        return self.mass
 
     def refresh_vocab(self, mass: torch.Tensor) -> int:
         """The learner's draft vocabulary towards the traffic's (`EagleHead.swap_vocab`, OnlineConfig.vocab_swaps);

@@ -256,6 +256,28 @@ def test_draft_vocabulary_rows_go_to_the_tokens_the_traffic_needs(target) -> Non
     assert (online.t2d[before] == torch.arange(len(before))).all() and int((online.t2d >= 0).sum()) == len(before)
 
 
+def test_old_traffic_fades_from_the_vocabulary_choice(target) -> None:
+    """The teacher's mass halves every vocab_half_life chunks recorded: a token an earlier traffic wanted (8 of mass,
+    three half-lives ago) loses the one row to give to a token today's traffic wants (3 of mass); without fading the
+    old one keeps winning."""
+    head = fresh_head(target)  # vocabulary: tokens 8..55
+    hidden = torch.zeros(4, 3 * target.config.hidden_size)
+    chosen = {}
+    for half_life in (2, 0):
+        online = OnlineHead(head, target.embed, OnlineConfig(chunk=4, batch=2, publish_every=10**6, vocab_swaps=1,
+                                                             vocab_half_life=half_life))
+        online.mass[8:] = 1.0
+        online.mass[3] = 8.0  # wanted by the traffic before
+        for _ in range(6):
+            online.record(hidden, [9, 10, 11, 12, 13])
+        online.fade_mass()  # a head began: the mass recorded so far faded by three half-lives (half_life 2)
+        online.mass[8:] += 1.0
+        online.mass[2] += 3.0  # wanted now
+        assert online.refresh_vocab(online.fade_mass().clone()) == 1  # nothing recorded since: no more fading
+        chosen[half_life] = sorted(set(online.learner.d2t.tolist()) - set(head.d2t.tolist()))
+    assert chosen == {2: [2], 0: [3]}
+
+
 def test_a_head_learns_the_tokens_its_vocabulary_lacked(target) -> None:
     """A head whose draft vocabulary misses the tokens the target says most cannot guess them, nor learn them; with
     its vocabulary following the traffic it learns them, from the same served text."""
