@@ -10,8 +10,10 @@ With a cost model the proposer sizes each step itself, as EAGLE-2 does with draf
 path probability (calibrated online against what the target accepts) is its chance of acceptance, so
 a tree of n nodes is worth 1 + sum of those chances tokens and costs the target's forward of n + 1
 tokens plus the head forwards run. It stops expanding when even the best case of another depth cannot
-raise that rate, and sends the count of nodes that maximises it (none: a plain step). Without a cost
-model: `k` depths, `nodes` nodes.
+raise that rate, and sends the count of nodes that maximises it (none: a plain step). A sampled chain
+decides each depth before drawing it (its expected chance: the path so far times sum q^2): keeping a draw
+for its own q(x) would bias what is sent away from q, and the output away from the target's. Without a
+cost model: `k` depths, `nodes` nodes.
 
 Never slower than plain decoding: the head's steps' realized rate, tokens committed over head seconds plus
 the target's forward of each tree (decayed sums, each step counted in plain steps at its own load), is compared
