@@ -195,7 +195,7 @@ def test_engine_distillation_answers_as_the_loaded_target_does_one_request_at_a_
 def test_interrupted_self_distillation_answers_only_the_rest(setup, tmp_path, monkeypatch, capsys) -> None:
     """--distill-only stops after the answers; the answers are kept batch by batch as they come, so a run stopped
     after its first batch answers only the prompts left when started again, and its samples.jsonl is the one an
-    uninterrupted run writes, byte for byte."""
+    uninterrupted run writes, byte for byte. So does a run that ended (a time budget) when asked again."""
     import specdecode.training.common as common
 
     target, data = setup
@@ -231,3 +231,13 @@ def test_interrupted_self_distillation_answers_only_the_rest(setup, tmp_path, mo
     assert answered == [5] and not partial.exists()
     whole = (tmp_path / "whole" / "work" / "samples.jsonl").read_bytes()
     assert (stopped / "work" / "samples.jsonl").read_bytes() == whole
+
+    # a budgeted run that ended (samples.jsonl written, 3 answered), asked again with --distill-only, answers the rest
+    more = tmp_path / "more" / "work"
+    more.mkdir(parents=True)
+    (more / "samples.jsonl").write_text("".join(whole.decode().splitlines(keepends=True)[:3]))
+    answered.clear()
+    assert cli_main(train_args("draft", target, data, more.parent, *args)) == 0
+    assert "resuming self-distillation: 3 answers kept" in capsys.readouterr().err
+    assert answered == [5] and (more / "samples.jsonl").read_bytes() == whole
+    assert not (more / "samples.partial.jsonl").exists()

@@ -57,7 +57,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="time budget of self-distillation: prompts not answered by then are left out")
     p.add_argument("--distill-only", action="store_true",
                    help="answer the prompts and stop: train later, here or on another machine (a GPU), with "
-                        "--samples-file OUT/work/samples.jsonl")
+                        "--samples-file OUT/work/samples.jsonl; run again, it answers the prompts still left "
+                        "(after a --distill-seconds budget)")
     p.add_argument("--train-seconds", type=float,
                    help="time budget of training: the step count (at most --steps) is fitted to it")
     p.add_argument("--feature-cache", choices=["disk", "memory"], default="disk",
@@ -96,6 +97,11 @@ def answers(args: argparse.Namespace):
     samples_path = Path(args.samples_file) if args.samples_file else work / "samples.jsonl"
     answered = samples_path.exists()
     barrier()  # every worker has looked before any writes
+    if answered and args.distill_only and not args.samples_file:  # asked again: answer the prompts left
+        partial = partial_path(samples_path)
+        if not partial.exists():  # (one there holds these answers already: a run like this one, interrupted)
+            partial.write_bytes(samples_path.read_bytes())  # each worker keeps its own shard's answers of it
+        answered = False
     if answered:
         samples = load_samples(samples_path)
         err.print(f"using {len(samples)} target answers from {samples_path}")
@@ -136,6 +142,12 @@ def prepare(args: argparse.Namespace, layers: list[int]):
     return llm, stores[0], stores[1]
 
 
+def partial_path(path: Path) -> Path:
+    """Where this worker keeps its answers as they come, until `path` is written."""
+    w = world()
+    return path.with_name(f"{path.stem}.partial{f'.{w.rank}of{w.size}' if w.size > 1 else ''}.jsonl")
+
+
 def distill(llm, args: argparse.Namespace, path: Path):
     """The target answers training prompts: through specdecode's engine (the model as loaded, on a CPU) or
     transformers' batched `generate` on the same checkpoint in float (on a GPU); see --distill-engine."""
@@ -145,8 +157,7 @@ def distill(llm, args: argparse.Namespace, path: Path):
         engine = "transformers" if str(args.device).startswith("cuda") else "specdecode"
     options = dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, temperature=args.temperature,
                    seed=args.seed, seconds=args.distill_seconds)
-    w = world()
-    partial = path.with_name(f"{path.stem}.partial{f'.{w.rank}of{w.size}' if w.size > 1 else ''}.jsonl")
+    partial = partial_path(path)
     order = {tuple(p): i for i, p in enumerate(prompts)}
     done = [s for s in load_answered(partial) if tuple(s.tokens[: s.prompt_len]) in order]
     answered = {tuple(s.tokens[: s.prompt_len]) for s in done}
