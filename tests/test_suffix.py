@@ -354,8 +354,9 @@ def eagle_for(model):
     from specdecode.proposers import EagleProposer
 
     vocab = torch.arange(model.config.vocab_size)
-    torch.manual_seed(0)  # the head's random part: a test's outcome must not hang on the tests run before it
-    head = EagleHead(EagleConfig.for_target(model.config, model.config.vocab_size)).double()
+    with torch.random.fork_rng():  # the head's random part: a test's outcome must not hang on the tests before it
+        torch.manual_seed(0)
+        head = EagleHead(EagleConfig.for_target(model.config, model.config.vocab_size)).double()
     head.init_from_target(model, vocab)
     return EagleProposer(head, model, topk=3, nodes=12, cost=CHEAP)
 
