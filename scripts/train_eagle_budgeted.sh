@@ -3,9 +3,9 @@
 # benchmarks/results/eagle-training-h200-budgets.md). The device tool carries at most 64 MiB a call, so
 # `stage1` keeps the GGUF's first 60 MB (.gpu/part.a) in /tmp/w and `stage2` (the next call, same machine)
 # joins the rest (.gpu/part.b), checks it, unpacks the training prompts (.gpu/train.tar.xz), trains, and packs
-# the head and the target's answers into $OUT in pieces under 16 MB. SIZES overrides the run's sizes. The 64 MiB count
+# the head and the target's answers into $OUT in pieces under 16 MB. SIZES overrides the run's sizes. The 64 MiB counts
 # the working tree too (~42 MB tracked): run 3 moved benchmarks/results and specdecode/drafts out of the checkout for
-# its two calls (and back after).
+# its two calls (and back after), leaving ~5 MB beside part.a.
 # Answers made beforehand (data/answers/*.jsonl.xz: an earlier loan's; .gpu/answers*.jsonl.xz: e.g. a CPU's
 # `specdecode train eagle --distill-only`) start the run as a resumed self-distillation's: the GPU answers only the
 # prompts they leave, in its own --distill-seconds, and all of them train.
