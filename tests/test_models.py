@@ -144,6 +144,22 @@ def test_incremental_decoding_equals_one_forward() -> None:
     torch.testing.assert_close(torch.cat(pieces), full, atol=1e-10, rtol=1e-10)
 
 
+def test_rope_tables_follow_a_model_that_moved() -> None:
+    """A model (or EAGLE head) used, then moved to another device, rebuilds its cos/sin tables there: indexing a
+    table left behind failed on a GPU. Here the tables left behind are on the meta device."""
+    from specdecode.models.eagle import EagleConfig, EagleHead
+
+    positions = torch.arange(6)
+    model = tiny_model(0)
+    cos, sin = model.rope(positions)
+    model._rope_cache = {False: tuple(t.to("meta") for t in model._rope_cache[False])}
+    assert all(torch.equal(a, b) for a, b in zip(model.rope(positions), (cos, sin), strict=True))
+    head = EagleHead(EagleConfig.for_target(model.config, 16))
+    cos, sin = head.rope(positions)
+    head._rope = tuple(t.to("meta") for t in head._rope)
+    assert all(torch.equal(a, b) for a, b in zip(head.rope(positions), (cos, sin), strict=True))
+
+
 def test_logits_at_selects_positions() -> None:
     model = tiny_model(5)
     ids = random_ids(10, model.config.vocab_size, seed=5)

@@ -22,7 +22,7 @@ from . import native
 from .cache import KVCache
 from .config import ModelConfig
 from .linear import Linear
-from .llama import Block, Transformer, rope_inv_freq
+from .llama import Block, RopeTable, Transformer, rope_table
 from .quant import quantize_linears_
 
 CONFIG = "eagle_config.json"
@@ -81,7 +81,7 @@ class EagleHead(nn.Module):
         self.norm = nn.RMSNorm(h, eps=cfg.block.rms_norm_eps)
         self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)  # draft id -> target id
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: RopeTable | None = None
 
     @property
     def device(self) -> torch.device:
@@ -151,13 +151,7 @@ class EagleHead(nn.Module):
         return KVCache(1, b.num_kv_heads, b.head_dim, max_len, dtype=self.dtype, device=self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
-        dtype = self.dtype
-        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].dtype != dtype:
-            size = max(need, self.config.block.max_position_embeddings)
-            freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(self.config.block))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope = (emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype))
+        self._rope = rope_table(self.config.block, int(positions.max()) + 1, self.device, self.dtype, table=self._rope)
         return self._rope[0][positions], self._rope[1][positions]
 
     def fuse_features(self, hidden: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:

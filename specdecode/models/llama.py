@@ -60,6 +60,22 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
 
 
+RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [positions, head_dim]
+
+
+def rope_table(cfg: ModelConfig, need: int, device: torch.device, dtype: torch.dtype, sliding: bool = False,
+               table: RopeTable | None = None) -> RopeTable:
+    """cos/sin for positions up to max(need, max_position_embeddings), built in float64 then cast: `table` as it is
+    where it still serves (long enough, this dtype, this device: a model moved after a forward must not index a
+    table left behind)."""
+    if table is not None and table[0].shape[0] >= need and table[0].dtype == dtype and table[0].device == device:
+        return table
+    size = max(need, cfg.max_position_embeddings)
+    freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(cfg, sliding))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -167,7 +183,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self._rope_cache: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None  # by `sliding`
+        self._rope_cache: dict[bool, RopeTable] | None = None  # by `sliding`
 
     @property
     def dtype(self) -> torch.dtype:  # the final norm's: the embedding may be a quantized table
@@ -202,16 +218,10 @@ class Transformer(nn.Module):
         )
 
     def rope(self, positions: torch.Tensor, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the given positions (of the sliding or the full layers), from a table built once in float64
-        then cast."""
-        need = int(positions.max()) + 1
+        """cos/sin for the given positions (of the sliding or the full layers), from a table kept (`rope_table`)."""
         tables = self._rope_cache if self._rope_cache is not None else {}
-        table = tables.get(sliding)
-        if table is None or table[0].shape[0] < need or table[0].dtype != self.dtype:
-            size = max(need, self.config.max_position_embeddings)
-            freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(self.config, sliding))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            table = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
+        table = rope_table(self.config, int(positions.max()) + 1, self.device, self.dtype, sliding, tables.get(sliding))
+        if table is not tables.get(sliding):
             self._rope_cache = {**tables, sliding: table}
         return table[0][positions], table[1][positions]
 
