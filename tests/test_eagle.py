@@ -91,6 +91,21 @@ def test_training_learns_the_target(trained: Path, head: EagleHead, store: Featu
     torch.testing.assert_close(train_logits[:n], logits[0])
 
 
+def test_features_past_float16s_range_are_kept_in_bfloat16(target: Transformer, store: FeatureStore) -> None:
+    """Gemma's residual stream runs past float16's 65,504: stored as float16 it was inf, and the head trained to NaN.
+    Such features go to bfloat16 (float32's range); those that fit stay in float16's finer steps."""
+    loud = copy.deepcopy(target)
+    loud.embed.weight.mul_(1e6)  # the residual stream carries the embedding: every hidden state past 1e5
+    samples = distilled(target, 4, seed=1)
+    big = extract_features(loud, samples, [1, 3], topk=4)
+    assert store.hidden.dtype == torch.float16
+    assert big.hidden.dtype == torch.bfloat16 and bool(big.hidden.isfinite().all())
+    ids = torch.tensor(samples[0].tokens)[None]
+    exact = torch.stack(loud.forward(ids, loud.new_cache(ids.shape[1]), hidden_layers=[1, 3]).hidden, dim=2)[0]
+    assert float(exact.abs().max()) > 1e5
+    torch.testing.assert_close(big.hidden[: ids.shape[1]].double(), exact, rtol=1e-2, atol=0.0)
+
+
 def test_head_starts_from_a_quantized_targets_dequantized_weights(target: Transformer) -> None:
     """A GGUF target's layers are quantized (no `weight` parameter): the head starts from what they compute with."""
     quantized = quantize_linears_(copy.deepcopy(target).float(), "int4")

@@ -3,6 +3,7 @@ tree, from an HF checkpoint and from a GGUF file), and lossless speculation with
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -338,6 +339,26 @@ def random_eagle(target: Transformer, seed: int) -> EagleHead:
     head.init_from_target(target, torch.arange(VOCAB - 8))
     randomize_(head.fuse, seed)
     return head.to(target.dtype).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: the native block on a CPU
+def test_a_gemma_heads_block_sees_what_training_showed_it_past_the_targets_window(target, dtype) -> None:
+    """The head is a Llama block with full attention, as training computes it, whatever the target's windows: its
+    inference forward (PyTorch's block, or the native one) equals the training-time forward past the window."""
+    from specdecode.training.eagle import ttt_logits
+
+    model = copy.deepcopy(target).to(dtype)
+    head = random_eagle(model, 2)
+    assert head.config.block.sliding_window is None  # the target's window is not the head's
+    n = 5 * WINDOW
+    tokens = torch.tensor(PROMPTS[4][: n + 1])[None]
+    out = model.forward(tokens, model.new_cache(n + 1), hidden_layers=head.config.target_layers)
+    hidden = torch.stack(out.hidden, dim=2)  # [1, n + 1, L, H]
+    train_logits = ttt_logits(head, model.embed, {"hidden": hidden, "tokens": tokens}, steps=1)[0][0]
+    logits, _ = head(head.fuse_features(hidden[0, :n])[None], model.embed(tokens[:, 1:]), head.new_cache(n),
+                     torch.arange(n))
+    tolerance = {} if dtype == torch.float64 else dict(atol=1e-4, rtol=1e-4)  # two float32 orders of summation
+    torch.testing.assert_close(train_logits, logits[0], **tolerance)
 
 
 COST = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])  # made up: guessing always pays

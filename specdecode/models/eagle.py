@@ -39,8 +39,10 @@ class EagleConfig:
     def for_target(cls, target: ModelConfig, draft_vocab_size: int, target_layers: list[int] | None = None):
         n = target.num_layers
         layers = target_layers or sorted({min(2, n - 1), n // 2, max(n - 3, 0)})
-        # a Llama block whatever the target's (Gemma's options are its own model's, not the head's)
-        return cls(layers, min(draft_vocab_size, target.vocab_size), dataclasses.replace(target.plain(), num_layers=1))
+        # a Llama block whatever the target's (Gemma's options and window are its own model's, not the head's): it
+        # attends to all its entries, as training computes it
+        block = dataclasses.replace(target.plain(), num_layers=1, sliding_window=None)
+        return cls(layers, min(draft_vocab_size, target.vocab_size), block)
 
     def to_json(self) -> str:
         return json.dumps({"target_layers": self.target_layers, "draft_vocab_size": self.draft_vocab_size,
@@ -104,6 +106,8 @@ class EagleHead(nn.Module):
         copy_weights_(self.block, target.layers[-1])
         with torch.no_grad():
             self.norm.weight.copy_(target.norm.weight)
+            for norm in (self.block.attn_norm, self.block.mlp_norm, self.norm):  # a Gemma norm scales by 1 + w
+                norm.weight += target.config.norm_offset
             self.lm_head.weight.copy_(target.lm_head.weight[vocab.to(target.lm_head.weight.device)])
             self.d2t.copy_(vocab)
 

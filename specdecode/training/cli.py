@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from . import distill_cli, medusa_cli
-from .common import add_common, answers, err, prepare, target_config, train_config, write_report
+from .common import add_common, answers, err, flush_denormals, prepare, target_config, train_config, write_report
 from .distributed import finish, init, launch, launched, samples_trained_on, world
 
 
@@ -32,6 +32,7 @@ def add_train_parser(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    flush_denormals()
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.batch_size % args.nproc:

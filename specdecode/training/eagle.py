@@ -44,6 +44,12 @@ def _shift(x: torch.Tensor, by: int, dim: int) -> torch.Tensor:
 
 def ttt_logits(head: EagleHead, embed: torch.nn.Embedding, batch: dict, steps: int) -> list[torch.Tensor]:
     """Draft-vocab logits [B, T-1, Vd] for each unrolled step; entry t predicts token t + 2."""
+    return [head.lm_head(state) for state in ttt_states(head, embed, batch, steps)]
+
+
+def ttt_states(head: EagleHead, embed: torch.nn.Embedding, batch: dict, steps: int) -> list[torch.Tensor]:
+    """The head's normed output [B, T-1, H] for each unrolled step, its output layer not yet applied (the loss
+    applies it to the positions it scores only: the output layer is most of a step's work)."""
     hidden = batch["hidden"]
     features = head.fuse_features(hidden[:, :-1])  # [B, T-1, H]: target features at t
     embeds = embed(batch["tokens"][:, 1:])  # token t + 1
@@ -76,7 +82,7 @@ def ttt_logits(head: EagleHead, embed: torch.nn.Embedding, batch: dict, steps: i
             out = out + weights[..., n + i - 1 : n + i] * _shift(values[i], j - i, dim=2)
         x = x + attn.wo(out.transpose(1, 2).reshape(b, n, nh * d))
         x = x + head.block.mlp(head.block.mlp_norm(x))
-        outputs.append(head.lm_head(head.norm(x)))
+        outputs.append(head.norm(x))
         feat = _shift(x, 1, dim=1)  # next step reads the head's own output one position back (same draft root)
     return outputs
 
@@ -86,7 +92,7 @@ def ttt_loss(head: EagleHead, embed: torch.nn.Embedding, t2d: torch.Tensor, batc
     """Weighted sum over steps (decay^j) of the soft cross-entropy to the teacher; per-step accuracies. A negative
     teacher weight marks a token to push down (a guess the target rejected, online learning): its term is the
     unlikelihood -w log(1 - q), which stops pulling once q is small (a replay buffer repeats old rejections)."""
-    logits_per_step = ttt_logits(head, embed, batch, steps)
+    states = ttt_states(head, embed, batch, steps)
     ids, probs = batch["teacher_ids"][:, 1:], batch["teacher_probs"][:, 1:]  # teacher for token t + 2
     draft_ids = t2d[ids]  # -1: outside the draft vocabulary (weight dropped)
     weight = probs * (draft_ids >= 0)
@@ -94,15 +100,17 @@ def ttt_loss(head: EagleHead, embed: torch.nn.Embedding, t2d: torch.Tensor, batc
     base = batch["mask"][:, 1:]
     positions = torch.arange(base.shape[1], device=base.device)
     total, metrics = 0.0, {}
-    for j, logits in enumerate(logits_per_step):
+    for j, state in enumerate(states):
         valid = base & (positions >= j)
         count = valid.sum().clamp_min(1)
-        logp = logits.float().log_softmax(-1).gather(-1, gather_ids)
-        terms = weight.clamp_min(0) * logp
-        if bool((weight < 0).any()):
-            terms = terms - weight.clamp_max(0) * torch.log1p(-logp.exp().clamp_max(1 - 1e-6))
-        loss = -(terms.sum(-1) * valid).sum() / count
-        hit = (head.d2t[logits.argmax(-1)] == ids[..., 0]) & valid
+        logits = head.lm_head(state[valid])  # [valid positions, Vd]
+        w = weight[valid]
+        logp = logits.float().log_softmax(-1).gather(-1, gather_ids[valid])
+        terms = w.clamp_min(0) * logp
+        if bool((w < 0).any()):
+            terms = terms - w.clamp_max(0) * torch.log1p(-logp.exp().clamp_max(1 - 1e-6))
+        loss = -terms.sum() / count
+        hit = head.d2t[logits.argmax(-1)] == ids[valid][..., 0]
         total = total + decay**j * loss
         metrics[f"acc{j + 1}"] = float(hit.sum() / count)
     return total / sum(decay**j for j in range(steps)), metrics

@@ -1,6 +1,7 @@
 """The target's features, computed once and cached, so training epochs never run the target again.
 
-Per position t of every sample: the hidden states of chosen target layers (float16) and the target's
+Per position t of every sample: the hidden states of chosen target layers (float16 where they fit, else bfloat16:
+Gemma's residual stream runs past float16's 65,504, which stored as inf trained a head to NaN) and the target's
 next-token distribution as its top-k ids and probabilities (the teacher; k small, since a 49k-vocab
 distribution per token would dwarf everything else). Everything is stored flat (samples concatenated,
 with offsets) in safetensors shards.
@@ -9,6 +10,7 @@ with offsets) in safetensors shards.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +22,10 @@ from safetensors.torch import load_file, save_file
 from ..models import Transformer
 from .data import Sample
 
+log = logging.getLogger(__name__)
+LOGITS_BYTES = 2 << 30  # a batch's float32 logits (its softmax takes as much again): 8,192 tokens of a 262k vocabulary
+# would be 8.6 GB
+
 
 @dataclass
 class FeatureStore:
@@ -27,7 +33,7 @@ class FeatureStore:
     tokens: torch.Tensor  # [N] long
     offsets: torch.Tensor  # [S + 1]: sample s is tokens[offsets[s]:offsets[s + 1]]
     prompt_lens: torch.Tensor  # [S]
-    hidden: torch.Tensor  # [N, L, H] float16
+    hidden: torch.Tensor  # [N, L, H] float16 or bfloat16
     teacher_ids: torch.Tensor  # [N, k]: the target's top-k next tokens after each position
     teacher_probs: torch.Tensor  # [N, k]
 
@@ -119,10 +125,11 @@ def extract_features(
     lengths = torch.tensor([len(s.tokens) for s in samples])
     offsets = torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0)))
     total = int(offsets[-1])
-    hidden = torch.empty(total, len(layers), target.config.hidden_size, dtype=torch.half, device=device)
+    hidden: torch.Tensor | None = None  # allocated at the first batch, in the dtype its values fit
     teacher_ids = torch.empty(total, topk, dtype=torch.int32, device=device)
     teacher_probs = torch.empty(total, topk, dtype=torch.half, device=device)
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
+    batch_tokens = min(batch_tokens, LOGITS_BYTES // (4 * target.config.vocab_size))  # Gemma's 262k: 2,048
     b = 0
     while b < len(order):
         width = len(samples[order[b]].tokens)
@@ -139,7 +146,8 @@ def extract_features(
         for r, i in enumerate(idx):
             a, n = int(offsets[i]), len(samples[i].tokens)
             if states is not None:
-                hidden[a : a + n] = states[r, :n].to(device, torch.half)
+                hidden = _fit_storage(hidden, states[r, :n], (total, len(layers), target.config.hidden_size), device)
+                hidden[a : a + n] = states[r, :n].to(device, hidden.dtype)
             teacher_ids[a : a + n] = top[r, :n].to(device, torch.int32)
             teacher_probs[a : a + n] = probs[r, :n].to(device, torch.half)
         b += len(idx)
@@ -150,7 +158,20 @@ def extract_features(
         tokens=torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long, device=device),
         offsets=offsets.to(device),
         prompt_lens=torch.tensor([s.prompt_len for s in samples], device=device),
-        hidden=hidden,
+        hidden=hidden if hidden is not None else torch.empty(total, 0, target.config.hidden_size, device=device),
         teacher_ids=teacher_ids,
         teacher_probs=teacher_probs,
     )
+
+
+def _fit_storage(hidden: torch.Tensor | None, states: torch.Tensor, shape: tuple[int, ...],
+                 device: torch.device | str) -> torch.Tensor:
+    """The store for `states`: float16 (11-bit mantissa) while every value fits it, bfloat16 (float32's range)
+    once one does not; a float16 store already filled is converted once, with a line saying why."""
+    fits = bool(states.abs().amax() < torch.finfo(torch.half).max / 2)  # a margin for the batches to come
+    if hidden is None:
+        return torch.empty(shape, dtype=torch.half if fits else torch.bfloat16, device=device)
+    if hidden.dtype == torch.half and not fits:
+        log.info("target hidden states exceed float16's range: features kept in bfloat16 from here on")
+        return hidden.to(torch.bfloat16)
+    return hidden

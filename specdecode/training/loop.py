@@ -125,6 +125,11 @@ def train(
             opt.step()
             step += 1
             metrics = {"loss": loss.item(), **metrics}  # .item() waits for the device: the clock below is true
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(
+                    f"training loss is {metrics['loss']} at step {step}: the weights are spoiled, so nothing more is "
+                    f"saved (the checkpoint in {ckpt.parent} is the last good one); look for inf in the features "
+                    "(delete OUT/work/features-* to extract them again) or lower --lr")
             if deadline is not None and step - first_step == 1:
                 timed_from = time.perf_counter()
             elif deadline is not None and step - first_step == 1 + FIT_STEPS:
