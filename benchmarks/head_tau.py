@@ -47,8 +47,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows, "overall": overall}, indent=1))
     lines = ["# EAGLE heads, never resting: tau per Spec-Bench category", "",
-             f"- command: `python benchmarks/head_tau.py --heads {args.heads} --prompts-per-category "
-             f"{args.prompts_per_category} --max-new-tokens {args.max_new_tokens} --out {args.out}`", "",
+             f"- command: `python benchmarks/head_tau.py --model {args.model} --heads {args.heads} "
+             f"--prompts-per-category {args.prompts_per_category} --max-new-tokens {args.max_new_tokens} "
+             f"--out {args.out}`", "",
              "| category | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
     for cat, row in [*rows.items(), ("overall", overall)]:
         lines.append(f"| {cat} | " + " | ".join(f"{t / max(f, 1):.2f}" for t, f in row.values()) + " |")

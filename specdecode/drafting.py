@@ -46,7 +46,8 @@ AUTO_BRANCHES = 3
 # read a third of the int4 target's bytes, so drafting cost more than verification saved (tau 1.01 at k=auto)
 EAGLE_BESIDE_A8 = "int8-a8"
 # EAGLE heads that ship with the package, by registry name of their target
-SHIPPED_EAGLE = {"smollm2-135m-instruct": Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct-eagle"}
+SHIPPED_EAGLE = {name: Path(__file__).resolve().parent / "drafts" / f"{name}-eagle"
+                 for name in ("smollm2-135m-instruct", "gemma3-270m")}
 
 
 class Drafting:

@@ -341,6 +341,15 @@ def random_eagle(target: Transformer, seed: int) -> EagleHead:
     return head.to(target.dtype).eval().requires_grad_(False)
 
 
+def test_a_gemma_head_starts_at_unit_gain(target) -> None:
+    """Gemma's norm gains (1 + w; the 270M model's up to 301) are its residual stream's: a head started from them drew
+    logits spanning ~100 and learned next to nothing, so its norms start at 1 (a Llama target's gains are copied)."""
+    assert target.config.norm_offset and not bool((target.norm.weight + 1 == 1).all())
+    head = random_eagle(target, 2)
+    for norm in (head.block.attn_norm, head.block.mlp_norm, head.norm):
+        assert bool((norm.weight == 1).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: the native block on a CPU
 def test_a_gemma_heads_block_sees_what_training_showed_it_past_the_targets_window(target, dtype) -> None:
     """The head is a Llama block with full attention, as training computes it, whatever the target's windows: its

@@ -64,6 +64,7 @@ def llm() -> specdecode.LLM:
 @pytest.mark.parametrize("method,options", [
     ("prompt-lookup", {"k": 4, "branches": 3}),
     ("layer-skip", {"k": 3, "skip_layers": [4, 8, 12]}),  # a window-free full layer (5) and sliding ones kept
+    ("eagle", {"k": 3}),  # the shipped head (int8 beside the int8-activation target), drafting every step
 ])
 def test_greedy_speculative_equals_plain(llm, method, options) -> None:
     assert llm.model.weights_kind().startswith("int8-a8")
