@@ -33,7 +33,7 @@ from specdecode.proposers.quantized import low_bit_copy
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree
 
-from .helpers import FrozenCost, noisy_copy, randomize_, tiny_model
+from .helpers import guessing_pays, noisy_copy, randomize_, tiny_model
 from .test_distribution import ALPHA, PROMPT, V, chi_square, exact_joint
 from .test_lossless import PROMPTS, VOCAB, naive_greedy
 from .test_medusa import WIDE, random_heads
@@ -370,7 +370,7 @@ def test_a_gemma_heads_block_sees_what_training_showed_it_past_the_targets_windo
     torch.testing.assert_close(train_logits, logits[0], **tolerance)
 
 
-COST = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])  # made up: guessing always pays
+COST = guessing_pays()
 METHODS = {
     "prompt-lookup": lambda t: PromptLookupProposer(branches=3),
     "draft": lambda t: DraftModelProposer(noisy_copy(t, seed=1, noise=0.05), VOCAB),

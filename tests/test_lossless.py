@@ -30,7 +30,7 @@ from specdecode.proposers import (
 )
 from specdecode.sampling import SamplingParams
 
-from .helpers import FrozenCost, noisy_copy, prefix_layers, resize_vocab, tiny_model
+from .helpers import guessing_pays, noisy_copy, prefix_layers, resize_vocab, tiny_model
 
 VOCAB = 56
 NEW = 40
@@ -123,10 +123,7 @@ METHODS: dict[str, Callable[[Transformer, Transformer], Proposer]] = {
 
 @pytest.fixture(scope="module")
 def cost() -> CostModel:
-    """A made-up cost (a forward takes a second, 64 tokens 1.5 s) next to which the tiny drafts' real
-    milliseconds are free: k="auto" always guesses, so the test never depends on this machine's timings (the table
-    learns nothing from them either)."""
-    return FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
+    return guessing_pays()
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])

@@ -19,7 +19,7 @@ from specdecode.proposers.suffix import GLOBAL_BUCKET, MAX_DEPTH
 from specdecode.sampling import SamplingParams
 from specdecode.suffix_index import SEPARATOR, SuffixIndex, TextIndex
 
-from .helpers import FrozenCost, tiny_model
+from .helpers import FrozenCost, guessing_pays, tiny_model
 from .test_distribution import ALPHA, chi_square, exact_joint
 from .test_lossless import NEW, PROMPTS, VOCAB
 
@@ -267,7 +267,7 @@ def reference(target):
     return [generate_ids(target, prompt, max_new_tokens=NEW)[0] for prompt in PROMPTS]
 
 
-CHEAP = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])  # guessing nearly always pays
+CHEAP = guessing_pays()
 
 
 @pytest.mark.parametrize("k, nodes", [(1, 24), (2, 1), (4, 4), (8, 3), (8, 24), ("auto", 24), ("auto", 2)])
