@@ -17,6 +17,7 @@ from .grammar import GrammarTokenizer, StructuredOutput
 from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.loading import DTYPES, load_model
+from .prefix_cache import PrefixCache
 from .request import GenerationStats, Request, TokenLogprob
 from .sampling import SAMPLING_OPTIONS, SamplingParams
 
@@ -61,25 +62,29 @@ class LLM(Drafting):
     """A target model and its tokenizer: generate text (one prompt, a stream, or a list run as one batch) with any
     method; what speculation builds and keeps per model (drafts, heads, cost table) comes from `Drafting`."""
 
-    def __init__(self, model: Transformer, tokenizer, name: str = "") -> None:
+    def __init__(self, model: Transformer, tokenizer, name: str = "", prefix_cache_mb: int = 0) -> None:
         super().__init__(model, tokenizer, name)
         self.stop_token_ids = stop_token_ids(tokenizer)
+        # earlier requests' keys and values, reused by a prompt that begins the same way (None: every prompt prefilled)
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
         self._acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method and options
         self._grammar: GrammarTokenizer | None = None
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
-             quantization: str | None = "auto") -> LLM:
+             quantization: str | None = "auto", prefix_cache_mb: int = 0) -> LLM:
         """quantization: "auto" (a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored, multiplied as llama.cpp does,
         with int8 activations; others in `dtype`), None (every weight in `dtype`), "int4" or "int8" (weight-only,
-        blocks of 32, float32 activations), "int4-a8" or "int8-a8" (with int8 activations)."""
+        blocks of 32, float32 activations), "int4-a8" or "int8-a8" (with int8 activations). prefix_cache_mb: keep
+        up to this many MiB of earlier requests' keys and values, so a prompt that begins as an earlier request's
+        text did (a chat's next turn, a shared system prompt) prefills only the rest (0: off)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         from transformers import AutoTokenizer
 
         model, path = load_model(name_or_path, dtype=DTYPES[dtype], quantization=quantization)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return cls(model, tokenizer, name=str(name_or_path))
+        return cls(model, tokenizer, name=str(name_or_path), prefix_cache_mb=prefix_cache_mb)
 
     # ---------------------------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool = False, *, chat_template: str | None = None,
@@ -257,7 +262,8 @@ class LLM(Drafting):
         ids = self.encode(prompt, chat=chat)
         if engine is None:
             priced = k == "auto" and proposer.capabilities.guesses
-            engine = Engine(self.model, BatchCost.single(self.cost_model() if priced else CostModel.flat()))
+            engine = Engine(self.model, BatchCost.single(self.cost_model() if priced else CostModel.flat()),
+                            self.prefix_cache)
         key = f"{method}|{draft}|{sorted(proposer_options.items())}"
         policy = policy_for(k, proposer, engine.view, self.acceptance(key))
         request = Request(self.model.config.max_position_embeddings, proposer, ids, max_new_tokens=max_new_tokens,
@@ -301,9 +307,9 @@ def stop_token_ids(tokenizer) -> frozenset[int]:
 
 
 def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
-         quantization: str | None = "auto") -> LLM:
-    """Load a model by registry name, HF checkpoint dir or .gguf file (see `LLM.load` for quantization)."""
-    return LLM.load(name_or_path, dtype=dtype, quantization=quantization)
+         quantization: str | None = "auto", prefix_cache_mb: int = 0) -> LLM:
+    """Load a model by registry name, HF checkpoint dir or .gguf file (see `LLM.load` for its options)."""
+    return LLM.load(name_or_path, dtype=dtype, quantization=quantization, prefix_cache_mb=prefix_cache_mb)
 
 
 def kept_logprobs(request: Request, text: RequestText) -> list[TokenLogprob] | None:

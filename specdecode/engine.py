@@ -5,7 +5,8 @@ An `Engine` holds the running requests, packed in rows 0..B-1 of one `BatchKVCac
     every request proposes (its own proposer and policy)  ->  one choice of how much of each to verify
     one ragged forward (each row: own length, positions, tree mask)  ->  per row: verify, keep, commit
 
-Requests join (prefilled in their own cache row) and leave between steps. `LLM.generate` runs one request
+Requests join (prefilled in their own cache row, from a `PrefixCache` of earlier requests' entries where one
+shares their prompt's beginning) and leave between steps. `LLM.generate` runs one request
 through an engine of its own (`Generation`); the server runs every request through one shared engine. How
 much to guess comes from `BatchCost` (forward seconds per batch size): a guess nearly free for one request
 costs real time in a full batch, so speculation backs off as the batch grows and returns when it shrinks.
@@ -24,6 +25,7 @@ from .batch_cost import BatchCost, RowCost
 from .cost import CostModel, ForwardCost
 from .models import BatchKVCache, Transformer
 from .policy import AdaptiveK, FixedK, Policy, joint_cut
+from .prefix_cache import PrefixCache
 from .proposers import NoProposer, Proposer
 from .request import MAX_DRAFT_NODES, GenerationStats, Request
 from .sampling import SamplingParams
@@ -38,9 +40,9 @@ PREFILL_CHUNK = 256
 
 
 class Engine:
-    def __init__(self, model: Transformer, cost: BatchCost) -> None:
+    def __init__(self, model: Transformer, cost: BatchCost, prefix_cache: PrefixCache | None = None) -> None:
         cfg = model.config
-        self.model, self.cost = model, cost
+        self.model, self.cost, self.prefix_cache = model, cost, prefix_cache
         self.view = RowCost(cost)  # forward cost at the batch's current size: every request's policy prices by it
         self.cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, dtype=model.dtype,
                                   device=model.device, limit=cfg.max_position_embeddings + MAX_DRAFT_NODES)
@@ -61,7 +63,8 @@ class Engine:
         """The request takes the cache row after the batch's (it is `pending`) until `prefill` has cached its
         prompt; then it joins the batch. like: a request in the batch with the same prompt (another choice of an
         n > 1 request), whose prompt entries are copied instead (unless this request's proposer needs the prompt's
-        hidden states): it joins at once."""
+        hidden states): it joins at once. Else the prefix cache's entries for the longest beginning of the prompt that
+        an earlier request's text shared are copied (same exception), and only the rest is prefilled."""
         if self.pending is not None:
             raise RuntimeError("one prompt is prefilled at a time: finish or cancel the pending one first")
         prompt, row = request.tokens, len(self.rows)
@@ -71,6 +74,11 @@ class Engine:
         if like is not None and not request.hidden_layers and like.tokens[: len(prompt)] == prompt and len(prompt) > 1:
             # its prompt's entries were written by its prefill and never after
             self.cache.copy(self.rows.index(like), row, len(prompt) - 1)
+        elif self.prefix_cache is not None and not request.hidden_layers:
+            hit = self.prefix_cache.lookup(prompt[:-1])
+            if hit is not None:
+                self.cache.kv[:, :, row, :, : hit.tokens] = hit.kv
+                self.cache.lengths[row] = request.stats.cached_tokens = hit.tokens
         self.pending = request
         if self.cache.lengths[row] >= len(prompt) - 1:  # the cache holds every committed token but the last
             self._join()
@@ -109,10 +117,14 @@ class Engine:
                 self.cache.release()
             request.finish()
 
-    def remove(self, request: Request) -> None:
-        """Drop a request (its cache row is freed now); the last row moves into its place (and a pending prompt's
-        row after it); an empty batch gives its cache memory back."""
+    def remove(self, request: Request, failed: bool = False) -> None:
+        """Drop a request (its cache row is freed now, its entries kept in the prefix cache unless a step `failed`
+        it); the last row moves into its place (and a pending prompt's row after it); an empty batch gives its cache
+        memory back."""
         i, last = self.rows.index(request), len(self.rows) - 1
+        if self.prefix_cache is not None and not failed:  # entries of every committed token but (often) the last
+            n = min(self.cache.lengths[i], len(request.tokens))
+            self.prefix_cache.store(request.tokens[:n], self.cache.kv[:, :, i])
         self.cache.move(last, i)
         self.cache.lengths[last] = 0
         self.rows[i] = self.rows[last]
@@ -146,7 +158,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - one bad request must not take the batch down
                 results.append((row, e))
         for row, _ in results:
-            self.remove(row)
+            self.remove(row, failed=True)
         if not self.rows:
             return results
         b = len(self.rows)
@@ -183,7 +195,7 @@ class Engine:
                                            hidden_layers=layers, prefill=chunk)
         except Exception as e:  # noqa: BLE001 - the step is lost for its rows; the engine goes on
             for row in list(self.rows):
-                self.remove(row)
+                self.remove(row, failed=True)
                 results.append((row, e))
             return results
         seconds = time.perf_counter() - started
@@ -211,7 +223,7 @@ class Engine:
                 results.append((row, e))
         for row, result in results:  # failed rows leave now (their cache rows may be half-updated)
             if isinstance(result, Exception) and row in self.rows:
-                self.remove(row)
+                self.remove(row, failed=True)
         if pending is not None and pending is self.pending:
             if not carry:  # a forward of its own (its proposer reads hidden states, which a batch does not return)
                 self.prefill(prefill)

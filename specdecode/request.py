@@ -28,6 +28,7 @@ MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (not prefilled)
     new_tokens: int = 0
     drafted: int = 0  # guessed tokens sent to the target
     accepted: int = 0  # guessed tokens the target kept

@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import specdecode
+from specdecode.prefix_cache import common_prefix
 
 from .server_files import CONTEXT, server_files
 
@@ -189,6 +190,41 @@ def test_the_readme_client_snippet_prints_the_text_then_the_usage(server, capsys
     assert "\n".join(text) == whole.choices[0].message.content and "None" not in out
     assert re.fullmatch(rf"{whole.usage.completion_tokens} tokens, tau \d+\.\d\d", usage_line), usage_line
     assert extra.startswith("{") and "'tau'" in extra  # the completions example's per-response stats
+
+
+def test_a_chats_next_turn_reads_its_prefix_from_the_cache_and_decodes_as_the_library(server, llm):
+    """Turn 2 re-sends turn 1 and its answer: their keys and values come from the prefix cache (usage's
+    prompt_tokens_details.cached_tokens, the metrics), and the answer is the library's without a cache."""
+    client = server.client()
+    question = "Tell me about prefix caching and why a server keeps it. " * 3
+    first, _, usage1 = chat(client, question, max_tokens=30)
+    hits = server.metric("specdecode_prefix_cache_hit_tokens")
+    llm.stop_token_ids = frozenset()  # as the server with ignore_eos
+    turn1 = llm.encode(question, chat=True) + llm.generate(question, method="none", chat=True,
+                                                           max_new_tokens=30).token_ids
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": first},
+                {"role": "user", "content": "Say it again, shorter."}]
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                      extra_body={"ignore_eos": True, "speculation": {"method": "prompt-lookup", "k": 3}})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                         **kwargs))
+            text, usage = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+        else:
+            r = client.chat.completions.create(**kwargs)
+            text, usage = r.choices[0].message.content, r.usage
+        # turn 1's text is kept but its last token (its entries are written by the next step); turn 2 shares the
+        # part of it that the chat template and the tokenizer give back token for token (a random model's text
+        # does not come back whole); sent again, turn 2 finds all of its prompt but the last token
+        prompt = llm.encode(messages, chat=True)
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert cached == (len(prompt) - 1 if stream else common_prefix(turn1[:-1], prompt[:-1]))
+        assert cached >= usage1.prompt_tokens
+        assert llm.prefix_cache is None
+        assert text == llm.generate(messages, method="none", chat=True, max_new_tokens=30).text
+    assert server.metric("specdecode_prefix_cache_hit_tokens") >= hits + usage1.prompt_tokens + len(prompt) - 1
+    assert server.metric("specdecode_prefix_cache_bytes") > 0
 
 
 def test_completions_stream_and_not(server, llm):

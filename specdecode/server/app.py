@@ -81,7 +81,10 @@ class Server:
         self.metrics = Metrics(config.model_name, self.context)
         self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
         self.metrics.watch_online(lambda: list(llm._online.values()))  # --online-draft's learners
-        self.engine = Engine(llm.model, cost)
+        if llm.prefix_cache is not None:
+            llm.prefix_cache.clear()  # the warm-up's texts
+            self.metrics.watch_prefix(llm.prefix_cache)
+        self.engine = Engine(llm.model, cost, llm.prefix_cache)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics, prefill_share=config.prefill_share)
         # two tokenizers, as a fast tokenizer must not run in two threads at once: the routes' (worker threads,

@@ -9,6 +9,7 @@ import sys
 
 from ..cli_args import int_in, port, positive
 from ..cli_precision import add_precision_args, quantization
+from ..prefix_cache import DEFAULT_MB
 from .body import MAX_REQUEST_BYTES
 
 
@@ -31,6 +32,10 @@ def add_parser(sub) -> None:
     s.add_argument("--suffix-cache-tokens", type=int, default=1_000_000,
                    help="method suffix: tokens of earlier outputs kept for all requests to match (oldest evicted "
                         "first; about 36 bytes a token)")
+    s.add_argument("--prefix-cache-mb", type=int_in(0, what="a size in MiB"), default=DEFAULT_MB,
+                   help="keep up to this many MiB of finished requests' keys and values, so a prompt that begins as "
+                        "an earlier request's text did (a chat's next turn, a shared system prompt) prefills only the "
+                        "rest (0: off)")
     s.add_argument("--online-draft", action="store_true",
                    help="eagle, hybrid: the EAGLE head keeps learning from what the target verifies (a background "
                         "thread; output unchanged, a new head taken between steps, reverted if it accepts less)")
@@ -86,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
                    max_request_bytes=args.max_request_bytes, dtype=args.dtype, quantization=quantization(args),
                    threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens,
+                   prefix_cache_mb=args.prefix_cache_mb,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                    prefill_share=args.prefill_share, online_draft=args.online_draft, async_draft=args.async_draft)
     if args.replicas is not None:

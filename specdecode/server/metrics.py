@@ -148,6 +148,15 @@ class Metrics:
             ("hit_rate", "hit_rate", "Share of suffix steps whose text's end the global cache had seen"),
             ("accepted_tokens", "accepted", "Accepted guesses that only the global suffix cache offered, since start")))
 
+    def watch_prefix(self, cache: object) -> None:
+        """Gauges read at scrape time from the prefix cache: its size and how many prompt tokens it saved."""
+        self._watch("specdecode_prefix_cache_", lambda: [cache], (
+            ("bytes", "bytes", "Bytes of finished requests' keys and values kept for prompts that begin the same way"),
+            ("texts", "texts", "Texts whose keys and values the prefix cache keeps"),
+            ("lookups", "lookups", "Prompts looked up in the prefix cache, since start"),
+            ("hits", "hits", "Prompts that began as a kept text did (at least 16 tokens), since start"),
+            ("hit_tokens", "hit_tokens", "Prompt tokens read from the prefix cache, not prefilled, since start")))
+
     def watch_online(self, heads: Callable[[], list]) -> None:
         """Gauges read at scrape time from the model's heads learning online (`heads()`: its OnlineHeads, summed):
         what the learner did, and what the guard threw back."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..api import LLM
 from ..batch_cost import BatchCost
+from ..prefix_cache import DEFAULT_MB
 from .app import ServerConfig
 from .warmup import warm_up
 
@@ -17,15 +18,16 @@ log = logging.getLogger("specdecode.server")
 
 def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, ServerConfig, BatchCost]:
     """options: the keys cmd_serve fills (model, served_model_name, method, methods, k, draft, max_batch,
-    max_queue, api_key, max_request_bytes, dtype, quantization, threads, suffix_cache_tokens, chat_template,
-    trust_request_chat_template, prefill_share)."""
+    max_queue, api_key, max_request_bytes, dtype, quantization, threads, suffix_cache_tokens, prefix_cache_mb,
+    chat_template, trust_request_chat_template, prefill_share)."""
     if options.get("threads"):
         import torch
 
         torch.set_num_threads(int(options["threads"]))
     log.info("loading %s", options["model"])
     llm = LLM.load(options["model"], dtype=options.get("dtype", "float32"),
-                   quantization=options.get("quantization", "auto"))
+                   quantization=options.get("quantization", "auto"),
+                   prefix_cache_mb=options.get("prefix_cache_mb", DEFAULT_MB))
     llm.suffix_cache(options.get("suffix_cache_tokens"))
     if options.get("chat_template"):
         llm.tokenizer.chat_template = read_template(options["chat_template"])

@@ -91,6 +91,7 @@ class Job:
         return {
             "prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
             "total_tokens": s.prompt_tokens + s.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens},  # OpenAI's: read from the prefix cache
             # extensions: how speculation went for this request
             "drafted": s.drafted, "accepted": s.accepted, "tau": round(s.tau, 4),
             "acceptance_rate": round(s.acceptance_rate, 4), "target_forwards": s.target_forwards,

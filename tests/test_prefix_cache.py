@@ -1,0 +1,194 @@
+"""Prefix caching: a request that begins as an earlier one's text copies its keys and values instead of prefilling
+them, and decodes exactly what it decodes without the cache (greedy and sampled, every method); the entries kept
+are the ones a prefill writes (bit for bit on the native kernels); memory stays within its bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.batch_cost import BatchCost
+from specdecode.engine import Engine, Generation
+from specdecode.models.loading import quantize_
+from specdecode.policy import FixedK
+from specdecode.prefix_cache import PrefixCache, common_prefix
+from specdecode.proposers import NoProposer, PromptLookupProposer
+from specdecode.proposers.base import Capabilities
+from specdecode.request import Request
+from specdecode.sampling import SamplingParams
+
+from .helpers import Oracle, guessing_pays, tiny_model
+from .test_gemma import GEMMA, WINDOW
+
+
+def kv(tokens: int, fill: float = 0.0, layers: int = 2) -> torch.Tensor:
+    return torch.full((layers, 2, 1, tokens, 4), fill)
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([7], [1]) == 0
+    assert common_prefix([], [1, 2]) == 0
+
+
+def test_lookup_finds_the_longest_shared_beginning():
+    cache = PrefixCache(1 << 20, min_tokens=4)
+    a, b = list(range(20)), list(range(10)) + [99] * 10
+    cache.store(a, kv(20, 1.0))
+    cache.store(b, kv(20, 2.0))
+    hit = cache.lookup(list(range(15)) + [5, 5])
+    assert hit is not None and hit.tokens == 15 and hit.kv.shape[3] == 15 and bool((hit.kv == 1.0).all())
+    hit = cache.lookup(list(range(10)) + [99, 99, 0])
+    assert hit is not None and hit.tokens == 12 and bool((hit.kv == 2.0).all())
+    assert cache.lookup([0, 1, 2, 50]) is None  # 3 tokens shared: fewer than min_tokens
+    assert cache.lookup([5] * 30) is None
+    assert (cache.lookups, cache.hits, cache.hit_tokens) == (4, 2, 27)
+
+
+def test_a_conversations_next_turn_replaces_its_earlier_one():
+    cache = PrefixCache(1 << 20, min_tokens=4)
+    first = list(range(10))
+    cache.store(first, kv(10))
+    cache.store(first + [50, 51, 52], kv(13))
+    assert cache.texts == 1 and cache.bytes == kv(13).numel() * 8 // 2  # float32
+    cache.store(first[:8], kv(8))  # already covered by a longer text: nothing new kept
+    assert cache.texts == 1
+
+
+def test_memory_stays_within_its_bound_least_recently_used_out():
+    one = kv(100).numel() * 4
+    cache = PrefixCache(3 * one, min_tokens=4)
+    texts = [[i] * 100 for i in range(1, 6)]
+    for t in texts[:3]:
+        cache.store(t, kv(100))
+    assert cache.lookup(texts[0]) is not None  # the oldest is used again: the second goes first
+    for t in texts[3:]:
+        cache.store(t, kv(100))
+        assert cache.bytes <= 3 * one
+    assert cache.texts == 3
+    assert cache.lookup(texts[0]) is not None and cache.lookup(texts[4]) is not None
+    assert cache.lookup(texts[1]) is None and cache.lookup(texts[2]) is None
+    cache.store([9] * 400, kv(400))  # larger than the whole budget: not kept, nothing evicted for it
+    assert cache.texts == 3 and cache.lookup([9] * 400) is None
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        PrefixCache(-1)
+
+
+def test_texts_stored_while_holding_join_when_it_ends():
+    cache = PrefixCache(1 << 20, min_tokens=4)
+    with cache.holding():
+        cache.store(list(range(10)), kv(10))
+        assert cache.lookup(list(range(10))) is None
+    assert cache.lookup(list(range(10))) is not None
+    with cache.holding(keep=False):
+        cache.store(list(range(50, 60)), kv(10))
+    assert cache.lookup(list(range(50, 60))) is None
+
+
+def run(model, prompt, cache, *, proposer=None, k=0, temperature=0.0, seed=0, max_new=30):
+    """One request through an engine with `cache`: (new tokens, prompt tokens read from the cache)."""
+    request = Request(model.config.max_position_embeddings, proposer or NoProposer(), prompt, max_new_tokens=max_new,
+                      params=SamplingParams(temperature=temperature), k=FixedK(k) if isinstance(k, int) else k,
+                      seed=seed)
+    gen = Generation(Engine(model, BatchCost.single(guessing_pays()), cache), request)
+    for _ in gen:
+        pass
+    return gen.new_tokens, request.stats.cached_tokens
+
+
+@pytest.mark.parametrize("method,k,temperature", [("none", 0, 0.0), ("lookup", 4, 0.0), ("oracle", 5, 0.0),
+                                                  ("lookup", 3, 0.9), ("none", 0, 1.0)])
+def test_a_next_turn_decodes_exactly_what_it_decodes_without_the_cache(method, k, temperature):
+    """Turn 1 runs (its entries kept: its prompt's prefill and the tokens its steps verified, trees included); turn
+    2 re-sends turn 1's whole text and more: it copies turn 1's entries and its tokens (greedy, or sampled with
+    a seed) are exactly those of the same request with no cache."""
+    model = tiny_model(3, vocab_size=24)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 24, (20,), generator=g).tolist()
+    cache = PrefixCache(1 << 24, min_tokens=4)
+
+    def proposer(full=None):
+        return {"none": NoProposer, "lookup": PromptLookupProposer}[method]() if method != "oracle" else \
+            Oracle(full or [], right=True, vocab=24)
+
+    truth = prompt + run(model, prompt, None, max_new=60)[0]
+    first, cached = run(model, prompt, cache, proposer=proposer(truth), k=k, temperature=temperature, seed=1)
+    assert cached == 0 and cache.texts == 1
+    (text, kept), = cache._entries.items()  # PyTorch's float64 forward: a fresh prefill's entries, to rounding
+    fresh = model.new_cache(len(text))
+    model.forward(torch.tensor([list(text)]), fresh, logits_at=None)
+    torch.testing.assert_close(kept, fresh.kv[:, :, 0, :, : len(text)], rtol=1e-12, atol=1e-12)
+    second_prompt = prompt + first + torch.randint(0, 24, (7,), generator=g).tolist()
+    truth2 = second_prompt + run(model, second_prompt, None, max_new=40)[0]
+    alone = run(model, second_prompt, None, proposer=proposer(truth2), k=k, temperature=temperature, seed=2)[0]
+    again, cached = run(model, second_prompt, cache, proposer=proposer(truth2), k=k, temperature=temperature, seed=2)
+    assert cached >= len(prompt) + len(first) - 1  # turn 1's text but (at most) its last token
+    assert again == alone
+    assert cache.texts == 1  # turn 2's text replaced turn 1's
+
+
+@pytest.mark.parametrize("family", ["llama-int8-a8", "gemma-float32"])
+def test_kept_entries_are_bit_for_bit_what_a_prefill_writes(family):
+    """On the native kernels an entry does not depend on the forward that wrote it: the entries kept from a
+    request decoded with guessed chains (a prefill, then verified steps) equal a fresh prefill's of the same text,
+    Gemma's sliding window past its end included."""
+    from specdecode import kernels
+
+    if kernels.native() is None:
+        pytest.skip("native kernels unavailable")
+    if family == "llama-int8-a8":
+        model = quantize_(tiny_model(2, dtype=torch.float32, vocab_size=56), "int8-a8")
+    else:
+        model = tiny_model(2, vocab_size=56, **GEMMA).float()
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 56, (WINDOW + 5,), generator=g).tolist()
+    truth = prompt + run(model, prompt, None, max_new=40)[0]
+    cache = PrefixCache(1 << 24, min_tokens=4)
+    run(model, prompt, cache, proposer=Oracle(truth, right=True, vocab=56), k=4, max_new=40)
+    (text, kept), = cache._entries.items()
+    assert list(text) == truth[: len(text)] and len(text) >= len(truth) - 1
+    fresh = model.new_cache(len(text) + 1)
+    model.forward(torch.tensor([list(text)]), fresh, logits_at=None)
+    assert torch.equal(kept, fresh.kv[:, :, 0, :, : len(text)])
+
+
+class ReadsHidden(NoProposer):
+    """A proposer that drafts from the prompt's hidden states (as EAGLE does): it needs a full prefill."""
+
+    capabilities = Capabilities(hidden_layers=(0,))
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def reads_hidden(self) -> bool:
+        return True
+
+    def observe_hidden(self, start, hidden) -> None:
+        self.seen = max(self.seen, start + hidden[0].shape[0])
+
+
+def test_a_proposer_that_reads_hidden_states_gets_the_whole_prefill():
+    model = tiny_model(3, vocab_size=24)
+    prompt = list(range(1, 21))
+    cache = PrefixCache(1 << 24, min_tokens=4)
+    run(model, prompt, cache, max_new=5)
+    proposer = ReadsHidden()
+    _, cached = run(model, prompt + [3, 4], cache, proposer=proposer, max_new=5)
+    assert cached == 0 and proposer.seen >= len(prompt) + 1
+    _, cached = run(model, prompt + [3, 4], cache, max_new=5)
+    assert cached >= len(prompt)  # without it, the same prompt reads the cache
+
+
+def test_a_failed_request_keeps_nothing():
+    class Fails(NoProposer):
+        capabilities = Capabilities(cheap=True)
+
+        def propose(self, tokens, k, params, generator):
+            raise RuntimeError("proposer broke")
+
+    model = tiny_model(3, vocab_size=24)
+    cache = PrefixCache(1 << 24, min_tokens=4)
+    with pytest.raises(RuntimeError, match="proposer broke"):
+        run(model, list(range(1, 21)), cache, proposer=Fails(), k=3)
+    assert cache.texts == 0
