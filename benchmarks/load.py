@@ -161,7 +161,8 @@ def running_server(serve_args: list[str], log: Path) -> Iterator[tuple[subproces
 
 def serve_args(args, modes: list[str]) -> list[str]:
     """This load test's server: the model, method and batch it measures, every method the modes name enabled."""
-    out = ["--model", args.model, "--method", args.method, "--k", "auto", "--max-batch", str(args.max_batch)]
+    out = ["--model", args.model, "--method", args.method, "--k", "auto", "--max-batch", str(args.max_batch),
+           "--prefix-cache-mb", str(args.prefix_cache_mb)]
     named = [m for m in modes if m not in ("off", "on")]
     if named:
         out += ["--methods", ",".join(dict.fromkeys([args.method, "none", *named]))]
@@ -250,6 +251,9 @@ def main() -> int:
                    "per --concurrency level)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--prefix-cache-mb", type=int, default=0,
+                   help="the server's prefix cache (default off: the modes send the same prompts, and a mode must not "
+                        "find another's prefill)")
     p.add_argument("--replicas", type=int, help="serve on Ray Serve with this many replicas (see README)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs per replica")
     p.add_argument("--rounds", type=int, default=2)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from . import __version__
 from .api import DEFAULT_METHOD, LLM, METHODS, GenerationOutput
-from .cli_args import Parser, positive
+from .cli_args import Parser, int_in, positive
 from .cli_precision import add_precision_args, quantization
 from .cli_report import Comparison, show_comparison, show_stats
 from .models.quant import QUANTIZATIONS
@@ -102,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the target verifies (name+async), side by side")
     b.add_argument("--workload", default="spec-bench",
                    help="spec-bench (default), or a repetitive workload built from the training data: repetitive "
-                        "(= revise, code-edit, tool-loop), revise, code-edit, tool-loop")
+                        "(= revise, code-edit, tool-loop: earlier turns recorded), sessions (= revise-session, "
+                        "edit-session, tool-session: earlier turns the model's own), or any one of those")
+    b.add_argument("--prefix-cache-mb", type=int_in(0, what="a size in MiB"), default=0,
+                   help="reuse earlier requests' keys and values (up to this many MiB), as the server does by "
+                        "default: a session's turn then prefills only what is new (0: every prompt prefilled whole; "
+                        "no run ever finds another run of its own prompt)")
     b.add_argument("--categories", default="all", help="'all' or a comma list of the workload's categories")
     b.add_argument("--prompts-per-category", type=int, default=10, help="the first N questions of each category")
     b.add_argument("--max-new-tokens", type=int, default=256, help="most tokens generated per prompt")
@@ -245,7 +250,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                 args.peers.split(",")),
         dtype=args.dtype, quantization=quantization(args),
         questions=questions, temperatures=temperatures, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        command="specdecode " + " ".join(sys.argv[1:]), repeats=args.repeats,
+        command="specdecode " + " ".join(sys.argv[1:]), repeats=args.repeats, prefix_cache_mb=args.prefix_cache_mb,
     )
     results = run_benchmark(cfg)
     out = Path(args.out)

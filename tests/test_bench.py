@@ -220,7 +220,7 @@ def training_folder(root: Path) -> Path:
 
 
 def test_repetitive_workload_is_built_from_training_data(tmp_path) -> None:
-    from specdecode.bench.workloads import TRAIN, load_workload
+    from specdecode.bench.workloads import TRAIN, has_own_turns, load_workload
 
     train = TRAIN if TRAIN.is_dir() else training_folder(tmp_path / "train")  # the real data where it is
     questions = load_workload("repetitive", per_category=2, train=train)
@@ -231,9 +231,53 @@ def test_repetitive_workload_is_built_from_training_data(tmp_path) -> None:
     assert [m["role"] for m in revise] == ["user", "assistant", "user"] and "Revise" in revise[-1]["content"]
     tools = questions[-1].prompt
     assert tools[0]["role"] == "system" and '"tool"' in tools[2]["content"]  # earlier calls in the fixed schema
+    sessions = load_workload("sessions", per_category=2, train=train)
+    assert [q.category for q in sessions] == ["revise-session"] * 2 + ["edit-session"] * 2 + ["tool-session"] * 2
+    assert sessions == load_workload("sessions", per_category=2, train=train)
+    assert all(has_own_turns(q.prompt) and q.prompt[-1]["role"] == "user" for q in sessions)
+    assert not any(has_own_turns(q.prompt) for q in questions)
     spec_bench = spec_bench_questions().read_text()
-    assert all(m["content"][:200] not in spec_bench for q in questions for m in q.prompt)  # never eval prompts
+    assert all(m["content"][:200] not in spec_bench for q in questions + sessions for m in q.prompt
+               if m["content"] is not None)  # never eval prompts
     with pytest.raises(ValueError, match="unknown workload"):
         load_workload("nope", train=train)
     with pytest.raises(ValueError, match="unknown categories"):
         load_workload("revise", ["tool-loop"], train=train)
+
+
+def test_sessions_answer_their_own_turns_once_and_every_method_reads_the_same_prefix(tmp_path, monkeypatch) -> None:
+    """A session's earlier turn is the model's own greedy answer, written once before its runs; with the prefix
+    cache on, each run reads that turn's entries and no run finds another's prefill (every method of a question
+    reads as many tokens, in every repeat); outputs equal plain decoding's; the report says what was cached."""
+    from specdecode import LLM
+    from specdecode.bench import BenchConfig, run_benchmark, write_report
+    from specdecode.bench.runner import answer_own_turns
+    from specdecode.bench.workloads import TRAIN, load_workload
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    train = TRAIN if TRAIN.is_dir() else training_folder(tmp_path / "train")
+    questions = load_workload("sessions", per_category=1, train=train)
+    ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer())
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))  # the tool schema
+    llm = LLM.load(ckpt, dtype="float64")
+    answered = []
+    original = answer_own_turns
+    monkeypatch.setattr("specdecode.bench.runner.answer_own_turns",
+                        lambda *a: answered.append(1) or original(*a))
+    cfg = BenchConfig(model="tiny", methods=parse_methods("none,prompt-lookup,suffix", ["auto"], []), questions=questions,
+                      temperatures=[0.0], max_new_tokens=12, repeats=2, prefix_cache_mb=16)
+    results = run_benchmark(cfg, llm)
+    assert len(answered) == len(questions)
+    for q in questions:
+        recs = [r for r in results["records"] if r["question_id"] == q.question_id]
+        first_turn = len(llm.encode([m for m in q.prompt[: q.prompt.index(next(m for m in q.prompt
+                                                                                if m["content"] is None))]],
+                                    chat=True))
+        assert len({n for r in recs for n in r["cached_tokens_runs"]}) == 1  # every run of every method
+        assert recs[0]["cached_tokens"] >= first_turn - 1
+        assert recs[0]["prompt_tokens"] > recs[0]["cached_tokens"]
+    overall = aggregate(results)[0.0]["overall"]
+    assert overall["suffix"].same_as_none == overall["prompt-lookup"].same_as_none == 1.0
+    (tmp_path / "out").mkdir()
+    assert "- prefix cache: 16 MiB" in write_report(results, tmp_path / "out").read_text()

@@ -14,7 +14,7 @@ from ..data import SPEC_BENCH_SAMPLE, SPEC_BENCH_SOURCE, spec_bench_questions
 class Question:
     question_id: int
     category: str
-    prompt: str | list[dict[str, str]]  # the first user turn, or chat messages (the repetitive workloads)
+    prompt: str | list[dict]  # the first user turn, or chat messages (the repetitive workloads; see workloads.OWN)
 
 
 def load_questions(

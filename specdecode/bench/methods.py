@@ -151,6 +151,7 @@ class Runners:
     def record(gen: Generation, seconds: float, prefill_seconds: float | None = None) -> dict:
         s = gen.stats
         return {"new_tokens": s.new_tokens, "seconds": seconds, "prefill_seconds": prefill_seconds,
+                "cached_tokens": s.cached_tokens,
                 "drafted": s.drafted, "accepted": s.accepted, "target_forwards": s.target_forwards, "tau": s.tau,
                 "estimated_speedup": s.estimated_speedup, "output_hash": output_hash(gen.new_tokens),
                 **({"ahead_hits": s.ahead_hits, "ahead_steps": s.ahead_steps} if s.ahead_steps else {})}

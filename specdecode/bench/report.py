@@ -71,6 +71,13 @@ def tps(rec: dict) -> float:
     return rec["new_tokens"] / rec["seconds"] if rec["seconds"] else 0.0
 
 
+def cached_share(results: dict) -> float:
+    """The share of our runs' prompt tokens read from the prefix cache."""
+    ours = [r for r in results["records"] if "cached_tokens" in r]
+    total = sum(r["prompt_tokens"] for r in ours)
+    return sum(r["cached_tokens"] for r in ours) / total if total else 0.0
+
+
 def write_report(results: dict, out: Path) -> Path:
     table = aggregate(results)
     labels = [m["label"] for m in results["methods"]]
@@ -83,6 +90,10 @@ def write_report(results: dict, out: Path) -> Path:
         *([f"- peers: {', '.join(f'{k} {v}' for k, v in results['peer_versions'].items())}"]
           if results.get("peer_versions") else []),
         f"- command: `{results['command']}`",
+        *([f"- prefix cache: {results['prefix_cache_mb']} MiB (as the server: a prompt that begins as an earlier "
+           f"prompt's text or a session's earlier turn did reads their keys and values, and prefills the rest; "
+           f"{cached_share(results):.0%} of prompt tokens read so; never another run of the same prompt)"]
+          if results.get("prefix_cache_mb") else []),
         f"- max new tokens: {results['max_new_tokens']}; after a warm-up, " + interleaving_note(results)
         + repeats_note(results.get("repeats", 1)),
         f"- physical limit: memory bandwidth {results['memory_bandwidth_gbs']:.1f} GB/s, weights "

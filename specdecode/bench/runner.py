@@ -6,7 +6,7 @@ import json
 import random
 import statistics
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,10 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..api import LLM
 from ..models import resolve
+from ..prefix_cache import PrefixCache
 from .data import Question
 from .hardware import machine_description, memory_bandwidth_gbs, weight_bytes
 from .methods import Method, Runners
 from .report import tps
+from .workloads import has_own_turns
 
 
 @dataclass
@@ -33,21 +35,34 @@ class BenchConfig:
     repeats: int = 1  # runs of each (prompt, method); the fastest one is kept (see run_benchmark)
     dtype: str = "float32"
     quantization: str | None = "auto"
+    prefix_cache_mb: int = 0  # earlier requests' keys and values reused, as the server does (0: every prompt prefilled)
 
 
 def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
     llm = llm or LLM.load(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization)
+    llm.prefix_cache = PrefixCache(cfg.prefix_cache_mb << 20) if cfg.prefix_cache_mb else None
     needs_peers = any(m.kind == "transformers" for m in cfg.methods)
     llama_cpp = cfg.model if any(m.kind == "llama.cpp" for m in cfg.methods) else None
     runners = Runners(llm, str(resolve(cfg.model)) if needs_peers else "", need_peers=needs_peers,
                       llama_cpp_model=llama_cpp, context=llm.model.config.max_position_embeddings)
-    prompts = {q.question_id: llm.encode(q.prompt, chat=True) for q in cfg.questions}
     context = llm.model.config.max_position_embeddings
-    for q in cfg.questions:
-        if len(prompts[q.question_id]) + cfg.max_new_tokens > context:
-            raise ValueError(f"question {q.question_id} is too long for the model's context ({context})")
+    prompts: dict[int, list[int]] = {}
 
-    first = prompts[cfg.questions[0].question_id]
+    def prompt_of(q: Question) -> list[int]:
+        """A question's tokens (a session's own turns answered first: once, before its first run)."""
+        if q.question_id not in prompts:
+            messages = q.prompt
+            if isinstance(messages, list) and has_own_turns(messages):
+                messages = answer_own_turns(llm, messages, cfg.max_new_tokens)
+            prompts[q.question_id] = llm.encode(messages, chat=True)
+            if len(prompts[q.question_id]) + cfg.max_new_tokens > context:
+                raise ValueError(f"question {q.question_id} is too long for the model's context ({context})")
+        return prompts[q.question_id]
+
+    for q in cfg.questions:  # fail before the runs (a session's length is known once its own turns are answered)
+        if not has_own_turns(q.prompt):
+            prompt_of(q)
+    first = prompt_of(cfg.questions[0])
     with held_outputs(llm, cfg.methods, keep=False):  # the warm-up's answers must not help the first prompt's runs
         for m in cfg.methods:  # warm-up: one-off costs (weight packing, allocator growth) stay out of the numbers
             m.run(runners, first, 8, cfg.temperatures[0], cfg.seed)
@@ -61,6 +76,10 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         for temperature in cfg.temperatures:
             for i, q in enumerate(cfg.questions):
                 runs: dict[str, list[dict]] = {m.label: [] for m in cfg.methods}
+                if has_own_turns(q.prompt) and q.question_id not in prompts:
+                    progress.update(task, description=f"q{q.question_id} {q.category}: the model answers the "
+                                    "session's earlier turns (plain decoding, not timed)")
+                prompt = prompt_of(q)
                 with held_outputs(llm, cfg.methods):  # no run of this prompt finds another's answer
                     for r in range(cfg.repeats):
                         progress.update(task, description=f"T={temperature} q{q.question_id} {q.category:<14} "
@@ -68,7 +87,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
                         # a fresh random order per prompt and round: neither drift nor what ran just before favours
                         # a method
                         rng = random.Random(f"{cfg.seed}-{temperature}-{i}" + (f"-{r}" if r else ""))
-                        done = run_round(runners, cfg.methods, prompts[q.question_id], cfg.max_new_tokens,
+                        done = run_round(runners, cfg.methods, prompt, cfg.max_new_tokens,
                                          temperature, cfg.seed + i, rng)
                         for label, rec in done.items():
                             runs[label].append(rec)
@@ -77,7 +96,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
                 for m in cfg.methods:
                     rec = fastest(runs[m.label])
                     rec.update(question_id=q.question_id, category=q.category, method=m.label, kind=m.kind,
-                               k=m.k, temperature=temperature, prompt_tokens=len(prompts[q.question_id]))
+                               k=m.k, temperature=temperature, prompt_tokens=len(prompt))
                     records.append(rec)
                     by_label[m.label] = rec
                 base = by_label["none"]
@@ -98,6 +117,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
         "machine": machine_description(),
         "weights": llm.model.weights_kind(),
         "peer_versions": runners.peer_versions(),
+        "prefix_cache_mb": cfg.prefix_cache_mb,
         "max_new_tokens": cfg.max_new_tokens,
         "repeats": cfg.repeats,
         "interleave": "step",  # see run_round
@@ -136,13 +156,30 @@ def run_round(runners: Runners, methods: list[Method], prompt: list[int], max_ne
     return {m.label: records[m.label] for m in methods}
 
 
-def held_outputs(llm: LLM, methods: list[Method], keep: bool = True) -> AbstractContextManager:
+def held_outputs(llm: LLM, methods: list[Method], keep: bool = True) -> ExitStack:
     """While a prompt's rounds run, the global suffix cache keeps their outputs aside (they join it after the last
-    round; keep=False: never): every run of every method then starts from the outputs of earlier prompts only, so
-    the fastest of a method's runs can be kept as for the others."""
+    round; keep=False: never), and the prefix cache their texts: every run of every method then starts from what
+    earlier prompts left only (no method's prefill is another's), so the fastest of a method's runs can be kept
+    as for the others."""
+    stack = ExitStack()
     if any(m.remembers_outputs for m in methods):
-        return llm.suffix_cache().holding_outputs(keep)
-    return nullcontext()
+        stack.enter_context(llm.suffix_cache().holding_outputs(keep))
+    if llm.prefix_cache is not None:
+        stack.enter_context(llm.prefix_cache.holding(keep))
+    return stack
+
+
+def answer_own_turns(llm: LLM, messages: list[dict], max_new_tokens: int) -> list[dict]:
+    """A session's messages with the turns the model answers itself (`OWN`) written: plain greedy decoding, as a
+    server answered them the turn before (with the prefix cache on, their entries are kept as a server keeps them).
+    The answer is the same whatever method later runs the session: every method meets the same prompt."""
+    out: list[dict] = []
+    for message in messages:
+        if message["role"] == "assistant" and message["content"] is None:
+            answer = llm.generate(out, chat=True, method="none", max_new_tokens=max_new_tokens)
+            message = {"role": "assistant", "content": answer.text}
+        out.append(message)
+    return out
 
 
 def fastest(runs: list[dict]) -> dict:
@@ -153,6 +190,8 @@ def fastest(runs: list[dict]) -> dict:
     differ between runs are flagged."""
     best = dict(min(runs, key=lambda rec: rec["seconds"]))
     best["seconds_runs"] = [rec["seconds"] for rec in runs]
+    if all("cached_tokens" in rec for rec in runs):
+        best["cached_tokens_runs"] = [rec["cached_tokens"] for rec in runs]
     if all(rec.get("prefill_seconds") is not None for rec in runs):
         prefill = min(rec["prefill_seconds"] for rec in runs)
         best.update(seconds=prefill + min(rec["seconds"] - rec["prefill_seconds"] for rec in runs),
