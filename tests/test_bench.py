@@ -265,15 +265,14 @@ def test_sessions_answer_their_own_turns_once_and_every_method_reads_the_same_pr
     original = answer_own_turns
     monkeypatch.setattr("specdecode.bench.runner.answer_own_turns",
                         lambda *a: answered.append(1) or original(*a))
-    cfg = BenchConfig(model="tiny", methods=parse_methods("none,prompt-lookup,suffix", ["auto"], []), questions=questions,
-                      temperatures=[0.0], max_new_tokens=12, repeats=2, prefix_cache_mb=16)
+    cfg = BenchConfig(model="tiny", methods=parse_methods("none,prompt-lookup,suffix", ["auto"], []),
+                      questions=questions, temperatures=[0.0], max_new_tokens=12, repeats=2, prefix_cache_mb=16)
     results = run_benchmark(cfg, llm)
     assert len(answered) == len(questions)
     for q in questions:
         recs = [r for r in results["records"] if r["question_id"] == q.question_id]
-        first_turn = len(llm.encode([m for m in q.prompt[: q.prompt.index(next(m for m in q.prompt
-                                                                                if m["content"] is None))]],
-                                    chat=True))
+        own = next(i for i, m in enumerate(q.prompt) if m["content"] is None)
+        first_turn = len(llm.encode(q.prompt[:own], chat=True))
         assert len({n for r in recs for n in r["cached_tokens_runs"]}) == 1  # every run of every method
         assert recs[0]["cached_tokens"] >= first_turn - 1
         assert recs[0]["prompt_tokens"] > recs[0]["cached_tokens"]
