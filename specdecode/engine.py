@@ -64,7 +64,8 @@ class Engine:
         prompt; then it joins the batch. like: a request in the batch with the same prompt (another choice of an
         n > 1 request), whose prompt entries are copied instead (unless this request's proposer needs the prompt's
         hidden states): it joins at once. Else the prefix cache's entries for the longest beginning of the prompt that
-        an earlier request's text shared are copied (same exception), and only the rest is prefilled."""
+        an earlier request's text shared are copied, and only the rest is prefilled (at least the positions whose
+        hidden states the request's proposer reads)."""
         if self.pending is not None:
             raise RuntimeError("one prompt is prefilled at a time: finish or cancel the pending one first")
         prompt, row = request.tokens, len(self.rows)
@@ -74,8 +75,12 @@ class Engine:
         if like is not None and not request.hidden_layers and like.tokens[: len(prompt)] == prompt and len(prompt) > 1:
             # its prompt's entries were written by its prefill and never after
             self.cache.copy(self.rows.index(like), row, len(prompt) - 1)
-        elif self.prefix_cache is not None and not request.hidden_layers:
-            hit = self.prefix_cache.lookup(prompt[:-1])
+        elif self.prefix_cache is not None:
+            reusable = len(prompt) - 1
+            if request.hidden_layers:  # the positions whose hidden states its proposer reads are prefilled
+                context = request.proposer.capabilities.hidden_context
+                reusable = 0 if context is None else reusable - context
+            hit = self.prefix_cache.lookup(prompt[:reusable]) if reusable > 0 else None
             if hit is not None:
                 self.cache.kv[:, :, row, :, : hit.tokens] = hit.kv
                 self.cache.lengths[row] = request.stats.cached_tokens = hit.tokens

@@ -86,14 +86,17 @@ def test_texts_stored_while_holding_join_when_it_ends():
     assert cache.lookup(list(range(50, 60))) is None
 
 
-def run(model, prompt, cache, *, proposer=None, k=0, temperature=0.0, seed=0, max_new=30):
-    """One request through an engine with `cache`: (new tokens, prompt tokens read from the cache)."""
+def run(model, prompt, cache, *, proposer=None, k=0, temperature=0.0, seed=0, max_new=30, stats=None):
+    """One request through an engine with `cache`: (new tokens, prompt tokens read from the cache); its stats are
+    appended to `stats`."""
     request = Request(model.config.max_position_embeddings, proposer or NoProposer(), prompt, max_new_tokens=max_new,
                       params=SamplingParams(temperature=temperature), k=FixedK(k) if isinstance(k, int) else k,
                       seed=seed)
     gen = Generation(Engine(model, BatchCost.single(guessing_pays()), cache), request)
     for _ in gen:
         pass
+    if stats is not None:
+        stats.append(request.stats)
     return gen.new_tokens, request.stats.cached_tokens
 
 
@@ -154,30 +157,53 @@ def test_kept_entries_are_bit_for_bit_what_a_prefill_writes(family):
 
 
 class ReadsHidden(NoProposer):
-    """A proposer that drafts from the prompt's hidden states (as EAGLE does): it needs a full prefill."""
+    """A proposer that drafts from the hidden states of the last `context` positions (None: all)."""
 
-    capabilities = Capabilities(hidden_layers=(0,))
-
-    def __init__(self) -> None:
-        self.seen = 0
+    def __init__(self, context: int | None) -> None:
+        self.capabilities = Capabilities(hidden_layers=(0,), hidden_context=context)
+        self.first = None  # the first position whose hidden state it got
 
     def reads_hidden(self) -> bool:
         return True
 
     def observe_hidden(self, start, hidden) -> None:
-        self.seen = max(self.seen, start + hidden[0].shape[0])
+        self.first = start if self.first is None else self.first
 
 
-def test_a_proposer_that_reads_hidden_states_gets_the_whole_prefill():
+@pytest.mark.parametrize("context", [None, 5])
+def test_a_proposer_that_reads_hidden_states_gets_the_positions_it_reads(context):
     model = tiny_model(3, vocab_size=24)
     prompt = list(range(1, 21))
     cache = PrefixCache(1 << 24, min_tokens=4)
     run(model, prompt, cache, max_new=5)
-    proposer = ReadsHidden()
-    _, cached = run(model, prompt + [3, 4], cache, proposer=proposer, max_new=5)
-    assert cached == 0 and proposer.seen >= len(prompt) + 1
-    _, cached = run(model, prompt + [3, 4], cache, max_new=5)
-    assert cached >= len(prompt)  # without it, the same prompt reads the cache
+    proposer = ReadsHidden(context)
+    second = prompt + [3, 4]
+    _, cached = run(model, second, cache, proposer=proposer, max_new=5)
+    assert cached == (0 if context is None else len(second) - 1 - context) and proposer.first == cached
+    _, cached = run(model, second, cache, max_new=5)
+    assert cached == len(second) - 1  # a proposer that reads none: all of it (the last request's text)
+
+
+def test_an_eagle_request_drafts_as_after_a_full_prefill():
+    """EAGLE's head reads at most HEAD_CONTEXT positions: a prompt found in the cache prefills those (and reads the
+    rest), and the head proposes exactly what it does after a full prefill (the same steps, guesses, output)."""
+    from specdecode.proposers.eagle import HEAD_CONTEXT, EagleProposer
+
+    from .test_eagle import random_head, sampling_target
+
+    target = sampling_target()
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 8, (HEAD_CONTEXT + 60,), generator=g).tolist()
+    cache = PrefixCache(1 << 24, min_tokens=4)
+    run(target, prompt, cache, max_new=4)
+    stats: list = []
+    outputs = [run(target, prompt + [1, 2], c, proposer=EagleProposer(random_head(target, 6, seed=4), target), k=3,
+                   max_new=40, stats=stats) for c in (None, cache)]
+    assert outputs[0][1] == 0 and outputs[1][1] == len(prompt) + 1 - HEAD_CONTEXT
+    assert outputs[0][0] == outputs[1][0]
+    alone, cached = stats
+    assert (alone.drafted, alone.accepted, alone.target_forwards) == \
+        (cached.drafted, cached.accepted, cached.target_forwards) and alone.accepted > 0
 
 
 def test_a_failed_request_keeps_nothing():

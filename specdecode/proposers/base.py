@@ -29,6 +29,9 @@ class Capabilities:
     pays: bool = True
     guesses: bool = True  # False for plain decoding: no policy needed at all
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states it drafts from (EAGLE, Medusa)
+    # how many positions before the root it reads hidden states of (None: all): a prompt found in the prefix cache
+    # is prefilled from there on, so the proposer gets those positions' hidden states as after a full prefill
+    hidden_context: int | None = None
     # its proposals depend on the token sequence alone (a model draft's cache resynchronizes itself from the tokens):
     # it may draft ahead for a sequence the target has not verified yet (asynchronous drafting)
     token_state: bool = False

@@ -108,7 +108,7 @@ class EagleProposer(Proposer):
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
         return Capabilities(sizes_itself=self.cost is not None, max_depth=self.MAX_DEPTH,
-                            hidden_layers=self.hidden_layers)
+                            hidden_layers=self.hidden_layers, hidden_context=HEAD_CONTEXT)
 
     def bind(self, cost, acceptance) -> None:
         self.cost = cost

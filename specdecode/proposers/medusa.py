@@ -158,7 +158,7 @@ class MedusaProposer(Proposer):
     def capabilities(self) -> Capabilities:  # type: ignore[override]
         # cheap: without a cost model, ask deep and an adaptive policy cuts the tree by depth
         return Capabilities(cheap=True, sizes_itself=self.cost is not None, max_depth=self.max_depth,
-                            hidden_layers=(-1,))
+                            hidden_layers=(-1,), hidden_context=1)
 
     def bind(self, cost, acceptance) -> None:
         self.cost = cost

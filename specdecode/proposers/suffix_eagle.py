@@ -41,7 +41,8 @@ class SuffixEagleProposer(Proposer):
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
-        return Capabilities(sizes_itself=True, max_depth=MAX_DEPTH, hidden_layers=self.hidden_layers)
+        return Capabilities(sizes_itself=True, max_depth=MAX_DEPTH, hidden_layers=self.hidden_layers,
+                            hidden_context=self.eagle.capabilities.hidden_context)
 
     def bind(self, cost, acceptance) -> None:  # a request's engine prices its trees: both parts by the same cost
         self.suffix.cost = self.eagle.cost = cost
