@@ -3,9 +3,9 @@
 
     python benchmarks/prefix_cache.py --sessions 8 --out benchmarks/results/prefix-cache-smollm2
 
-Sends the `sessions` workload (specdecode/bench/workloads.py): each session's first turn to both servers (the
-model's own answer; greedy, so both answer alike), then its next turn, which re-sends the first turn and that
-answer, to both in alternating order, so machine drift hits both alike. Records per next turn the prompt tokens, the
+Sends the `sessions` workload (specdecode/bench/workloads.py): each session's first turn to the server with the
+cache (the model's own answer; greedy, as the other would answer), then its next turn, which re-sends the first turn
+and that answer, to both in alternating order, so machine drift hits both alike. Records per next turn the prompt tokens, the
 tokens read from the cache (usage.prompt_tokens_details.cached_tokens), TTFT and end-to-end time, and whether both
 servers gave the same text. Writes results.json and report.md. Not a test: nothing is asserted.
 """
@@ -88,8 +88,9 @@ def run(args) -> dict:
 def report(results: dict) -> str:
     lines = [f"# Prefix cache: a conversation's next turn, {results['model']}", "",
              f"- date: {results['date']}", f"- machine: {results['machine']}", f"- command: `{results['command']}`",
-             "- two servers side by side (`--prefix-cache-mb 256` and `0`), each session's next turn sent to both in "
-             "alternating order after both answered its first turn; greedy, the server's default speculation", "",
+             "- two servers side by side (`--prefix-cache-mb 256` and `0`); the first answered each session's first "
+             "turn (kept in its cache), then the next turn went to both in alternating order; greedy, the server's "
+             "default speculation (prompt lookup, k=auto)", "",
              "| category | sessions | prompt tokens (median) | cached | TTFT without (ms, median) | TTFT with | "
              "end to end without (s) | with | same text |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     groups: dict[str, list[dict]] = {}
