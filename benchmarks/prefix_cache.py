@@ -5,9 +5,9 @@
 
 Sends the `sessions` workload (specdecode/bench/workloads.py): each session's first turn to the server with the
 cache (the model's own answer; greedy, as the other would answer), then its next turn, which re-sends the first turn
-and that answer, to both in alternating order, so machine drift hits both alike. Records per next turn the prompt tokens, the
-tokens read from the cache (usage.prompt_tokens_details.cached_tokens), TTFT and end-to-end time, and whether both
-servers gave the same text. Writes results.json and report.md. Not a test: nothing is asserted.
+and that answer, to both in alternating order, so machine drift hits both alike. Records per next turn the prompt
+tokens, the tokens read from the cache (usage.prompt_tokens_details.cached_tokens), TTFT and end-to-end time, and
+whether both servers gave the same text. Writes results.json and report.md. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
