@@ -89,7 +89,7 @@ class PrefixCache:
             self._add(key, kv)
 
     def _add(self, key: tuple[int, ...], kv: torch.Tensor) -> None:
-        size = kv.numel() * kv.element_size()
+        size = self._entry_bytes(kv)
         if size > self.max_bytes:
             return
         for text in list(self._entries):

@@ -218,3 +218,25 @@ def test_a_failed_request_keeps_nothing():
     with pytest.raises(RuntimeError, match="proposer broke"):
         run(model, list(range(1, 21)), cache, proposer=Fails(), k=3)
     assert cache.texts == 0
+
+
+def test_a_hybrid_request_reads_the_cache_but_its_heads_catch_up_window_and_stays_lossless():
+    """hybrid's head mostly rests behind suffix's trees: a cached prompt prefills only the window a head catches up
+    on after a rest (HIDDEN_LEAD positions), and the output is still plain decoding's."""
+    from specdecode.proposers.eagle import HIDDEN_LEAD, EagleProposer
+    from specdecode.proposers.suffix import SuffixProposer
+    from specdecode.proposers.suffix_eagle import SuffixEagleProposer
+
+    from .test_eagle import random_head, sampling_target
+
+    target = sampling_target()
+    prompt = torch.randint(0, 8, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    cache = PrefixCache(1 << 24, min_tokens=4)
+    run(target, prompt, cache, max_new=4)
+    hybrid = SuffixEagleProposer(SuffixProposer(cost=guessing_pays()),
+                                 EagleProposer(random_head(target, 6, seed=4), target, cost=guessing_pays()))
+    stats: list = []
+    out, cached = run(target, prompt + [1, 2], cache, proposer=hybrid, k=hybrid.capabilities.max_depth, max_new=40,
+                      stats=stats)
+    assert cached == len(prompt) + 1 - HIDDEN_LEAD
+    assert out == run(target, prompt + [1, 2], None, max_new=40)[0] and stats[0].accepted > 0

@@ -132,10 +132,11 @@ def sharegpt_questions(train: Path) -> list[str]:
 
 
 def revise_session(train: Path, n: int, rng: random.Random) -> list[list[dict]]:
+    questions = sharegpt_questions(train)
     return [[{"role": "user", "content": question}, OWN,
              {"role": "user", "content": f"Revise your previous answer: {rng.choice(REVISIONS)}. Write out the whole "
                                          "revised answer."}]
-            for question in rng.sample(sharegpt_questions(train), min(n, 1000))]
+            for question in rng.sample(questions, min(n, len(questions)))]
 
 
 def edit_session(train: Path, n: int, rng: random.Random) -> list[list[dict]]:
