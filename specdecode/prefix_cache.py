@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .holding import HoldsBack
 
 DEFAULT_MB = 256  # the server's default budget (SmolLM2-135M: ~46 KB a token, ~5,800 tokens)
 MIN_TOKENS = 16  # shorter shared prefixes (a chat template's header) are not worth a copy
@@ -44,8 +45,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-class PrefixCache:
-    """Earlier texts' cache entries, at most `max_bytes` of them. Thread-safe."""
+class PrefixCache(HoldsBack):
+    """Earlier texts' cache entries, at most `max_bytes` of them. Thread-safe. Texts stored inside `holding()` are
+    kept when the block ends."""
 
     def __init__(self, max_bytes: int = DEFAULT_MB << 20, min_tokens: int = MIN_TOKENS) -> None:
         if max_bytes < 0:
@@ -53,7 +55,6 @@ class PrefixCache:
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
         self._entries: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # oldest use first
         self._lock = threading.Lock()
-        self._held: list[tuple[tuple[int, ...], torch.Tensor]] | None = None  # see `holding`
         self.bytes = 0
         self.lookups = self.hits = self.hit_tokens = 0  # counters for metrics
 
@@ -83,10 +84,8 @@ class PrefixCache:
             return
         key, kv = tuple(tokens), kv[:, :, :, : len(tokens)].clone()
         with self._lock:
-            if self._held is not None:
-                self._held.append((key, kv))
-                return
-            self._add(key, kv)
+            if not self._hold((key, kv)):
+                self._add(key, kv)
 
     def _add(self, key: tuple[int, ...], kv: torch.Tensor) -> None:
         size = self._entry_bytes(kv)
@@ -113,16 +112,7 @@ class PrefixCache:
             self._entries.clear()
             self.bytes = 0
 
-    @contextmanager
-    def holding(self, keep: bool = True) -> Iterator[None]:
-        """Texts stored inside the block are kept only when it ends (keep=False: dropped): a benchmark runs one
-        prompt by several methods at once, and none may find another's prefill here."""
+    def _join(self, items: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
         with self._lock:
-            self._held = []
-        try:
-            yield
-        finally:
-            with self._lock:
-                held, self._held = self._held or [], None
-                for key, kv in held if keep else []:
-                    self._add(key, kv)
+            for key, kv in items:
+                self._add(key, kv)

@@ -187,12 +187,12 @@ def test_global_searches_rest_while_they_add_nothing_and_resume_on_a_hit() -> No
 def test_held_outputs_join_the_cache_after_the_block_each_distinct_once() -> None:
     cache = SuffixCache()
     stats = cache.fork()
-    with cache.holding_outputs():
+    with cache.holding():
         for output in ([1, 2, 3], [1, 2, 3], [4, 5]):
             cache.finish(output, stats)
         assert cache.index.tokens() == []  # none of this block's runs finds another's answer
     assert cache.index.tokens() == [[1, 2, 3], [4, 5]]
-    with cache.holding_outputs(keep=False):
+    with cache.holding(keep=False):
         cache.finish([6, 7], stats)
     cache.finish([8], stats)
     assert cache.index.tokens() == [[1, 2, 3], [4, 5], [8]]

@@ -27,12 +27,11 @@ The global cache changes speed only: every committed token is the target's.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..cost import ForwardCost
+from ..holding import HoldsBack
 from ..policy import best_count
 from ..suffix_index import SEPARATOR, SuffixIndex, TextIndex
 from ..tree import DraftTree
@@ -51,9 +50,10 @@ LOCAL, GLOBAL = 1, 2  # node sources (bit flags)
 MIN_CHANCE = 0.01
 
 
-class SuffixCache:
+class SuffixCache(HoldsBack):
     """What suffix decoding keeps across the requests of one model: earlier outputs, what guessing from matches
-    taught (long-run acceptance per class and depth), and counters for metrics. Thread-safe."""
+    taught (long-run acceptance per class and depth), and counters for metrics. Thread-safe. Outputs of requests
+    that end inside `holding()` join it when the block ends, each distinct one once."""
 
     def __init__(self, max_tokens: int | None = DEFAULT_CACHE_TOKENS, max_match: int = 32,
                  max_occurrences: int = 64) -> None:
@@ -63,7 +63,6 @@ class SuffixCache:
         self.lookups = 0  # steps that searched the global cache
         self.hits = 0  # ... and found the text's end in it
         self.accepted = 0  # guesses accepted that only the global cache offered
-        self._held: list[tuple[int, ...]] | None = None  # outputs waiting for `holding_outputs` to end
 
     def count(self, hit: bool) -> None:
         with self._lock:
@@ -79,31 +78,19 @@ class SuffixCache:
             return self.stats.fork()
 
     def finish(self, output: list[int], stats: AcceptanceStats) -> None:
-        """A request ended: its output joins the cache (or waits, see `holding_outputs`), what it learned the
-        long-run estimate."""
+        """A request ended: its output joins the cache (or waits, see `holding`), what it learned the long-run
+        estimate."""
         with self._lock:
             self.stats.absorb(stats)
-            if self._held is not None:
-                self._held.append(tuple(output))
+            if self._hold(tuple(output)):
                 return
         if output:
             self.index.add_sequence(output)
 
-    @contextmanager
-    def holding_outputs(self, keep: bool = True) -> Iterator[None]:
-        """Outputs of requests that end inside the block join the cache when it ends, each distinct one once
-        (keep=False: they are dropped): a benchmark runs one prompt several times and by several methods at once,
-        and none of those runs may find another's answer in the cache."""
-        with self._lock:
-            self._held = []
-        try:
-            yield
-        finally:
-            with self._lock:
-                held, self._held = self._held or [], None
-            for output in dict.fromkeys(held if keep else []):
-                if output:
-                    self.index.add_sequence(list(output))
+    def _join(self, items: list[tuple[int, ...]]) -> None:
+        for output in dict.fromkeys(items):
+            if output:
+                self.index.add_sequence(list(output))
 
     @property
     def hit_rate(self) -> float:
