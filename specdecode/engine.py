@@ -306,13 +306,15 @@ def policy_for(k: int | str, proposer: Proposer, cost: RowCost,
 
 def start(target: Transformer, prompt: list[int], *, proposer: Proposer | None = None, max_new_tokens: int = 64,
           params: SamplingParams | None = None, k: int | Policy = 4, stop_token_ids: Collection[int] = (),
-          seed: int | None = None, cost: ForwardCost | None = None, logprobs: int | None = None) -> Generation:
-    """A request on token ids in an engine of its own, priced by `cost`, else its adaptive policy's (if any)."""
+          seed: int | None = None, cost: ForwardCost | None = None, logprobs: int | None = None,
+          prefix_cache: PrefixCache | None = None) -> Generation:
+    """A request on token ids in an engine of its own, priced by `cost`, else its adaptive policy's (if any), its
+    prompt's beginning read from `prefix_cache` where an earlier text there shares it."""
     cost = cost or (k.cost if isinstance(k, AdaptiveK) else CostModel.flat())
     request = Request(target.config.max_position_embeddings, proposer or NoProposer(), prompt,
                       max_new_tokens=max_new_tokens, params=params or SamplingParams(), k=k,
                       stop_token_ids=stop_token_ids, seed=seed, logprobs=logprobs)
-    return Generation(Engine(target, BatchCost.single(cost)), request)
+    return Generation(Engine(target, BatchCost.single(cost), prefix_cache), request)
 
 
 def generate_ids(target: Transformer, prompt: list[int], **kwargs) -> tuple[list[int], GenerationStats]:

@@ -43,6 +43,19 @@ LAYER_TYPES = [SLIDING, SLIDING, FULL, SLIDING]
 GEMMA = dict(num_layers=4, layer_types=LAYER_TYPES, sliding_window=WINDOW, rope_local_theta=10_000.0,
              rope_theta=1_000_000.0, qk_norm=True, sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=8.0,
              query_scale=24**-0.5, norm_offset=1.0, model_type="gemma3_text")
+NATIVE_FAMILIES = ["llama-int8-a8", "gemma-float32"]
+
+
+def native_tiny(family: str) -> Transformer:
+    """A tiny float32 model the native kernels run on the CPU (a family of NATIVE_FAMILIES): an int8-activation Llama
+    or a Gemma; the test is skipped where the kernels cannot be built."""
+    from specdecode import kernels
+
+    if kernels.native() is None:
+        pytest.skip("native kernels unavailable")
+    if family == "llama-int8-a8":
+        return quantize_(tiny_model(2, dtype=torch.float32, vocab_size=56), "int8-a8")
+    return tiny_model(2, vocab_size=56, **GEMMA).float()
 
 
 def hf_gemma(path: Path, seed: int = 1, **overrides):

@@ -7,18 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.batch_cost import BatchCost
-from specdecode.engine import Engine, Generation
-from specdecode.models.loading import quantize_
-from specdecode.policy import FixedK
+from specdecode.engine import generate_ids
 from specdecode.prefix_cache import PrefixCache, common_prefix
 from specdecode.proposers import NoProposer, PromptLookupProposer
 from specdecode.proposers.base import Capabilities
-from specdecode.request import Request
 from specdecode.sampling import SamplingParams
 
 from .helpers import Oracle, guessing_pays, tiny_model
-from .test_gemma import GEMMA, WINDOW
+from .test_gemma import NATIVE_FAMILIES, WINDOW, native_tiny
 
 
 def kv(tokens: int, fill: float = 0.0, layers: int = 2) -> torch.Tensor:
@@ -89,15 +85,11 @@ def test_texts_stored_while_holding_join_when_it_ends():
 def run(model, prompt, cache, *, proposer=None, k=0, temperature=0.0, seed=0, max_new=30, stats=None):
     """One request through an engine with `cache`: (new tokens, prompt tokens read from the cache); its stats are
     appended to `stats`."""
-    request = Request(model.config.max_position_embeddings, proposer or NoProposer(), prompt, max_new_tokens=max_new,
-                      params=SamplingParams(temperature=temperature), k=FixedK(k) if isinstance(k, int) else k,
-                      seed=seed)
-    gen = Generation(Engine(model, BatchCost.single(guessing_pays()), cache), request)
-    for _ in gen:
-        pass
+    new, got = generate_ids(model, prompt, proposer=proposer, k=k, params=SamplingParams(temperature=temperature),
+                            seed=seed, max_new_tokens=max_new, cost=guessing_pays(), prefix_cache=cache)
     if stats is not None:
-        stats.append(request.stats)
-    return gen.new_tokens, request.stats.cached_tokens
+        stats.append(got)
+    return new, got.cached_tokens
 
 
 @pytest.mark.parametrize("method,k,temperature", [("none", 0, 0.0), ("lookup", 4, 0.0), ("oracle", 5, 0.0),
@@ -131,19 +123,12 @@ def test_a_next_turn_decodes_exactly_what_it_decodes_without_the_cache(method, k
     assert cache.texts == 1  # turn 2's text replaced turn 1's
 
 
-@pytest.mark.parametrize("family", ["llama-int8-a8", "gemma-float32"])
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
 def test_kept_entries_are_bit_for_bit_what_a_prefill_writes(family):
     """On the native kernels an entry does not depend on the forward that wrote it: the entries kept from a
     request decoded with guessed chains (a prefill, then verified steps) equal a fresh prefill's of the same text,
     Gemma's sliding window past its end included."""
-    from specdecode import kernels
-
-    if kernels.native() is None:
-        pytest.skip("native kernels unavailable")
-    if family == "llama-int8-a8":
-        model = quantize_(tiny_model(2, dtype=torch.float32, vocab_size=56), "int8-a8")
-    else:
-        model = tiny_model(2, vocab_size=56, **GEMMA).float()
+    model = native_tiny(family)
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 56, (WINDOW + 5,), generator=g).tolist()
     truth = prompt + run(model, prompt, None, max_new=40)[0]

@@ -96,6 +96,7 @@ from specdecode.request import Request  # noqa: E402
 from specdecode.sampling import SamplingParams  # noqa: E402
 
 from .helpers import noisy_copy  # noqa: E402
+from .test_gemma import NATIVE_FAMILIES, native_tiny  # noqa: E402
 
 
 def flat_cost(per_token: float = 0.0) -> BatchCost:
@@ -355,25 +356,13 @@ def test_the_scheduler_chunks_a_prompt_that_arrives_mid_stream(dtype):
         loop.close()
 
 
-@pytest.mark.parametrize("family", ["llama-int8-a8", "gemma-float32"])
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
 def test_native_batch_rows_compute_bit_for_bit_what_each_computes_alone(family):
     """On the CPU in float32 a batch's rows run through the native blocks side by side (no padding): a chain, a
     tree and a single token of three rows of different lengths give the very logits (and hidden states) each row
     gives alone, Gemma's sliding window past its end included. So a request's greedy tokens never depend on the
     batch it shares, nor on whether speculation is on."""
-    from specdecode import kernels
-    from specdecode.models import BatchKVCache
-    from specdecode.models.loading import quantize_
-    from specdecode.tree import DraftTree
-
-    from .test_gemma import GEMMA
-
-    if kernels.native() is None:
-        pytest.skip("native kernels unavailable")
-    if family == "llama-int8-a8":
-        model = quantize_(tiny_model(2, dtype=torch.float32, vocab_size=56), "int8-a8")
-    else:
-        model = tiny_model(2, vocab_size=56, **GEMMA).float()
+    model = native_tiny(family)
     cfg = model.config
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 56, (n,), generator=g).tolist() for n in (9, 14, 4)]
