@@ -47,9 +47,10 @@ class AcceptanceStats:
         tried = min(tried, self.max_depth)
         matched = min(matched, tried)
         decay = self.decay
-        for d in range(self.max_depth):
-            hits[d] = hits[d] * decay + (d < matched)
-            trials[d] = trials[d] * decay + (d < tried)
+        hits[:matched] = [h * decay + 1.0 for h in hits[:matched]]
+        hits[matched:] = [h * decay for h in hits[matched:]]
+        trials[:tried] = [t * decay + 1.0 for t in trials[:tried]]
+        trials[tried:] = [t * decay for t in trials[tried:]]
 
     def rates(self, bucket: int, floor: list[float] | None = None) -> list[float]:
         """floor: per depth, what this bucket is known to do at least as well as (suffix decoding: the class of
@@ -60,6 +61,27 @@ class AcceptanceStats:
             toward = above if floor is None or floor[d] < above else floor[d]
             above = (h + 2.0 * toward) / (t + 2.0)
             out.append(above)
+        return out
+
+    def reach(self, bucket: int, floor: int | None = None, until: float = 0.0) -> list[float]:
+        """[d - 1]: the chance that guesses 1..d all match (the running product of `rates(bucket, rates(floor))`),
+        up to the first depth under `until` (included): what a proposer that sends nothing less likely asks each
+        step, at a fraction of the deep rows' work."""
+        hits, trials = self._rows(bucket)
+        below = self._rows(floor) if floor is not None else None
+        out, above, reach = [], self.prior.get(bucket, 0.5), 1.0
+        under = self.prior.get(floor, 0.5) if floor is not None else 0.0
+        for d in range(self.max_depth):
+            toward = above
+            if below is not None:
+                under = (below[0][d] + 2.0 * under) / (below[1][d] + 2.0)
+                if under >= above:
+                    toward = under
+            above = (hits[d] + 2.0 * toward) / (trials[d] + 2.0)
+            reach *= above
+            out.append(reach)
+            if reach < until:
+                break
         return out
 
     def expected_accepted(self, bucket: int) -> list[float]:

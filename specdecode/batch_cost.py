@@ -50,6 +50,12 @@ class BatchCost:
             return self.tables[0].forward_seconds(tokens, context)
         return float(self._across_rows(rows, [t.forward_seconds(tokens, context) for t in self.tables]))
 
+    def seconds_upto(self, rows: int, most: int, context: int) -> list[float]:
+        """`seconds` of 1..most tokens."""
+        if rows == 1 and self.batch_sizes[0] == 1:
+            return self.tables[0].forward_seconds_upto(most, context)
+        return [self.seconds(rows, tokens, context) for tokens in range(1, most + 1)]
+
     def seconds_many(self, rows: int, tokens: np.ndarray, context: int) -> np.ndarray:
         """`seconds` for an array of token counts at once."""
         if rows == 1 and self.batch_sizes[0] == 1:
@@ -172,6 +178,9 @@ class RowCost:
 
     def forward_seconds_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
         return self.cost.seconds_many(self.rows, tokens, context)
+
+    def forward_seconds_upto(self, most: int, context: int) -> list[float]:
+        return self.cost.seconds_upto(self.rows, most, context)
 
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         """Rows do not time their share of a batched forward; the decoder corrects the table per step."""

@@ -52,17 +52,17 @@ def best_count(chances: Sequence[float], cost: ForwardCost, context: int, overhe
     n = 0 is a plain step, chosen unless guessing beats it by MARGIN; overhead: what proposing costs (an array:
     per count), 0 once it is spent. Plain Python: two dozen sizes a step, where numpy's small operations right
     after a forward cost several times more (a third of suffix decoding's proposing time)."""
-    per_count: list[float] | None = overhead.tolist() if isinstance(overhead, np.ndarray) else None
-    flat = 0.0 if isinstance(overhead, np.ndarray) else float(overhead)
-    expected, best, best_rate, plain = 1.0, 0, 0.0, 0.0
-    for n in range(len(chances) + 1):
-        if n:
-            expected += float(chances[n - 1])
-        rate = expected / (cost.forward_seconds(n + 1, context) + (flat if per_count is None else per_count[n]))
-        if not n:
-            plain = best_rate = rate
-            best_rate *= 1 + MARGIN
-        elif rate > best_rate:  # the first of equal rates: the fewest guesses
+    prices = cost.forward_seconds_upto(len(chances) + 1, context)
+    if isinstance(overhead, np.ndarray):
+        prices = [p + o for p, o in zip(prices, overhead.tolist(), strict=False)]
+    elif overhead:
+        prices = [p + float(overhead) for p in prices]
+    plain = 1.0 / prices[0]
+    expected, best, best_rate = 1.0, 0, plain * (1 + MARGIN)
+    for n, chance in enumerate(map(float, chances), start=1):
+        expected += chance
+        rate = expected / prices[n]
+        if rate > best_rate:  # the first of equal rates: the fewest guesses
             best, best_rate = n, rate
     return best, best_rate if best else plain
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdecode.acceptance import SCORE_AHEAD, AcceptanceStats, ProposalScorer
-from specdecode.batch_cost import nondecreasing
+from specdecode.batch_cost import BatchCost, RowCost, nondecreasing
 from specdecode.cost import TABLE_VERSION, CostModel
 from specdecode.engine import generate_ids
 from specdecode.policy import (
@@ -49,7 +49,8 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
 
 
 def test_one_size_is_priced_as_the_many_sizes_are() -> None:
-    """forward_seconds (plain Python, asked every step) and forward_seconds_many (numpy) are one price."""
+    """forward_seconds (plain Python, asked every step), forward_seconds_upto (every count at once) and
+    forward_seconds_many (numpy) are one price, alone and for a row of a batch."""
     rng = np.random.default_rng(0)
     seconds = [sorted(rng.uniform(0.03, 0.2, 12).tolist()) for _ in range(2)]
     cost = CostModel([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], [64, 1024], seconds)
@@ -59,6 +60,12 @@ def test_one_size_is_priced_as_the_many_sizes_are() -> None:
         many = cost.forward_seconds_many(sizes, context)
         one = [cost.forward_seconds(int(n), context) for n in sizes]
         assert one == pytest.approx(many.tolist(), rel=1e-12)
+        assert cost.forward_seconds_upto(len(sizes), context) == one  # the same operations: the same floats
+        for batch in (BatchCost.single(cost), BatchCost([1, 4], [cost, CostModel.flat()])):
+            row = RowCost(batch)
+            row.rows = 3
+            assert row.forward_seconds_upto(len(sizes), context) == pytest.approx(
+                [row.forward_seconds(int(n), context) for n in sizes], rel=1e-12)
 
 
 def test_noisy_timings_become_nondecreasing() -> None:
@@ -174,6 +181,27 @@ def test_acceptance_rates_are_conditional_per_depth() -> None:
     expected = stats.expected_accepted(0)
     assert expected[0] == 0 and expected[1] == pytest.approx(0.9) and expected[2] == pytest.approx(0.9 + 0.9 * 0.98)
     assert np.allclose(stats.rates(1), 0.5)  # classes are separate
+
+
+def test_reach_is_the_running_product_of_the_rates_cut_where_it_falls_under_a_bound() -> None:
+    """stats.reach(b, floor, until): the chance that guesses 1..d all match, computed in one pass with the floor
+    class's rates (what suffix decoding asks each step): the same numbers as multiplying rates(b, rates(floor))."""
+    rng = random.Random(0)
+    stats = AcceptanceStats(max_depth=12, decay=0.9)
+    for _ in range(200):
+        bucket = rng.choice([3, 4])
+        tried = rng.randint(1, 12)
+        stats.record(bucket, rng.randint(0, tried), tried)
+    stats.prior[3] = 0.7
+    for bucket, floor in ((4, 3), (4, None), (3, 7)):
+        product, full = 1.0, []
+        for rate in stats.rates(bucket, floor=None if floor is None else stats.rates(floor)):
+            product *= rate
+            full.append(product)
+        assert stats.reach(bucket, floor) == full
+        cut = stats.reach(bucket, floor, until=full[4])  # stops at the first depth under the bound, included
+        first_under = next(d for d, r in enumerate(full) if r < full[4])
+        assert cut == full[: first_under + 1]
 
 
 def test_acceptance_forgets_and_forks() -> None:

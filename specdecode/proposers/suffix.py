@@ -14,8 +14,9 @@ form a tree at every prefix (a child never beats its parent), and with a cost mo
 that maximises expected tokens per second of the target's forward, none when a plain step is better
 (`policy.best_count`); without one, `k` nodes. Ties go to the request's own text, which is searched first.
 
-Proposing costs about 1% of a step (60 us a step on SmolLM2 int4's 5-7 ms: the request's own text searched in
-dicts, a trie of a few dozen nodes), so the proposer runs every step, as prompt lookup does: resting while its steps
+Proposing costs 1-2% of a step (~100 us right after SmolLM2 int4's 5-7 ms forward, whose weights push the proposer's
+data out of the CPU's caches; ~40 us warm: the request's own text searched in dicts, a trie of a few dozen nodes,
+prompt lookup's 10-27 us), so the proposer runs every step, as prompt lookup does: resting while its steps
 did not pay (up to 4 steps, when a step's proposing took 200-350 us) cost it a twentieth of prompt lookup's tau in
 Spec-Bench summarization, RAG and math reasoning. The global cache is not searched while its matches add no
 accepted token (up to GLOBAL_MAX_REST steps).
@@ -123,41 +124,47 @@ class Candidates:
     def add(self, rows: list[list[int]], counts: list[int], reach: list[float], source: int) -> list[int]:
         """Continuations (rows, SEPARATOR-padded) seen counts[i] times each; returns the most frequent path."""
         total = float(sum(counts))
+        tokens, parents, depths, index = self.tokens, self.parents, self.depths, self.index
         seen: dict[int, float] = {}  # node -> occurrences through it, this source
-        lengths = [row.index(SEPARATOR) if SEPARATOR in row else len(row) for row in rows]  # padding ends a row
-        for row, length, count in zip(rows, lengths, counts, strict=True):
+        for row, count in zip(rows, counts, strict=True):
+            length = row.index(SEPARATOR) if SEPARATOR in row else len(row)  # padding ends a row
             node, d = 0, 0
-            while d < length and (node, row[d]) in self.index:  # the part some path already has
-                node = self.index[node, row[d]]
+            while d < length:  # the part some path already has
+                child = index.get((node, row[d]))
+                if child is None:
+                    break
+                node = child
                 seen[node] = seen.get(node, 0.0) + count
                 d += 1
             if d < length:  # the rest is new: one chain, appended at once
-                first = len(self.tokens)
+                first, base = len(tokens), depths[node]
                 new = range(first, first + length - d)
-                self.tokens.extend(row[d:length])
-                self.parents.extend([node, *new[:-1]])
-                self.depths.extend(range(self.depths[node] + 1, self.depths[node] + 1 + len(new)))
-                self.chances.extend([0.0] * len(new))
-                self.sources.extend([0] * len(new))
-                self.index.update(zip(zip(self.parents[first:], row[d:length], strict=True), new, strict=True))
+                tokens.extend(row[d:length])
+                parents.append(node)
+                parents.extend(new[:-1])
+                depths.extend(range(base + 1, base + 1 + len(new)))
+                index.update(zip(zip(parents[first:], row[d:length], strict=True), new, strict=True))
                 seen.update(dict.fromkeys(new, float(count)))
-        chances, sources, depths = self.chances, self.sources, self.depths
+        grown = len(tokens) - len(self.chances)
+        self.chances.extend([0.0] * grown)
+        self.sources.extend([0] * grown)
+        chances, sources = self.chances, self.sources
         for node, count in seen.items():
             chance = count / total * reach[depths[node] - 1]
             if chance > chances[node]:
                 chances[node] = chance
             sources[node] |= source
-        if len(lengths) == 1:
-            return rows[0][: lengths[0]]
+        if len(rows) == 1:
+            return rows[0][: len(seen)]
         best: dict[int, int] = {}  # parent -> its most frequent child (the first created of equals)
         for node, count in seen.items():
-            parent = self.parents[node]
+            parent = parents[node]
             if parent not in best or count > seen[best[parent]]:
                 best[parent] = node
         path, node = [], 0
         while node in best:
             node = best[node]
-            path.append(self.tokens[node])
+            path.append(tokens[node])
         return path
 
     def graft(self, tree: DraftTree, chances: list[float], source: int) -> None:
@@ -269,28 +276,23 @@ class SuffixProposer(Proposer):
             if match is None:
                 continue
             bucket = offset + sum(match.length >= c for c in MATCH_CLASSES)
-            reach = self.reach(bucket)
             # a node's chance is at most its depth's reach: past the first depth where that is under MIN_CHANCE no
             # guess is worth sending, and merging those columns was most of a step's proposing time (the depths
             # before keep learning, so the cut moves deeper as soon as they pay)
-            deep = next((d for d, r in enumerate(reach) if r < MIN_CHANCE), len(reach))
+            reach = self.reach(bucket, until=MIN_CHANCE)
+            deep = len(reach) - 1 if reach[-1] < MIN_CHANCE else len(reach)
             path = found.add(*match.distinct(max(deep, 1)), reach, source)
             if path:
                 self.scorer.pending.append(Proposal(len(tokens), [path], bucket))
                 self.scored += 1
         return found
 
-    def reach(self, bucket: int) -> list[float]:
-        """[d - 1]: the learned chance that a guess of this class still holds d tokens deep. A longer match is
-        continued at least as often as a shorter one, so a class starts from the next shorter class's rates (a
-        copy's matches grow 2-3 tokens a step through every class; each learning from nothing kept guesses 2 deep
-        for a dozen steps of a copy)."""
-        shorter = self.stats.rates(bucket - 1) if bucket % GLOBAL_BUCKET else None
-        out, reach = [], 1.0
-        for rate in self.stats.rates(bucket, floor=shorter):
-            reach *= rate
-            out.append(reach)
-        return out
+    def reach(self, bucket: int, until: float = 0.0) -> list[float]:
+        """[d - 1]: the learned chance that a guess of this class still holds d tokens deep (up to the first depth
+        under `until`). A longer match is continued at least as often as a shorter one, so a class starts from the
+        next shorter class's rates (a copy's matches grow 2-3 tokens a step through every class; each learning from
+        nothing kept guesses 2 deep for a dozen steps of a copy)."""
+        return self.stats.reach(bucket, bucket - 1 if bucket % GLOBAL_BUCKET else None, until)
 
     def observe(self, tree, verdict, extra_logits) -> None:
         if self.last is None or self.last[0] is not tree:
