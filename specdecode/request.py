@@ -136,7 +136,9 @@ class Request:
     def hidden_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states the next forward returns for this request (none while its proposer
         does not read them, e.g. a resting EAGLE head)."""
-        return self.reads if self.reads and self.proposer.reads_hidden() else ()
+        if not self.reads:
+            return ()
+        return self.reads if self.proposer.reads_hidden(self.max_new_tokens - self.stats.new_tokens) else ()
 
     @property
     def new_tokens(self) -> list[int]:

@@ -246,6 +246,27 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
     assert gaps > 0 and restarts > 0
 
 
+@pytest.mark.parametrize("reachable", [True, False])
+def test_resting_head_reads_no_hidden_states_when_its_probe_falls_after_the_request(target, head, reference,
+                                                                                   monkeypatch, reachable) -> None:
+    """Each step commits a token or more, so a head resting for more steps than the request has tokens left cannot
+    probe in it: it reads nothing (the forwards return no hidden states for it); one whose probe comes in time reads
+    and probes. The output is plain decoding's either way."""
+    monkeypatch.setattr(eagle_module, "HIDDEN_LEAD", 10_000)  # only the request's end decides
+    steep = FrozenCost([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
+    prompt, expected = PROMPTS[0], reference[0]
+    # resting when the last request ended, for half the request's tokens or for more than all of them
+    monkeypatch.setattr(head, "rest_state", (0.5, NEW // 2 if reachable else NEW + 3, (1.0, 2.0, 8)), raising=False)
+    proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
+    reads, runs = [], []
+    monkeypatch.setattr(proposer, "observe_hidden", lambda start, hidden, observe=proposer.observe_hidden:
+                        reads.append(start) or observe(start, hidden))
+    monkeypatch.setattr(proposer, "_run", lambda *a, _run=proposer._run: runs.append(1) or _run(*a))
+    out, _ = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth, max_new_tokens=NEW)
+    assert out == expected
+    assert (len(reads) > 0 and len(runs) > 0) if reachable else (reads == [] and runs == [])
+
+
 @pytest.mark.parametrize("context", [2, 5])
 def test_head_catching_up_on_a_window_stays_lossless_and_drafts(target, head, reference, monkeypatch, context) -> None:
     """A run catches up on at most HEAD_CONTEXT positions (a probe after a rest, a long prompt): the head's cache

@@ -148,7 +148,7 @@ class ReadsHidden(NoProposer):
         self.capabilities = Capabilities(hidden_layers=(0,), hidden_context=context)
         self.first = None  # the first position whose hidden state it got
 
-    def reads_hidden(self) -> bool:
+    def reads_hidden(self, tokens_left: int) -> bool:
         return True
 
     def observe_hidden(self, start, hidden) -> None:

@@ -57,8 +57,9 @@ class Proposer(ABC):
     ) -> DraftTree:
         """Guess up to `k` tokens deep after `tokens` (everything committed so far, root = tokens[-1])."""
 
-    def reads_hidden(self) -> bool:
-        """Whether it wants the hidden states of this step's committed positions (a resting EAGLE head does not)."""
+    def reads_hidden(self, tokens_left: int) -> bool:
+        """Whether it wants the hidden states of this step's committed positions (a resting EAGLE head does not);
+        tokens_left: the most tokens the request may still commit (its max_new_tokens not yet generated)."""
         return bool(self.capabilities.hidden_layers)
 
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:  # noqa: B027 - optional hook

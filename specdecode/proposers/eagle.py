@@ -137,8 +137,10 @@ class EagleProposer(Proposer):
         if carried is not None:
             self.resting.resume(carried)
 
-    def reads_hidden(self) -> bool:
-        return self.online is not None or self.resting.left < HIDDEN_LEAD
+    def reads_hidden(self, tokens_left: int) -> bool:
+        """Learning online, always; resting, within HIDDEN_LEAD steps of its probe, and only where the request lasts
+        until it (each step commits a token or more): the last steps of a short request read nothing for nothing."""
+        return self.online is not None or self.resting.left < min(HIDDEN_LEAD, tokens_left)
 
     def reads_teacher(self) -> bool:
         return self.online is not None and self.online.cfg.soft

@@ -55,8 +55,8 @@ class SuffixEagleProposer(Proposer):
         self.eagle.begin(prompt, max_len)
         self.last = None
 
-    def reads_hidden(self) -> bool:
-        return self.eagle.reads_hidden()
+    def reads_hidden(self, tokens_left: int) -> bool:
+        return self.eagle.reads_hidden(tokens_left)
 
     def observe_hidden(self, start, hidden) -> None:
         self.eagle.observe_hidden(start, hidden)
