@@ -117,10 +117,9 @@ class EagleProposer(Proposer):
         self.cost = cost
 
     def begin(self, prompt: list[int], max_len: int) -> None:
-        h = self.head.config.block.hidden_size
-        self.features = torch.zeros(max_len, h, dtype=self.head.dtype, device=self.head.device)
-        self.raw = torch.zeros(max_len, h * len(self.hidden_layers), dtype=self.features.dtype, device=self.head.device)
-        self.cache = self.head.new_cache(max_len + self.nodes * 4 + 64)
+        self.max_len = max_len
+        self.features = self.raw = None  # made when the first hidden states come: a head resting through a request
+        # (most of Spec-Bench's, on a CPU) never zeroes ~5 MB for them (1% of a short request's prefill)
         self.known = self.known_from = self.cached = self.fused = self.offset = 0
         self.recorded = 0  # positions below this one were recorded for online learning (or skipped)
         # for online learning: per position i, the guesses for token i + 1 the target rejected (-1: none)
@@ -154,6 +153,8 @@ class EagleProposer(Proposer):
     def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
         head costs nothing per step)."""
+        if self.raw is None:
+            self._allocate()
         if start > self.known:  # positions known..start - 1 were skipped while resting: the head restarts after
             self.known_from = start
         n, h = hidden[0].shape
@@ -162,6 +163,13 @@ class EagleProposer(Proposer):
         self.known = start + n
         self.fused = min(self.fused, start)
         self.cached = min(self.cached, start)  # entries past a rewritten feature are stale
+
+    def _allocate(self) -> None:
+        """The request's buffers: raw hidden states and features per position, and the head's cache."""
+        h, device = self.head.config.block.hidden_size, self.head.device
+        self.features = torch.zeros(self.max_len, h, dtype=self.head.dtype, device=device)
+        self.raw = torch.zeros(self.max_len, h * len(self.hidden_layers), dtype=self.head.dtype, device=device)
+        self.cache = self.head.new_cache(self.max_len + self.nodes * 4 + 64)
 
     def _fuse(self, start: int, end: int) -> None:
         """Features for positions [start, end) (those before `start` are not needed: the cache restarted later)."""
