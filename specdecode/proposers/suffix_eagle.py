@@ -71,12 +71,13 @@ class SuffixEagleProposer(Proposer):
         found = self.suffix.candidates(tokens, k)
         ranked = found.ranked()[: self.suffix.nodes]
         n = self.suffix.best_count(found, ranked, len(tokens))
-        expected = sum(found.chances[i] for i in ranked[:n])
-        head = None
-        if expected < self.head_expects:
-            head = self.eagle.propose(tokens, min(k, self.eagle.MAX_DEPTH), params, generator)
-            if head.num_drafted and len(self.eagle.node_chances) == head.num_drafted:
-                self.head_expects = 0.9 * self.head_expects + 0.1 * sum(self.eagle.node_chances)
+        expected = sum(map(found.chances.__getitem__, ranked[:n]))
+        head, eagle = None, self.eagle
+        # a step of the head's rest (counted only where the head would run) costs no call (one learning online runs)
+        if expected < self.head_expects and (eagle.online is not None or not eagle.resting.take()):
+            head = eagle.propose(tokens, min(k, eagle.MAX_DEPTH), params, generator)
+            if head.num_drafted and len(eagle.node_chances) == head.num_drafted:
+                self.head_expects = 0.9 * self.head_expects + 0.1 * sum(eagle.node_chances)
             else:
                 head = None
         if head is None:
