@@ -3,6 +3,7 @@ proposal (verified or not) once the committed text shows how far it matched."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .tree import DraftTree
@@ -55,30 +56,29 @@ class AcceptanceStats:
     def rates(self, bucket: int, floor: list[float] | None = None) -> list[float]:
         """floor: per depth, what this bucket is known to do at least as well as (suffix decoding: the class of
         the next shorter matches); each depth is pulled toward it where it is above the estimate carried down."""
+        return list(self._conditional(bucket, floor))
+
+    def _conditional(self, bucket: int, floor: Iterable[float] | None = None) -> Iterator[float]:
+        """`rates`, one depth at a time (a caller that stops early computes no deeper one)."""
         hits, trials = self._rows(bucket)
-        out, above = [], self.prior.get(bucket, 0.5)
-        for d, (h, t) in enumerate(zip(hits, trials, strict=True)):
-            toward = above if floor is None or floor[d] < above else floor[d]
+        below = None if floor is None else iter(floor)
+        above = self.prior.get(bucket, 0.5)
+        for h, t in zip(hits, trials, strict=True):
+            toward = above
+            if below is not None:
+                under = next(below)
+                if under >= above:
+                    toward = under
             above = (h + 2.0 * toward) / (t + 2.0)
-            out.append(above)
-        return out
+            yield above
 
     def reach(self, bucket: int, floor: int | None = None, until: float = 0.0) -> list[float]:
         """[d - 1]: the chance that guesses 1..d all match (the running product of `rates(bucket, rates(floor))`),
         up to the first depth under `until` (included): what a proposer that sends nothing less likely asks each
         step, at a fraction of the deep rows' work."""
-        hits, trials = self._rows(bucket)
-        below = self._rows(floor) if floor is not None else None
-        out, above, reach = [], self.prior.get(bucket, 0.5), 1.0
-        under = self.prior.get(floor, 0.5) if floor is not None else 0.0
-        for d in range(self.max_depth):
-            toward = above
-            if below is not None:
-                under = (below[0][d] + 2.0 * under) / (below[1][d] + 2.0)
-                if under >= above:
-                    toward = under
-            above = (hits[d] + 2.0 * toward) / (trials[d] + 2.0)
-            reach *= above
+        out, reach = [], 1.0
+        for rate in self._conditional(bucket, None if floor is None else self._conditional(floor)):
+            reach *= rate
             out.append(reach)
             if reach < until:
                 break
@@ -86,9 +86,8 @@ class AcceptanceStats:
 
     def expected_accepted(self, bucket: int) -> list[float]:
         """[d] = expected accepted guesses for a chain of depth d (index 0: depth 0)."""
-        out, reach = [0.0], 1.0
-        for rate in self.rates(bucket):
-            reach *= rate  # the chance that guesses 1..d all match
+        out = [0.0]
+        for reach in self.reach(bucket):
             out.append(out[-1] + reach)
         return out
 

@@ -171,7 +171,8 @@ class CostModel:
     def forward_seconds_upto(self, most: int, context: int) -> list[float]:
         """forward_seconds of 1..most tokens, in one pass of plain Python (a self-sizing proposer prices every
         count of its ranked guesses each step: a call per count through the batch's layers was a fifth of suffix
-        decoding's proposing time)."""
+        decoding's proposing time). `_price`'s arithmetic, inlined: a `_price` call per count cost 3 us of suffix
+        decoding's 38 a step (tests hold the two equal float for float)."""
         (r0, b0), (r1, b1) = self._upper_rows
         c0, c1 = self.contexts
         last, load, out = self.sizes[-1], self.load, []

@@ -154,7 +154,7 @@ class Candidates:
             if chance > chances[node]:
                 chances[node] = chance
             sources[node] |= source
-        if len(rows) == 1:
+        if len(rows) == 1:  # its path: the nodes it went through, one a token
             return rows[0][: len(seen)]
         best: dict[int, int] = {}  # parent -> its most frequent child (the first created of equals)
         for node, count in seen.items():
