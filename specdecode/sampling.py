@@ -83,6 +83,20 @@ class SamplingParams:
 SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingParams)) - {"temperature", "top_k", "top_p"}
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's first maximal index (NaN counts as the maximum), as torch.argmax gives it, through NumPy on the
+    CPU: PyTorch's CPU argmax is not vectorised (65 us for one row of 49k logits, NumPy's 2-3 us; a whole plain step
+    takes ~4 ms). logits: [n, V]."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """greedy_tokens of one row [V]."""
+    return greedy_tokens(logits[None])[0]
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     if generator is not None and generator.device != probs.device:  # a request's CPU generator, a GPU's probs: the
         probs = probs.to(generator.device)  # draws stay the seed's on any device

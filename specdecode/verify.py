@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, greedy_token, greedy_tokens, sample
 from .tree import DraftTree
 
 if TYPE_CHECKING:
@@ -55,10 +55,10 @@ def verify(
 
 
 def _verify_greedy(tree: DraftTree, logits: torch.Tensor, constraint: Constraint | None) -> Verdict:
-    best = logits.argmax(dim=-1).tolist() if constraint is None else None
+    best = greedy_tokens(logits) if constraint is None else None
     node, path = 0, [0]
     while True:
-        target_token = best[node] if best is not None else int(constraint.mask(logits[node]).argmax())
+        target_token = best[node] if best is not None else greedy_token(constraint.mask(logits[node]))
         child = next((c for c in tree.children(node) if tree.tokens[c] == target_token), None)
         if child is None:
             return Verdict(path, target_token)

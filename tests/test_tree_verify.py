@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, greedy_token, greedy_tokens
 from specdecode.tree import DraftTree, ExtraNodes
 from specdecode.verify import residual, verify
 
@@ -16,6 +16,20 @@ from .helpers import tiny_model
 
 V = 10
 SAMPLED = SamplingParams(temperature=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_tokens_are_torchs_argmax_ties_and_nan_included(dtype) -> None:
+    """NumPy's argmax on the CPU (PyTorch's is not vectorised) picks what torch.argmax picks: the first maximum, NaN
+    above everything."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 5.0, nan, 1.0], [-inf] * 4, [2.0, inf, inf, 0.0],
+                         [0.0, 0.0, 0.0, 0.0], [-1.0, -3.0, 4.0, 4.0]], dtype=dtype)
+    random = torch.randn(5, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    random[2, [7, 40000]] = random[2].max() + 1  # a tie at the top, far apart
+    for logits in (rows, random, rows[1:4], random[:, ::2]):  # strided views too
+        assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist()
+        assert [greedy_token(row) for row in logits] == logits.argmax(dim=-1).tolist()
 
 
 # ------------------------------------------------------------------------------------ constructors

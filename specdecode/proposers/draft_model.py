@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..models import KVCache, Transformer
-from ..sampling import SamplingParams, sample
+from ..sampling import SamplingParams, greedy_token, sample
 from ..tree import DraftTree
 from .base import Capabilities, Proposer
 from .prompt_lookup import PromptLookupProposer
@@ -107,7 +107,7 @@ class DraftModelProposer(Proposer):
         if not paths or len(paths[0]) < 2:
             return []
         first = paths[0][0]
-        if (q is None and int(logits.argmax()) != first) or (q is not None and float(q[first]) == 0.0):
+        if (q is None and greedy_token(logits) != first) or (q is not None and float(q[first]) == 0.0):
             return []
         return paths[0]
 
@@ -115,7 +115,7 @@ class DraftModelProposer(Proposer):
     def _keeps(guess: int, logits: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None) -> bool:
         """Whether the draft keeps a lookup guess: greedy, its own choice; sampled, with probability q(guess)."""
         if q is None:
-            return int(logits.argmax()) == guess
+            return greedy_token(logits) == guess
         device = generator.device if generator is not None else q.device
         return float(torch.rand((), generator=generator, dtype=torch.float64, device=device)) < float(q[guess])
 
@@ -125,7 +125,7 @@ class DraftModelProposer(Proposer):
         """The draft's own token; after a rejected guess, sampled from q without it (greedy: the argmax, which the
         rejected guess was not)."""
         if q is None:
-            return int(logits.argmax())
+            return greedy_token(logits)
         if exclude is not None:
             q = q.clone()
             q[exclude] = 0.0

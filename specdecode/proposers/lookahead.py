@@ -20,6 +20,7 @@ import random
 
 import torch
 
+from ..sampling import greedy_tokens
 from ..tree import DraftTree, ExtraNodes
 from ..verify import Verdict
 from .base import Capabilities, Proposer
@@ -72,7 +73,7 @@ class LookaheadProposer(Proposer):
             return  # the policy dropped the window this step: keep it as it is
         self._extra = None
         w = self.window
-        new = extra_logits[-w:].argmax(dim=-1).tolist()  # the target's next token after each top-level node
+        new = greedy_tokens(extra_logits[-w:])  # the target's next token after each top-level node
         if len(self.levels) < self.ngram - 1:  # still filling the window
             self.levels.append(new)
             return
