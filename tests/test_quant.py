@@ -223,6 +223,48 @@ def test_native_block_equals_pytorch_block(kind, window, monkeypatch) -> None:
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", [None, "int4-a8", "int8"])
+def test_logits_from_the_blocks_call_equal_the_output_layer_run_after_it(kind, monkeypatch) -> None:
+    """The kernel's final norm and output layer (one call with the blocks) compute what the PyTorch norm and the
+    output layer compute; any rows asked (a slice, the last row, an index) hold what all rows hold, bit for bit."""
+    model = tiny_model(0, dtype=torch.float32, tie_word_embeddings=kind is not None)
+    if kind:
+        quantize_(model, kind)
+    with torch.inference_mode():
+        lib, blocks = model._native_blocks(torch.zeros(1, 1, dtype=torch.long), model.new_cache(4))
+    assert blocks.head is not None
+    prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+
+    def logits(logits_at):
+        cache = model.new_cache(16)
+        return model.forward(prompt, cache, logits_at=logits_at).logits[0]
+
+    every = logits(slice(None))
+    assert torch.equal(logits(slice(-1, None)), every[-1:])
+    assert torch.equal(logits(slice(3, 7)), every[3:7])
+    assert torch.equal(logits(torch.tensor([9, 2])), every[[9, 2]])
+    assert model.forward(prompt, model.new_cache(16), logits_at=None).logits is None
+    monkeypatch.setattr(blocks, "head", None)  # the norm and output layer in PyTorch after the blocks' call
+    apart = logits(slice(None))
+    torch.testing.assert_close(every, apart, rtol=1e-5, atol=1e-5 * apart.abs().max().item())
+
+
+def test_embedding_rows_kept_are_the_table_rows_and_stay_unchanged() -> None:
+    model = quantize_(tiny_model(0, dtype=torch.float32, tie_word_embeddings=True), "int4-a8")
+    embed, table = model.embed, model.lm_head.dequantize()
+    embed.ROWS_KEPT = 6
+    for tokens in ([[5]], [[5, 5, 9]], [[1, 2, 3, 4]], [[7, 5]], [[i % 50 for i in range(embed.FEW + 1)]]):
+        ids = torch.tensor(tokens)
+        got = embed(ids)
+        assert torch.equal(got, table[ids]), tokens
+        got.add_(1.0)  # the native blocks update their input in place: the rows kept must not follow
+        assert len(embed._rows) <= embed.ROWS_KEPT
+    assert torch.equal(embed(torch.tensor([[5]])), table[torch.tensor([[5]])])
+    model.lm_head.tile(16)  # the table stored anew: the rows kept are dropped, and read again from the new storage
+    assert torch.equal(embed(torch.tensor([[3, 5]])), table[torch.tensor([[3, 5]])])
+    assert set(embed._rows) == {3, 5}
+
+
 def test_fallback_without_native_kernels_logs_and_computes_the_same(no_native, caplog) -> None:
     g = torch.Generator().manual_seed(4)
     weight, x = torch.randn(40, 64, generator=g), torch.randn(3, 64, generator=g)

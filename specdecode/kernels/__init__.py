@@ -160,6 +160,14 @@ class Span(ctypes.Structure):
                 ("masks", ctypes.c_void_p * 2), ("full_masks", ctypes.c_void_p * 2)]
 
 
+class Output(ctypes.Structure):
+    """The final norm (weight, epsilon) and output layer block.c runs after the blocks, on rows first..first+n of x,
+    into logits [n, n_out]."""
+
+    _fields_ = [("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("w", ctypes.POINTER(Weight)),
+                ("first", ctypes.c_int), ("n", ctypes.c_int), ("logits", ctypes.c_void_p)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.specdecode_q4_matmul.argtypes = [p, p, i, i, p, p, p, p, i]
@@ -169,7 +177,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_a8_matmul.restype = i
     q = ctypes.c_int64
     lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, ctypes.POINTER(View),
-                                      ctypes.POINTER(Span), i, i, i, i, i, f, p]
+                                      ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output)]
     lib.specdecode_blocks.restype = i
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
     lib.specdecode_attention.restype = i
@@ -185,4 +193,5 @@ def reset() -> None:
         _state.clear()
 
 
-__all__ = ["Layer", "Span", "View", "Weight", "native", "simd", "source_key", "cpu_flags", "reset", "tile_width"]
+__all__ = ["Layer", "Output", "Span", "View", "Weight", "native", "simd", "source_key", "cpu_flags", "reset",
+           "tile_width"]

@@ -195,19 +195,19 @@ class EagleHead(nn.Module):
             lib, block = blocks
             x = x.reshape(n, -1).contiguous()
             full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
-            block.run(lib, x, cache.kv, [native.RowSpan(0, n, start, 0, [(None, full)])], [(cos, sin)],
-                      self.config.block)
+            logits = block.run(lib, x, cache.kv, [native.RowSpan(0, n, start, 0, [(None, full)])], [(cos, sin)],
+                               self.config.block, None, None if block.head is None else logits_at)
             x = x.view(1, n, -1)
         else:
-            x = self.block(x, cos, sin, cache, 0, start, mask)
+            x, logits = self.block(x, cos, sin, cache, 0, start, mask), None
         cache.length = start + n
-        return self.lm_head(self.norm(x[:, logits_at])), x
+        return (self.lm_head(self.norm(x[:, logits_at])) if logits is None else logits[None]), x
 
     def _native_block(self, cache: KVCache):
         """(library, NativeBlocks) where the block can run in the native kernel (float32 on the CPU), else None."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not native.cache_fits(cache):
             return None
-        return native.runner(self, [self.block])
+        return native.runner(self, [self.block], self.norm, self.lm_head)
 
     # ---------------------------------------------------------------------------------- persistence
     def save(self, out_dir: Path | str, dtype: torch.dtype = torch.float32) -> None:

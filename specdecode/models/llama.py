@@ -233,7 +233,9 @@ class Transformer(nn.Module):
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from the last block's output: final norm, output layer, Gemma 2's softcap where set."""
-        logits = self.lm_head(self.norm(x))
+        return self.softcap(self.lm_head(self.norm(x)))
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -258,6 +260,7 @@ class Transformer(nn.Module):
         """
         _, n = tokens.shape
         start = cache.length
+        fused = None
         if positions is None:
             positions = torch.arange(start, start + n, device=tokens.device)
         num_layers = len(self.layers)
@@ -275,7 +278,12 @@ class Transformer(nn.Module):
             types = sorted({layer.sliding for layer in self.layers})  # full first, then sliding
             span = native.RowSpan(0, n, start, 0, [self._native_masks(start, positions, tree_mask, t) for t in types])
             outputs = {i: torch.empty_like(flat) for i in wanted}
-            blocks.run(lib, flat, cache.kv, [span], [self.rope(positions, t) for t in types], self.config, outputs)
+            # the logits in the same call where the kernel runs the output layer (a slice of rows; else all rows, then
+            # the ones asked: every forward's logits come from the same code, whichever rows it wants)
+            rows = None if blocks.head is None or logits_at is None else \
+                logits_at if isinstance(logits_at, slice) and logits_at.step in (None, 1) else slice(None)
+            fused = blocks.run(lib, flat, cache.kv, [span], [self.rope(positions, t) for t in types], self.config,
+                               outputs, rows)
             states = {i: out.view(1, n, -1) for i, out in outputs.items()}
             x = flat.view(1, n, -1)
         else:
@@ -291,7 +299,9 @@ class Transformer(nn.Module):
                     states[i] = x
         cache.length = start + n
         logits = None
-        if logits_at is not None:
+        if fused is not None:
+            logits = self.softcap(fused if rows is logits_at else fused[logits_at])[None]
+        elif logits_at is not None:
             logits = self.output_logits(x[:, logits_at])
         return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
 
@@ -308,7 +318,7 @@ class Transformer(nn.Module):
         """(library, NativeBlocks) when this forward can run its blocks natively (models/native.py), else None."""
         if not native.applies(self, tokens, cache):
             return None
-        return native.runner(self, self.layers)
+        return native.runner(self, self.layers, self.norm, self.lm_head)
 
     # --------------------------------------------------------------------------- ragged batches
     @torch.inference_mode()
@@ -420,11 +430,13 @@ class Transformer(nn.Module):
                                         [self._native_masks(done, pos, None, t) for t in types]))
         wanted = [i % len(self.layers) for i in hidden_layers]
         outputs = {i: torch.empty_like(x) for i in wanted}
-        blocks.run(lib, x, cache.kv, spans, [self.rope(flat_positions, t) for t in types], self.config, outputs)
+        fused = blocks.run(lib, x, cache.kv, spans, [self.rope(flat_positions, t) for t in types], self.config, outputs,
+                           None if blocks.head is None else slice(0, first))
         for i, m in enumerate(sizes):
             cache.lengths[i] += m
         if chunk:
             cache.lengths[b] += len(chunk)
-        logits = self.output_logits(x[: first])  # the rows' tokens only: a prefill needs none
+        # the rows' tokens only: a prefill needs none
+        logits = self.output_logits(x[:first]) if fused is None else self.softcap(fused)
         hidden = [[outputs[layer][span.first : span.first + span.n] for layer in wanted] for span in spans[:b]]
         return BatchForwardOutput(list(logits.split(sizes)), hidden)

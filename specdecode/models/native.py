@@ -63,14 +63,18 @@ class RowSpan:
 
 
 class NativeBlocks:
-    """Layers described for the kernel once (their norms, epsilon and weights), run in one call a step."""
+    """Layers described for the kernel once (their norms, epsilon and weights), run in one call a step; with the
+    final norm and output layer where the kernel runs them too (`head`: the logits in the same call)."""
 
-    def __init__(self, layers: Sequence[torch.nn.Module], described: ctypes.Array, weights: list) -> None:
-        self.layers, self.described = layers, described
+    def __init__(self, layers: Sequence[torch.nn.Module], described: ctypes.Array, weights: list,
+                 head: tuple[int, float, kernels.Weight] | None = None) -> None:
+        self.layers, self.described, self.head = layers, described, head
         self._weights = weights  # the structs the descriptions point to: alive as long as they are
 
     @classmethod
-    def build(cls, layers: Sequence[torch.nn.Module]) -> NativeBlocks | None:
+    def build(cls, layers: Sequence[torch.nn.Module], norm: torch.nn.RMSNorm | None = None,
+              output: torch.nn.Module | None = None) -> NativeBlocks | None:
+        """None where some layer has no kernel; `head` None where the norm or the output layer has none."""
         described, weights = (kernels.Layer * len(layers))(), []
         for i, block in enumerate(layers):
             ws = [weight_struct(m) for m in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2)]
@@ -85,15 +89,22 @@ class NativeBlocks:
                                          float(eps), *(ctypes.pointer(w) for w in ws),
                                          *(None if norm is None else norm.weight.data_ptr() for norm in extra),
                                          int(block.mlp.gelu), int(block.sliding))
-        return cls(layers, described, weights)
+        head = None
+        out = None if output is None else weight_struct(output)
+        if out is not None and norm is not None and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous():
+            eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+            head = (norm.weight.data_ptr(), float(eps), out)
+        return cls(layers, described, weights, head)
 
     def run(self, lib, x: torch.Tensor, kv: torch.Tensor, spans: Sequence[RowSpan], views: Sequence[View], cfg,
-            states: dict[int, torch.Tensor] | None = None) -> None:
+            states: dict[int, torch.Tensor] | None = None, logits_of: slice | None = None) -> torch.Tensor | None:
         """Every block on x [n, H] (updated in place): the tokens of each span, a sequence or a batch's row, layer
         i's keys and values written into kv's layer i, the span's row ([layers, 2, rows, kv_heads, max_len,
         head_dim]); views[0] for the full-attention layers, views[1] for the sliding ones (where the model has
         them); states[i] ([n, H], contiguous), where given, receives x after layer i. A token's numbers are the
-        same in any company: a batch's rows compute what each computes alone."""
+        same in any company: a batch's rows compute what each computes alone.
+        logits_of: rows of x (a slice of step 1) whose logits [rows, V] the call returns, through `head` (which must
+        be set): x itself stays the last block's output."""
         n, hidden = x.shape
         described = (kernels.View * 2)(*(kernels.View(cos.data_ptr(), sin.data_ptr()) for cos, sin in
                                          (views[0], views[-1])))
@@ -108,32 +119,45 @@ class NativeBlocks:
             outputs = (ctypes.c_void_p * len(self.layers))()
             for i, out in states.items():
                 outputs[i] = out.data_ptr()
+        output, logits = None, None
+        if logits_of is not None:
+            first, stop, _ = logits_of.indices(n)
+            norm, eps, weight = self.head
+            logits = torch.empty(max(stop - first, 0), weight.n_out, dtype=torch.float32)
+            output = kernels.Output(norm, eps, ctypes.pointer(weight), first, len(logits), logits.data_ptr())
         failed = lib.specdecode_blocks(
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
             kv.shape[4], described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, scale, outputs)
+            cfg.intermediate_size, scale, outputs, None if output is None else ctypes.byref(output))
         if failed:
             raise MemoryError("the native block could not allocate its scratch memory")
+        return logits
 
 
-def blocks_of(owner: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> NativeBlocks | None:
-    """`layers` described for the kernel, kept on `owner` until their weights move or are replaced (None: some
-    layer the kernel cannot run)."""
+def _storage(m: torch.nn.Module) -> int:
+    return m._buffers["qs"].data_ptr() if "qs" in m._buffers else m._parameters["weight"].data_ptr()
+
+
+def blocks_of(owner: torch.nn.Module, layers: Sequence[torch.nn.Module], norm: torch.nn.RMSNorm | None = None,
+              output: torch.nn.Module | None = None) -> NativeBlocks | None:
+    """`layers` (and the final `norm` and `output` layer, where given) described for the kernel, kept on `owner`
+    until their weights move or are replaced (None: some layer the kernel cannot run)."""
     first, last = layers[0], layers[-1]
-    key = (tuple(layers), *(m._buffers["qs"].data_ptr() if "qs" in m._buffers else m._parameters["weight"].data_ptr()
-                     for m in (first.attn.wqkv, last.mlp.w2)))
+    key = (tuple(layers), _storage(first.attn.wqkv), _storage(last.mlp.w2),
+           None if output is None else _storage(output), None if norm is None else norm.weight.data_ptr())
     cached = owner.__dict__.get("_native")
     if cached is None or cached[0] != key:
-        cached = (key, NativeBlocks.build(layers))
+        cached = (key, NativeBlocks.build(layers, norm, output))
         owner.__dict__["_native"] = cached
     return cached[1]
 
 
-def runner(owner: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> tuple[ctypes.CDLL, NativeBlocks] | None:
+def runner(owner: torch.nn.Module, layers: Sequence[torch.nn.Module], norm: torch.nn.RMSNorm | None = None,
+           output: torch.nn.Module | None = None) -> tuple[ctypes.CDLL, NativeBlocks] | None:
     """(the native library, `layers` described for it), or None where the library or some layer's kernel is
     missing (the PyTorch blocks then run)."""
     lib = kernels.native()
-    blocks = None if lib is None else blocks_of(owner, layers)
+    blocks = None if lib is None else blocks_of(owner, layers, norm, output)
     return None if blocks is None else (lib, blocks)
 
 
