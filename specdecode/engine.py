@@ -179,13 +179,16 @@ class Engine:
         inputs = [t.forward_inputs(c) for t, c in zip(trees, contexts, strict=True)]
         sizes = [len(tokens) for tokens, _, _ in inputs]
         n = max(sizes)
-        tokens = torch.zeros(b, n, dtype=torch.long)
-        positions = torch.zeros(b, n, dtype=torch.long)
-        for i, (toks, pos, _) in enumerate(inputs):
-            m = sizes[i]
-            tokens[i, :m] = torch.tensor(toks)
-            positions[i, :m] = pos
-            positions[i, m:] = contexts[i] + torch.arange(m, n)
+        if b == 1:  # a lone request's inputs as they are (padding them took six tensor operators a step)
+            tokens, positions = torch.tensor([inputs[0][0]]), inputs[0][1][None]
+        else:
+            tokens = torch.zeros(b, n, dtype=torch.long)
+            positions = torch.zeros(b, n, dtype=torch.long)
+            for i, (toks, pos, _) in enumerate(inputs):
+                m = sizes[i]
+                tokens[i, :m] = torch.tensor(toks)
+                positions[i, :m] = pos
+                positions[i, m:] = contexts[i] + torch.arange(m, n)
         masks = [mask for _, _, mask in inputs]
         layers = list(dict.fromkeys(layer for row in self.rows for layer in row.hidden_layers))
         pending, chunk = self.pending if prefill else None, None

@@ -275,7 +275,7 @@ class Transformer(nn.Module):
             if start + n > cache.max_len:
                 raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
             flat = x.reshape(n, -1).float().contiguous()
-            types = sorted({layer.sliding for layer in self.layers})  # full first, then sliding
+            types = blocks.types  # full first, then sliding
             span = native.RowSpan(0, n, start, 0, [self._native_masks(start, positions, tree_mask, t) for t in types])
             outputs = {i: torch.empty_like(flat) for i in wanted}
             # the logits in the same call where the kernel runs the output layer (a slice of rows; else all rows, then
@@ -416,7 +416,7 @@ class Transformer(nn.Module):
         flat_positions = torch.cat([positions[i, :m].to(self.device) for i, m in enumerate(sizes)]
                                    + [torch.arange(done, done + len(chunk), device=self.device)])
         x = self.embed_tokens(flat_tokens[None].to(self.device))[0].float().contiguous()
-        types = sorted({layer.sliding for layer in self.layers})  # full first, then sliding
+        types = blocks.types  # full first, then sliding
         spans, first = [], 0
         for i, (start, m) in enumerate(zip(starts, sizes, strict=True)):
             mask = None if tree_masks is None else tree_masks[i]

@@ -69,6 +69,7 @@ class NativeBlocks:
     def __init__(self, layers: Sequence[torch.nn.Module], described: ctypes.Array, weights: list,
                  head: tuple[int, float, kernels.Weight] | None = None) -> None:
         self.layers, self.described, self.head = layers, described, head
+        self.types = sorted({bool(layer.sliding) for layer in layers})  # the Views the layers read: full, sliding
         self._weights = weights  # the structs the descriptions point to: alive as long as they are
 
     @classmethod
