@@ -44,10 +44,11 @@ void specdecode_f32_matmul(const float *x, int M, int K, const float *w, float *
 int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const void *d, const void *m,
                          float *y, int N);
 
-static void linear(const Weight *w, const float *x, int M, float *y, float *scratch) {
-    if (w->kind > W_A8)
-        specdecode_a8_matmul(w->kind - W_A8, x, M, w->n_in, w->qs, w->d, w->m, y, w->n_out);
-    else if (w->kind == W_Q4)
+/* returns 1 when the int8-activation kernel's scratch memory ran out */
+static int linear(const Weight *w, const float *x, int M, float *y, float *scratch) {
+    if (w->kind > W_A8) {
+        if (specdecode_a8_matmul(w->kind - W_A8, x, M, w->n_in, w->qs, w->d, w->m, y, w->n_out)) return 1;
+    } else if (w->kind == W_Q4)
         specdecode_q4_matmul(x, scratch, M, w->n_in, (const uint8_t *)w->qs, w->d, w->m, y, w->n_out);
     else if (w->kind == W_Q8)
         specdecode_q8_matmul(x, M, w->n_in, (const int8_t *)w->qs, w->d, y, w->n_out);
@@ -56,6 +57,7 @@ static void linear(const Weight *w, const float *x, int M, float *y, float *scra
     if (w->bias)
         for (int r = 0; r < M; r++)
             for (int j = 0; j < w->n_out; j++) y[(int64_t)r * w->n_out + j] += w->bias[j];
+    return 0;
 }
 
 static inline float dot(const float *a, const float *b, int len) {
@@ -365,7 +367,7 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
 
     /* attention */
     rmsnorm(x, l->attn_norm, l->eps, n, H, s->xn);
-    linear(l->wqkv, s->xn, n, s->big, s->scratch);
+    if (linear(l->wqkv, s->xn, n, s->big, s->scratch)) return 1;
     for (int r = 0; r < n_spans; r++) {
         const Span *sp = spans + r;
         float *k_cache = k_layer + sp->kv_offset, *v_cache = v_layer + sp->kv_offset;
@@ -391,12 +393,12 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
                                  sp->full_masks[l->view], n_heads, n_kv, hd, scale))
             return 1;
     }
-    linear(l->wo, s->att, n, s->out, s->scratch);
+    if (linear(l->wo, s->att, n, s->out, s->scratch)) return 1;
     add_output(x, s->out, l->post_attn_norm, l->eps, n, H);
 
     /* MLP */
     rmsnorm(x, l->mlp_norm, l->eps, n, H, s->xn);
-    linear(l->w13, s->xn, n, s->big, s->scratch);
+    if (linear(l->w13, s->xn, n, s->big, s->scratch)) return 1;
     /* the gate shared out among the threads in GATE_PARTS parts a token (a verification's gates, an expf each, took
        8% of its time on one thread while the other waited); a part starts at a multiple of 8 and the last ends the
        row, so every element is computed by the same instructions as in one pass over the row */
@@ -411,7 +413,7 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
         else
             for (int j = j0; j < j1; j++) hmid[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
     }
-    linear(l->w2, s->xn, n, s->out, s->scratch);
+    if (linear(l->w2, s->xn, n, s->out, s->scratch)) return 1;
     add_output(x, s->out, l->post_mlp_norm, l->eps, n, H);
     return 0;
 }
@@ -451,7 +453,7 @@ int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers,
     }
     if (!failed && output && output->n > 0) {
         rmsnorm(x + (int64_t)output->first * H, output->norm, output->eps, output->n, H, s.xn);
-        linear(output->w, s.xn, output->n, output->logits, s.scratch);
+        failed = linear(output->w, s.xn, output->n, output->logits, s.scratch);
     }
     free(s.xn); free(s.big); free(s.att); free(s.scratch); free(s.out);
     return failed;

@@ -122,7 +122,9 @@ class NativeBlocks:
                 outputs[i] = out.data_ptr()
         output, logits = None, None
         if logits_of is not None:
-            first, stop, _ = logits_of.indices(n)
+            first, stop, step = logits_of.indices(n)
+            if step != 1:
+                raise ValueError(f"the kernel computes the logits of consecutive rows, not {logits_of}")
             norm, eps, weight = self.head
             logits = torch.empty(max(stop - first, 0), weight.n_out, dtype=torch.float32)
             output = kernels.Output(norm, eps, ctypes.pointer(weight), first, len(logits), logits.data_ptr())
