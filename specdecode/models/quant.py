@@ -337,16 +337,19 @@ class QuantEmbedding(nn.Module):
             return self._dequantize(flat).reshape(*tokens.shape, self.table.in_features)
         t = self.table
         source = (t.qs.data_ptr(), t.qs.device, t.tiled)
+        kept = self._rows  # this call's dict throughout (a draft sharing the table may run in another thread)
         if source != self._rows_of:
-            self._rows, self._rows_of = {}, source
+            kept = self._rows = {}
+            self._rows_of = source
         ids = flat.tolist()
         unique = list(dict.fromkeys(ids))
-        missing = [i for i in unique if i not in self._rows]
+        missing = [i for i in unique if i not in kept]
         if missing:
-            if len(self._rows) + len(missing) > self.ROWS_KEPT:
-                self._rows, missing = {}, unique
+            if len(kept) + len(missing) > self.ROWS_KEPT:
+                kept, missing = {}, unique
+                self._rows = kept
             for i, row in zip(missing, self._dequantize(torch.tensor(missing)), strict=True):
-                self._rows[i] = row
-        rows = self._rows  # copied out: callers may update their input in place (the native blocks do)
-        x = rows[ids[0]].clone() if len(ids) == 1 else torch.stack([rows[i] for i in ids])
+                kept[i] = row
+        # copied out: callers may update their input in place (the native blocks do)
+        x = kept[ids[0]].clone() if len(ids) == 1 else torch.stack([kept[i] for i in ids])
         return x.reshape(*tokens.shape, t.in_features)
