@@ -148,7 +148,7 @@ class DraftTree:
 
     def forward_inputs(self, start: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """Tokens, absolute positions and [n, n] mask (None = causal chain) for the target forward at `start`."""
-        positions, mask = start + self.depths(), self.attention_mask()
+        positions, mask = torch.tensor([start + d for d in self._depth_list()]), self.attention_mask()
         if self.extra is None:
             return self.tokens, positions, mask
         n, m = len(self.tokens), len(self.extra.tokens)

@@ -249,6 +249,23 @@ def test_logits_from_the_blocks_call_equal_the_output_layer_run_after_it(kind, m
     torch.testing.assert_close(every, apart, rtol=1e-5, atol=1e-5 * apart.abs().max().item())
 
 
+def test_the_kernel_takes_a_cache_whose_row_blocks_are_dense_and_no_other() -> None:
+    """cache_fits reads kv[0, 0, 0].is_contiguous() off the strides (no view a forward): the same answer for every
+    layout, one kv head (strides of size-1 dimensions do not count) and a batch's row included."""
+    from specdecode.models.cache import BatchKVCache, KVCache
+    from specdecode.models.native import cache_fits
+
+    caches = [KVCache(2, 3, 8, 10), KVCache(2, 1, 8, 10), BatchKVCache(2, 3, 8, 10, batch_size=3),
+              BatchKVCache(2, 3, 8, 10, batch_size=3).row(1)]
+    for dims in ((4, 5), (3, 4), (2, 3)):
+        odd = KVCache(2, 3, 8, 10)
+        odd.kv = odd.kv.transpose(*dims)
+        caches.append(odd)
+    answers = [cache_fits(c) for c in caches]
+    assert answers == [c.kv[0, 0, 0].is_contiguous() for c in caches]
+    assert answers[:4] == [True] * 4 and not all(answers[4:])
+
+
 def test_embedding_rows_kept_are_the_table_rows_and_stay_unchanged() -> None:
     model = quantize_(tiny_model(0, dtype=torch.float32, tie_word_embeddings=True), "int4-a8")
     embed, table = model.embed, model.lm_head.dequantize()

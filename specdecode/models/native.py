@@ -167,8 +167,12 @@ def runner(owner: torch.nn.Module, layers: Sequence[torch.nn.Module], norm: torc
 def cache_fits(cache) -> bool:
     """The kernel reads each layer's keys (and values) of a sequence (a row of a batch's cache) as one [kv_heads,
     max_len, head_dim] block."""
-    return (isinstance(cache, KVCache | BatchKVCache) and cache.kv.dtype == torch.float32
-            and cache.kv[0, 0, 0].is_contiguous())
+    if not isinstance(cache, KVCache | BatchKVCache) or cache.kv.dtype != torch.float32:
+        return False
+    # kv[0, 0, 0].is_contiguous() read off the strides: no view made each forward
+    (*_, heads, length, dim), stride = cache.kv.shape, cache.kv.stride()
+    return ((dim == 1 or stride[5] == 1) and (length == 1 or stride[4] == dim)
+            and (heads == 1 or stride[3] == length * dim))
 
 
 def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
