@@ -157,7 +157,8 @@ def test_native_head_block_computes_what_the_pytorch_block_does(trained, monkeyp
     tree[1, 8], tree[2, 8:10], tree[3, 9] = False, False, False  # node 1 and 2 beside each other, 3 under 1
     if kernels.native() is None:
         pytest.skip("no native kernels on this machine (kernels.native() logged why)")
-    assert head._native_block(head.new_cache(8)) is not None  # else this test compares PyTorch with itself
+    native_run = head._native_block(head.new_cache(8))
+    assert native_run is not None and native_run[1].head is not None  # else this compares PyTorch with itself
     runs = []
     for path in ("native", "torch"):
         if path == "torch":
@@ -166,6 +167,9 @@ def test_native_head_block_computes_what_the_pytorch_block_does(trained, monkeyp
         outs.append(head(features[:, :5], embeds[:, :5], cache, torch.arange(5)))  # a prefix, causal
         outs.append(head(features[:, 5:8], embeds[:, 5:8], cache, torch.arange(5, 8)))  # a chain after it
         outs.append(head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree))
+        cache.rollback(8)  # the same tree again, the last node's logits only (what a catch-up asks for)
+        last, _ = head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree, slice(-1, None))
+        assert torch.equal(last, outs[-1][0][:, -1:])
         runs.append(outs)
     for (a_logits, a_hidden), (b_logits, b_hidden) in zip(*runs, strict=True):
         torch.testing.assert_close(a_hidden, b_hidden, rtol=1e-4, atol=1e-4)
