@@ -26,10 +26,10 @@ class IncrementalText:
         self._checked = 0  # text before this holds no stop string
         self._stale = False  # tokens added since the text was last decoded
         # decoding reads a window, not the whole text (each step's decode of every token made a request quadratic:
-        # ~40 us a step at 300 tokens, ~90 at 1000): the window starts CONTEXT tokens before _final, and its text up
-        # to _final (decoded alone: a tokenizer may read a text's first token differently) is `_context`; the text
-        # of the tokens before _final is `_done`, final
-        self._done, self._start, self._final, self._context = "", 0, 0, ""
+        # ~40 us a step at 300 tokens, ~90 at 1000): the window starts at _start, CONTEXT tokens before the last
+        # final text's end; `_context` is those tokens' text decoded alone (a tokenizer may read a text's first
+        # token differently), `_done` the final text up to its end
+        self._done, self._start, self._context = "", 0, ""
 
     def add(self, token: int) -> bool:
         """Append one token; True when this token completed a stop string (the text is cut before it)."""
@@ -75,14 +75,14 @@ class IncrementalText:
         window = self.tokenizer.decode(self.tokens[self._start :], skip_special_tokens=True)
         if not window.startswith(self._context):  # the tokens after the context changed its text (a tokenizer's
             # clean-up across the boundary): decode it all, once
-            self._done, self._start, self._final, self._context = "", 0, 0, ""
+            self._done, self._start, self._context = "", 0, ""
             window = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         new = window[len(self._context) :]
         self.text = self._done + new
         if new and not new.endswith("\ufffd"):
-            self._done, self._final = self.text, len(self.tokens)
-            self._start = max(0, self._final - CONTEXT)
-            self._context = self.tokenizer.decode(self.tokens[self._start : self._final], skip_special_tokens=True)
+            self._done, final = self.text, len(self.tokens)
+            self._start = max(0, final - CONTEXT)
+            self._context = self.tokenizer.decode(self.tokens[self._start : final], skip_special_tokens=True)
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string."""

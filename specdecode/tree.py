@@ -89,8 +89,9 @@ class DraftTree:
             self._children = kids
         return self._children[node]
 
-    def depths(self) -> torch.Tensor:
-        return torch.tensor(self._depth_list())
+    def depths(self, start: int = 0) -> torch.Tensor:
+        """Each node's depth, plus `start` (absolute positions after `start` cached tokens)."""
+        return torch.tensor([start + d for d in self._depth_list()])
 
     def _depth_list(self) -> list[int]:
         depth = [0] * len(self.tokens)
@@ -148,7 +149,7 @@ class DraftTree:
 
     def forward_inputs(self, start: int) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """Tokens, absolute positions and [n, n] mask (None = causal chain) for the target forward at `start`."""
-        positions, mask = torch.tensor([start + d for d in self._depth_list()]), self.attention_mask()
+        positions, mask = self.depths(start), self.attention_mask()
         if self.extra is None:
             return self.tokens, positions, mask
         n, m = len(self.tokens), len(self.extra.tokens)
