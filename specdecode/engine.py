@@ -176,20 +176,26 @@ class Engine:
             self.cost.use_threads(self.threads.update())
         trees = self.choose([planned[id(row)] for row in self.rows], contexts)
         self.last_depths = [t.depth for t in trees]
-        inputs = [t.forward_inputs(c) for t, c in zip(trees, contexts, strict=True)]
-        sizes = [len(tokens) for tokens, _, _ in inputs]
-        n = max(sizes)
-        if b == 1:  # a lone request's inputs as they are (padding them took six tensor operators a step)
-            tokens, positions = torch.tensor([inputs[0][0]]), inputs[0][1][None]
+        positions: torch.Tensor | None
+        masks: list[torch.Tensor | None]
+        if b == 1 and trees[0].extra is None and trees[0].is_chain:  # a lone chain (a plain step): its positions
+            sizes, masks = [len(trees[0])], [None]  # follow the cache (building them took tensor operators)
+            tokens, positions = torch.tensor([trees[0].tokens]), None
         else:
-            tokens = torch.zeros(b, n, dtype=torch.long)
-            positions = torch.zeros(b, n, dtype=torch.long)
-            for i, (toks, pos, _) in enumerate(inputs):
-                m = sizes[i]
-                tokens[i, :m] = torch.tensor(toks)
-                positions[i, :m] = pos
-                positions[i, m:] = contexts[i] + torch.arange(m, n)
-        masks = [mask for _, _, mask in inputs]
+            inputs = [t.forward_inputs(c) for t, c in zip(trees, contexts, strict=True)]
+            sizes, masks = [len(toks) for toks, _, _ in inputs], [mask for _, _, mask in inputs]
+            if b == 1:  # a lone request's inputs as they are (padding them took six tensor operators a step)
+                tokens, positions = torch.tensor([inputs[0][0]]), inputs[0][1][None]
+            else:
+                n = max(sizes)
+                tokens = torch.zeros(b, n, dtype=torch.long)
+                positions = torch.zeros(b, n, dtype=torch.long)
+                for i, (toks, pos, _) in enumerate(inputs):
+                    m = sizes[i]
+                    tokens[i, :m] = torch.tensor(toks)
+                    positions[i, :m] = pos
+                    positions[i, m:] = contexts[i] + torch.arange(m, n)
+        n = max(sizes)
         layers = list(dict.fromkeys(layer for row in self.rows for layer in row.hidden_layers))
         pending, chunk = self.pending if prefill else None, None
         carry = pending is not None and not pending.hidden_layers and self.model.carries_prefill(tokens, self.cache)

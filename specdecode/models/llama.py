@@ -219,11 +219,21 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the given positions (of the sliding or the full layers), from a table kept (`rope_table`)."""
+        cos, sin = self._rope_table(int(positions.max()) + 1, sliding)
+        return cos[positions], sin[positions]
+
+    def rope_span(self, start: int, n: int, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` of positions start..start + n - 1: views of the table (a chain's step, most steps: indexing with a
+        positions tensor was three tensor operators a step, each slow right after the blocks' call)."""
+        cos, sin = self._rope_table(start + n, sliding)
+        return cos[start : start + n], sin[start : start + n]
+
+    def _rope_table(self, need: int, sliding: bool) -> RopeTable:
         tables = self._rope_cache if self._rope_cache is not None else {}
-        table = rope_table(self.config, int(positions.max()) + 1, self.device, self.dtype, sliding, tables.get(sliding))
+        table = rope_table(self.config, need, self.device, self.dtype, sliding, tables.get(sliding))
         if table is not tables.get(sliding):
             self._rope_cache = {**tables, sliding: table}
-        return table[0][positions], table[1][positions]
+        return table
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The blocks' input: embeddings, times Gemma's scale (rounded to float32, then the dtype, as Gemma does)."""
@@ -261,8 +271,7 @@ class Transformer(nn.Module):
         _, n = tokens.shape
         start = cache.length
         fused = None
-        if positions is None:
-            positions = torch.arange(start, start + n, device=tokens.device)
+        consecutive = positions is None  # a chain after the cache: RoPE reads views of its table
         num_layers = len(self.layers)
         if any(not -num_layers <= i < num_layers for i in hidden_layers):
             raise IndexError(f"hidden_layers {list(hidden_layers)} out of range for {num_layers} layers")
@@ -276,17 +285,20 @@ class Transformer(nn.Module):
                 raise ValueError(f"KV cache overflow: need {start + n} positions, cache holds {cache.max_len}")
             flat = x.reshape(n, -1).float().contiguous()
             types = blocks.types  # full first, then sliding
-            span = native.RowSpan(0, n, start, 0, [self._native_masks(start, positions, tree_mask, t) for t in types])
+            masks = [self._native_masks(start, positions, tree_mask, t, n) for t in types]
+            span = native.RowSpan(0, n, start, 0, masks)
             outputs = {i: torch.empty_like(flat) for i in wanted}
             # the logits in the same call where the kernel runs the output layer (a slice of rows; else all rows, then
             # the ones asked: every forward's logits come from the same code, whichever rows it wants)
             rows = None if blocks.head is None or logits_at is None else \
                 logits_at if isinstance(logits_at, slice) and logits_at.step in (None, 1) else slice(None)
-            fused = blocks.run(lib, flat, cache.kv, [span], [self.rope(positions, t) for t in types], self.config,
-                               outputs, rows)
+            ropes = [self.rope_span(start, n, t) if consecutive else self.rope(positions, t) for t in types]
+            fused = blocks.run(lib, flat, cache.kv, [span], ropes, self.config, outputs, rows)
             states = {i: out.view(1, n, -1) for i, out in outputs.items()}
             x = flat.view(1, n, -1)
         else:
+            if positions is None:
+                positions = torch.arange(start, start + n, device=tokens.device)
             window = self.config.sliding_window
             # per attention type (all one type but in Gemma): RoPE and mask, a sliding layer's mask with its window
             views = {sliding: (*self.rope(positions, sliding),
@@ -305,13 +317,16 @@ class Transformer(nn.Module):
             logits = self.output_logits(x[:, logits_at])
         return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
 
-    def _native_masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
-                      sliding: bool) -> native.Masks:
-        """One attention type's masks for a sequence's tokens in the native blocks: the kernel reads the tree mask
-        [n, n] itself; only a window that hides some key needs the mask over all keys [n, start + n]."""
+    def _native_masks(self, start: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
+                      sliding: bool, n: int) -> native.Masks:
+        """One attention type's masks for a sequence's n tokens in the native blocks (positions None: a chain after
+        the `start` cached ones): the kernel reads the tree mask [n, n] itself; only a window that hides some key needs
+        the mask over all keys [n, start + n]."""
         window = self.config.sliding_window if sliding else None
-        if window is None or int(positions.max()) < window:
+        if window is None or (start + n - 1 if positions is None else int(positions.max())) < window:
             return None if tree_mask is None else tree_mask.to(torch.uint8).contiguous(), None
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
         return None, attention_mask(start, positions, tree_mask, window, self.device).to(torch.uint8).contiguous()
 
     def _native_blocks(self, tokens: torch.Tensor, cache):
@@ -327,7 +342,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         cache: BatchKVCache,
         *,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         sizes: list[int],
         tree_masks: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         hidden_layers: Sequence[int] = (),
@@ -336,7 +351,8 @@ class Transformer(nn.Module):
         """Run a ragged batch: row b's first sizes[b] tokens of `tokens` [B, n] follow its own
         cache.lengths[b] cached ones (the rest of the row is padding, seen by no real token).
 
-        positions: [B, n] absolute positions (padding: any valid position).
+        positions: [B, n] absolute positions (padding: any valid position); None for one row that is a chain after
+            its cached tokens.
         tree_masks: [B, n, n] bool, or per row [sizes[b], sizes[b]] or None (a causal chain): True where node i of
             a row may attend to node j of the same row; None: every row a chain.
             Afterwards cache.lengths[b] = old length + sizes[b], as `forward` does.
@@ -348,6 +364,8 @@ class Transformer(nn.Module):
         """
         b, n = tokens.shape
         device = self.device
+        if positions is None and b > 1:
+            raise ValueError("a batch of several rows needs their positions")
         if prefill:
             run = self._native_blocks(tokens, cache)
             if run is None:
@@ -357,7 +375,8 @@ class Transformer(nn.Module):
             m = sizes[0]
             mask = None if tree_masks is None else tree_masks[0]
             cache.reserve(1, cache.lengths[0] + m)
-            out = self.forward(tokens[:, :m].to(device), cache.row(0), positions=positions[0, :m].to(device),
+            out = self.forward(tokens[:, :m].to(device), cache.row(0),
+                               positions=None if positions is None else positions[0, :m].to(device),
                                tree_mask=None if mask is None else mask[:m, :m], hidden_layers=hidden_layers)
             return BatchForwardOutput([out.logits[0]], [[h[0] for h in out.hidden]])
         native_run = self._native_blocks(tokens, cache)
@@ -399,7 +418,7 @@ class Transformer(nn.Module):
         """Whether forward_batch can cache a prefill chunk in the same call (the native blocks run it)."""
         return self._native_blocks(tokens, cache) is not None
 
-    def _native_batch(self, native_run, tokens: torch.Tensor, cache: BatchKVCache, positions: torch.Tensor,
+    def _native_batch(self, native_run, tokens: torch.Tensor, cache: BatchKVCache, positions: torch.Tensor | None,
                       sizes: list[int], tree_masks, hidden_layers: Sequence[int],
                       prefill: list[int] | None = None) -> BatchForwardOutput:
         """forward_batch in the native blocks: the rows' real tokens side by side (no padding), each row attending
@@ -413,7 +432,9 @@ class Transformer(nn.Module):
         cache.reserve(b + bool(chunk), max([start + size for start, size in zip(starts, sizes, strict=True)]
                                            + [done + len(chunk)]))
         flat_tokens = torch.cat([tokens[i, :m] for i, m in enumerate(sizes)] + [torch.tensor(chunk, dtype=torch.long)])
-        flat_positions = torch.cat([positions[i, :m].to(self.device) for i, m in enumerate(sizes)]
+        rows = [torch.arange(starts[0], starts[0] + sizes[0])] if positions is None else \
+            [positions[i, :m] for i, m in enumerate(sizes)]  # None: one row, a chain after its cached tokens
+        flat_positions = torch.cat([row.to(self.device) for row in rows]
                                    + [torch.arange(done, done + len(chunk), device=self.device)])
         x = self.embed_tokens(flat_tokens[None].to(self.device))[0].float().contiguous()
         types = blocks.types  # full first, then sliding
@@ -422,12 +443,13 @@ class Transformer(nn.Module):
             mask = None if tree_masks is None else tree_masks[i]
             mask = None if mask is None else mask[:m, :m]
             pos = flat_positions[first : first + m]
-            spans.append(native.RowSpan(first, m, start, i, [self._native_masks(start, pos, mask, t) for t in types]))
+            masks = [self._native_masks(start, pos, mask, t, m) for t in types]
+            spans.append(native.RowSpan(first, m, start, i, masks))
             first += m
         if chunk:  # a prompt's next tokens: a causal chain after its cached ones
             pos = flat_positions[first:]
             spans.append(native.RowSpan(first, len(chunk), done, b,
-                                        [self._native_masks(done, pos, None, t) for t in types]))
+                                        [self._native_masks(done, pos, None, t, len(chunk)) for t in types]))
         wanted = [i % len(self.layers) for i in hidden_layers]
         outputs = {i: torch.empty_like(x) for i in wanted}
         fused = blocks.run(lib, x, cache.kv, spans, [self.rope(flat_positions, t) for t in types], self.config, outputs,
