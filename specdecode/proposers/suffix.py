@@ -28,7 +28,7 @@ The global cache changes speed only: every committed token is the target's.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from bisect import bisect_right
 
 from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..cost import ForwardCost
@@ -110,16 +110,19 @@ class SuffixCache(HoldsBack):
         return self.index.nbytes
 
 
-@dataclass
 class Candidates:
-    """Guessed continuations of both sources merged into one trie; node 0 is the root."""
+    """Guessed continuations of both sources merged into one trie; node 0 is the root. (A plain class: made every
+    step, where a dataclass's six default factories cost more than the search of a request's own text.)"""
 
-    tokens: list[int] = field(default_factory=lambda: [-1])
-    parents: list[int] = field(default_factory=lambda: [-1])
-    depths: list[int] = field(default_factory=lambda: [0])
-    chances: list[float] = field(default_factory=lambda: [1.0])
-    sources: list[int] = field(default_factory=lambda: [0])
-    index: dict[tuple[int, int], int] = field(default_factory=dict)
+    __slots__ = ("tokens", "parents", "depths", "chances", "sources", "index")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = [-1]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.chances: list[float] = [1.0]
+        self.sources: list[int] = [0]
+        self.index: dict[tuple[int, int], int] = {}
 
     def add(self, rows: list[list[int]], counts: list[int], reach: list[float], source: int) -> list[int]:
         """Continuations (rows, SEPARATOR-padded) seen counts[i] times each; returns the most frequent path."""
@@ -240,6 +243,10 @@ class SuffixProposer(Proposer):
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         found = self.candidates(tokens, k)
+        if len(found.tokens) == 1:  # nothing matched (most steps of chat text): no tree to rank, size or build
+            tree = DraftTree.root_only(tokens[-1])
+            self.last = (tree, [0])
+            return tree
         ranked = found.ranked()[: self.nodes]
         n = min(k, len(ranked)) if self.cost is None else self.best_count(found, ranked, len(tokens))
         tree, sources = found.tree(tokens[-1], ranked[:n])
@@ -275,7 +282,7 @@ class SuffixProposer(Proposer):
                 self.cache.count(match is not None)
             if match is None:
                 continue
-            bucket = offset + sum(match.length >= c for c in MATCH_CLASSES)
+            bucket = offset + bisect_right(MATCH_CLASSES, match.length)  # the classes it reaches
             # a node's chance is at most its depth's reach: past the first depth where that is under MIN_CHANCE no
             # guess is worth sending, and merging those columns was most of a step's proposing time (the depths
             # before keep learning, so the cut moves deeper as soon as they pay)
