@@ -250,17 +250,18 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
     assert gaps > 0 and restarts > 0
 
 
-@pytest.mark.parametrize("reachable", [True, False])
+@pytest.mark.parametrize(("rest", "reachable"), [(NEW // 2, True), (NEW - 2, True), (NEW - 1, False), (NEW, False),
+                                                (NEW + 3, False)])
 def test_resting_head_reads_no_hidden_states_when_its_probe_falls_after_the_request(target, head, reference,
-                                                                                   monkeypatch, reachable) -> None:
-    """Each step commits a token or more, so a head resting for more steps than the request has tokens left cannot
-    probe in it: it reads nothing (the forwards return no hidden states for it); one whose probe comes in time reads
-    and probes. The output is plain decoding's either way."""
+                                                                                   monkeypatch, rest, reachable) -> None:
+    """Each step commits a token or more, and a step guesses only where two tokens or more are left, so a head whose
+    probe (the step after its rest) falls on the request's last step or after it cannot probe in it: it reads nothing
+    (the forwards return no hidden states for it); one whose probe comes in time (NEW - 2 steps of rest: the
+    next-to-last step) reads and probes. The output is plain decoding's either way."""
     monkeypatch.setattr(eagle_module, "HIDDEN_LEAD", 10_000)  # only the request's end decides
     steep = FrozenCost([1, 2, 64], [0, 1000], [[1.0, 2.5, 64.0], [1.0, 2.5, 64.0]])
     prompt, expected = PROMPTS[0], reference[0]
-    # resting when the last request ended, for half the request's tokens or for more than all of them
-    monkeypatch.setattr(head, "rest_state", (0.5, NEW // 2 if reachable else NEW + 3, (1.0, 2.0, 8)), raising=False)
+    monkeypatch.setattr(head, "rest_state", (0.5, rest, (1.0, 2.0, 8)), raising=False)  # resting when the last ended
     proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
     reads, runs = [], []
     monkeypatch.setattr(proposer, "observe_hidden", lambda start, hidden, observe=proposer.observe_hidden:

@@ -138,8 +138,12 @@ class EagleProposer(Proposer):
 
     def reads_hidden(self, tokens_left: int) -> bool:
         """Learning online, always; resting, within HIDDEN_LEAD steps of its probe, and only where the request lasts
-        until it (each step commits a token or more): the last steps of a short request read nothing for nothing."""
-        return self.online is not None or self.resting.left < min(HIDDEN_LEAD, tokens_left)
+        until it: the last steps of a short request read nothing for nothing. Asked after this step's proposal, with
+        `left` steps of rest to go, the probe is the (left + 1)-th step after this one; at most tokens_left - 1 follow
+        this one (each commits a token or more), and a probe guesses only where two tokens or more are left (the last
+        step's token is its own). (`left < tokens_left` read the last 31 steps of every 128-token Spec-Bench request
+        of a head resting 128 steps, for a probe past the request's end.)"""
+        return self.online is not None or self.resting.left < min(HIDDEN_LEAD, tokens_left - 2)
 
     def reads_teacher(self) -> bool:
         return self.online is not None and self.online.cfg.soft
