@@ -252,8 +252,8 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
 
 @pytest.mark.parametrize(("rest", "reachable"), [(NEW // 2, True), (NEW - 2, True), (NEW - 1, False), (NEW, False),
                                                 (NEW + 3, False)])
-def test_resting_head_reads_no_hidden_states_when_its_probe_falls_after_the_request(target, head, reference,
-                                                                                   monkeypatch, rest, reachable) -> None:
+def test_resting_head_reads_no_hidden_states_when_its_probe_falls_after_the_request(
+        target, head, reference, monkeypatch, rest, reachable) -> None:
     """Each step commits a token or more, and a step guesses only where two tokens or more are left, so a head whose
     probe (the step after its rest) falls on the request's last step or after it cannot probe in it: it reads nothing
     (the forwards return no hidden states for it); one whose probe comes in time (NEW - 2 steps of rest: the
