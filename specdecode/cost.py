@@ -12,7 +12,6 @@ import bisect
 import json
 import math
 import os
-import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
@@ -210,7 +209,9 @@ class CostModel:
         recent = self._recent
         recent.append(ratio)
         del recent[:-REGIME_WINDOW]
-        typical = statistics.median(recent)
+        ordered = sorted(recent)  # the median (statistics.median's type checks cost more than the list is long)
+        middle = len(ordered) // 2
+        typical = ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
         if len(recent) == REGIME_WINDOW and not 1 / REGIME < typical / self.load < REGIME:
             self.load = typical
             self._plain, self._since_plain = None, PAIR_WITHIN + 1
