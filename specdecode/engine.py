@@ -219,8 +219,11 @@ class Engine:
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
             try:
                 logits = out.logits[i]
-                verdict = verify(tree, row.target_logits(tree, logits[: len(tree)]), row.params, row.generator,
-                                 row.constraint)
+                nodes = logits[: len(tree)]
+                target = row.target_logits(tree, nodes)
+                # the kernel's greedy tokens stand for these logits where nothing processed them
+                greedy = out.greedy[i][: len(tree)] if out.greedy is not None and target is nodes else None
+                verdict = verify(tree, target, row.params, row.generator, row.constraint, greedy)
                 self.cache.keep(i, contexts[i], verdict.path)
                 if row.hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
                     kept = verdict.path

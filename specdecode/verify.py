@@ -41,12 +41,13 @@ class Verdict:
 
 def verify(
     tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    constraint: Constraint | None = None,
+    constraint: Constraint | None = None, greedy: list[int] | None = None,
 ) -> Verdict:
     """logits: [n, V], row i = the target's logits after node i; constraint: a grammar the tokens must follow
-    (advanced here by every token of the verdict, the next token included)."""
+    (advanced here by every token of the verdict, the next token included); greedy: each row's first maximum where
+    it is known already (the native kernel reads it with the logits), else it is taken from the logits."""
     if params.greedy:
-        verdict = _verify_greedy(tree, logits, constraint)
+        verdict = _verify_greedy(tree, logits, constraint, greedy)
     else:
         verdict = _verify_sampled(tree, logits, params, generator, constraint)
     if constraint is not None:
@@ -54,8 +55,9 @@ def verify(
     return verdict
 
 
-def _verify_greedy(tree: DraftTree, logits: torch.Tensor, constraint: Constraint | None) -> Verdict:
-    best = greedy_tokens(logits) if constraint is None else None
+def _verify_greedy(tree: DraftTree, logits: torch.Tensor, constraint: Constraint | None,
+                   greedy: list[int] | None = None) -> Verdict:
+    best = None if constraint is not None else greedy if greedy is not None else greedy_tokens(logits)
     node, path = 0, [0]
     while True:
         target_token = best[node] if best is not None else greedy_token(constraint.mask(logits[node]))

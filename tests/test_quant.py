@@ -424,3 +424,63 @@ def test_quantized_self_speculation_refuses_a_target_of_the_same_precision() -> 
         QuantizedSelfProposer(target, kind="int4-a8")
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         QuantizedSelfProposer(tiny_model(0, dtype=torch.float32), kind="int3")
+
+
+@pytest.mark.parametrize("build", ["", "portable"], ids=["vector", "portable"])
+def test_kernel_argmax_is_numpys_first_maximum(build, monkeypatch) -> None:
+    """The native kernel reads each row's greedy token with its logits (specdecode_argmax): the index NumPy's and
+    torch's argmax give, first of equal maxima, a NaN counting as the maximum; rows of every length around the vector
+    width and the vocabulary's, ties, NaNs, infinities, signed zeros; the vector build and the portable one."""
+    if build:
+        monkeypatch.setenv("SPECDECODE_NATIVE", build)
+    kernels.reset()
+    try:
+        lib = kernels.native()
+        assert lib is not None, "the native kernels must build on CI machines"
+        rng = np.random.default_rng(0)
+        for trial in range(600):
+            n = int(rng.integers(1, 70)) if trial % 2 else 49152 + int(rng.integers(0, 9))
+            row = rng.standard_normal(n).astype(np.float32)
+            case = trial % 6
+            if case == 1:
+                row = np.round(row).astype(np.float32)  # ties
+            elif case == 2:
+                row[rng.integers(0, n, 3)] = np.nan
+            elif case == 3:
+                row[:] = -np.inf
+            elif case == 4:
+                row[rng.integers(0, n, 2)] = np.inf
+            elif case == 5:
+                row[:] = 0.0
+                row[rng.integers(0, n, 2)] = -0.0
+            expected = int(np.argmax(row))
+            assert expected == int(torch.argmax(torch.from_numpy(row)))
+            assert lib.specdecode_argmax(row.ctypes.data, n) == expected, (trial, n, case)
+    finally:
+        kernels.reset()
+
+
+def test_greedy_steps_take_the_kernels_argmax_where_nothing_processes_the_logits(monkeypatch) -> None:
+    """A native forward returns each row's greedy token with the logits, and verification takes it (no argmax over
+    the logits in Python); where the logits are processed (a bias), the processed ones decide. Outputs are the ones
+    the logits' own argmax gives."""
+    import specdecode.verify as verify_module
+
+    target = quantize_(tiny_model(3, dtype=torch.float32, vocab_size=56), "int8-a8")
+    if kernels.native() is None:
+        pytest.skip("native kernels unavailable")
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    cache = target.new_cache(32)
+    out = target.forward(torch.tensor([prompt]), cache)
+    assert out.greedy == out.logits[0].argmax(dim=-1).tolist()
+    reference, _ = generate_ids(target, prompt, max_new_tokens=12, k=0)
+    calls = []
+    monkeypatch.setattr(verify_module, "greedy_tokens",
+                        lambda logits: calls.append(1) or logits.argmax(dim=-1).tolist())
+    for proposer, k in ((None, 0), (PromptLookupProposer(), 3)):
+        out, _ = generate_ids(target, prompt, max_new_tokens=12, k=k, proposer=proposer)
+        assert out == reference
+    assert calls == []
+    biased = SamplingParams(logit_bias=((reference[0], -100.0),))
+    out, _ = generate_ids(target, prompt, max_new_tokens=3, k=0, params=biased)
+    assert out[0] != reference[0] and len(calls) > 0

@@ -162,10 +162,10 @@ class Span(ctypes.Structure):
 
 class Output(ctypes.Structure):
     """The final norm (weight, epsilon) and output layer block.c runs after the blocks, on rows first..first+n of x,
-    into logits [n, n_out]."""
+    into logits [n, n_out], and where `argmax` is set ([n] int32), each row's first maximum (specdecode_argmax)."""
 
     _fields_ = [("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("w", ctypes.POINTER(Weight)),
-                ("first", ctypes.c_int), ("n", ctypes.c_int), ("logits", ctypes.c_void_p)]
+                ("first", ctypes.c_int), ("n", ctypes.c_int), ("logits", ctypes.c_void_p), ("argmax", ctypes.c_void_p)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -181,6 +181,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_blocks.restype = i
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
     lib.specdecode_attention.restype = i
+    lib.specdecode_argmax.argtypes = [p, i]
+    lib.specdecode_argmax.restype = i
     lib.specdecode_simd.restype = i
     lib.specdecode_tile_width.restype = i
     for fn in (lib.specdecode_q4_matmul, lib.specdecode_q8_matmul, lib.specdecode_f32_matmul):

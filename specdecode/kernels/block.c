@@ -427,7 +427,49 @@ typedef struct {
     const Weight *w;
     int first, n;
     float *logits;
+    int32_t *argmax; /* or NULL: each row's greedy token, read while its logits are in the cache */
 } Output;
+
+/* The index of the first maximum of x[0..len), a NaN counting as the maximum (its first one): NumPy's argmax, and
+   torch.argmax's. Right after the output layer, from the cache (a greedy step's NumPy argmax read the row cold:
+   ~20 us of a 3-4 ms step). */
+int specdecode_argmax(const float *x, int len) {
+    int j = 0, best_at = 0;
+    float best = len > 0 ? x[0] : 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (len >= 16) {
+        /* lane t keeps the first maximum among x[t], x[t + 8], ...: a later index replaces it only when greater */
+        __m256 top = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i index = at;
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (j = 8; j + 8 <= len; j += 8) {
+            const __m256 v = _mm256_loadu_ps(x + j);
+            index = _mm256_add_epi32(index, eight);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            const __m256 greater = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+            top = _mm256_blendv_ps(top, v, greater);
+            at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(index), greater));
+        }
+        if (_mm256_movemask_ps(nan)) {  /* a NaN in the vector part: the first one wins, found in order */
+            for (int i = 0; i < len; i++)
+                if (x[i] != x[i]) return i;
+        }
+        float tops[8];
+        int32_t ats[8];
+        _mm256_storeu_ps(tops, top);
+        _mm256_storeu_si256((__m256i *)ats, at);
+        best = tops[0], best_at = ats[0];
+        for (int t = 1; t < 8; t++)  /* the greatest; of equals, the first index */
+            if (tops[t] > best || (tops[t] == best && ats[t] < best_at)) best = tops[t], best_at = ats[t];
+    }
+#endif
+    for (; j < len; j++) {  /* the rest (all of a short row): no NaN came before j */
+        if (x[j] != x[j]) return j;
+        if (x[j] > best) best = x[j], best_at = j;
+    }
+    return best_at;
+}
 
 /* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
    step. x [n, H]: the tokens of every span (one sequence, or each row of a batch: the same numbers as each alone).
@@ -454,6 +496,9 @@ int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers,
     if (!failed && output && output->n > 0) {
         rmsnorm(x + (int64_t)output->first * H, output->norm, output->eps, output->n, H, s.xn);
         failed = linear(output->w, s.xn, output->n, output->logits, s.scratch);
+        if (!failed && output->argmax)
+            for (int r = 0; r < output->n; r++)
+                output->argmax[r] = specdecode_argmax(output->logits + (int64_t)r * output->w->n_out, output->w->n_out);
     }
     free(s.xn); free(s.big); free(s.att); free(s.scratch); free(s.out);
     return failed;

@@ -29,12 +29,14 @@ from .masks import attention_mask, padded_masks, ragged_mask
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, n_selected, V]
     hidden: list[torch.Tensor]  # one [B, n, H] per requested layer
+    greedy: list[int] | None = None  # each selected row's first maximum, where the native kernel found it
 
 
 @dataclass
 class BatchForwardOutput:
     logits: list[torch.Tensor]  # per row: [sizes[b], V], its real tokens only (no padding)
     hidden: list[list[torch.Tensor]]  # per row: one [sizes[b], H] per requested layer
+    greedy: list[list[int]] | None = None  # per row: each token's first maximum (the native kernel's), or None
 
 
 def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
@@ -270,7 +272,7 @@ class Transformer(nn.Module):
         """
         _, n = tokens.shape
         start = cache.length
-        fused = None
+        fused, greedy = None, None
         consecutive = positions is None  # a chain after the cache: RoPE reads views of its table
         num_layers = len(self.layers)
         if any(not -num_layers <= i < num_layers for i in hidden_layers):
@@ -293,7 +295,11 @@ class Transformer(nn.Module):
             rows = None if blocks.head is None or logits_at is None else \
                 logits_at if isinstance(logits_at, slice) and logits_at.step in (None, 1) else slice(None)
             ropes = [self.rope_span(start, n, t) if consecutive else self.rope(positions, t) for t in types]
-            fused = blocks.run(lib, flat, cache.kv, [span], ropes, self.config, outputs, rows)
+            # each row's greedy token read by the kernel, where the logits asked are the ones it computes, uncapped
+            found = None if rows is None or rows is not logits_at or self.config.final_logit_softcap is not None \
+                else torch.empty(len(range(*rows.indices(n))), dtype=torch.int32)
+            fused = blocks.run(lib, flat, cache.kv, [span], ropes, self.config, outputs, rows, found)
+            greedy = None if found is None else found.tolist()
             states = {i: out.view(1, n, -1) for i, out in outputs.items()}
             x = flat.view(1, n, -1)
         else:
@@ -315,7 +321,7 @@ class Transformer(nn.Module):
             logits = self.softcap(fused if rows is logits_at else fused[logits_at])[None]
         elif logits_at is not None:
             logits = self.output_logits(x[:, logits_at])
-        return ForwardOutput(logits, [states[i] for i in wanted])  # in the order requested
+        return ForwardOutput(logits, [states[i] for i in wanted], greedy)  # in the order requested
 
     def _native_masks(self, start: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
                       sliding: bool, n: int) -> native.Masks:
@@ -378,7 +384,8 @@ class Transformer(nn.Module):
             out = self.forward(tokens[:, :m].to(device), cache.row(0),
                                positions=None if positions is None else positions[0, :m].to(device),
                                tree_mask=None if mask is None else mask[:m, :m], hidden_layers=hidden_layers)
-            return BatchForwardOutput([out.logits[0]], [[h[0] for h in out.hidden]])
+            return BatchForwardOutput([out.logits[0]], [[h[0] for h in out.hidden]],
+                                      None if out.greedy is None else [out.greedy])
         native_run = self._native_blocks(tokens, cache)
         if native_run is not None:  # every row's tokens through the native blocks: each computes what it would alone
             return self._native_batch(native_run, tokens, cache, positions, sizes, tree_masks, hidden_layers)
@@ -452,8 +459,10 @@ class Transformer(nn.Module):
                                         [self._native_masks(done, pos, None, t, len(chunk)) for t in types]))
         wanted = [i % len(self.layers) for i in hidden_layers]
         outputs = {i: torch.empty_like(x) for i in wanted}
+        found = None if blocks.head is None or self.config.final_logit_softcap is not None else \
+            torch.empty(first, dtype=torch.int32)  # each token's greedy one, read by the kernel
         fused = blocks.run(lib, x, cache.kv, spans, [self.rope(flat_positions, t) for t in types], self.config, outputs,
-                           None if blocks.head is None else slice(0, first))
+                           None if blocks.head is None else slice(0, first), found)
         for i, m in enumerate(sizes):
             cache.lengths[i] += m
         if chunk:
@@ -461,4 +470,9 @@ class Transformer(nn.Module):
         # the rows' tokens only: a prefill needs none
         logits = self.output_logits(x[:first]) if fused is None else self.softcap(fused)
         hidden = [[outputs[layer][span.first : span.first + span.n] for layer in wanted] for span in spans[:b]]
-        return BatchForwardOutput(list(logits.split(sizes)), hidden)
+        greedy = None
+        if found is not None:
+            flat, greedy = found.tolist(), []
+            for span in spans[:b]:
+                greedy.append(flat[span.first : span.first + span.n])
+        return BatchForwardOutput(list(logits.split(sizes)), hidden, greedy)

@@ -98,14 +98,16 @@ class NativeBlocks:
         return cls(layers, described, weights, head)
 
     def run(self, lib, x: torch.Tensor, kv: torch.Tensor, spans: Sequence[RowSpan], views: Sequence[View], cfg,
-            states: dict[int, torch.Tensor] | None = None, logits_of: slice | None = None) -> torch.Tensor | None:
+            states: dict[int, torch.Tensor] | None = None, logits_of: slice | None = None,
+            argmax: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every block on x [n, H] (updated in place): the tokens of each span, a sequence or a batch's row, layer
         i's keys and values written into kv's layer i, the span's row ([layers, 2, rows, kv_heads, max_len,
         head_dim]); views[0] for the full-attention layers, views[1] for the sliding ones (where the model has
         them); states[i] ([n, H], contiguous), where given, receives x after layer i. A token's numbers are the
         same in any company: a batch's rows compute what each computes alone.
         logits_of: rows of x (a slice of step 1) whose logits [rows, V] the call returns, through `head` (which must
-        be set): x itself stays the last block's output."""
+        be set): x itself stays the last block's output. argmax ([rows] int32, contiguous), where given, receives each
+        of those rows' first maximum, as NumPy's argmax gives it."""
         n, hidden = x.shape
         described = (kernels.View * 2)(*(kernels.View(cos.data_ptr(), sin.data_ptr()) for cos, sin in
                                          (views[0], views[-1])))
@@ -127,7 +129,11 @@ class NativeBlocks:
                 raise ValueError(f"the kernel computes the logits of consecutive rows, not {logits_of}")
             norm, eps, weight = self.head
             logits = torch.empty(max(stop - first, 0), weight.n_out, dtype=torch.float32)
-            output = kernels.Output(norm, eps, ctypes.pointer(weight), first, len(logits), logits.data_ptr())
+            if argmax is not None and (argmax.dtype != torch.int32 or argmax.numel() != len(logits)
+                                       or not argmax.is_contiguous()):
+                raise ValueError(f"argmax must be a contiguous int32 tensor of {len(logits)} rows")
+            output = kernels.Output(norm, eps, ctypes.pointer(weight), first, len(logits), logits.data_ptr(),
+                                    None if argmax is None else argmax.data_ptr())
         failed = lib.specdecode_blocks(
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
             kv.shape[4], described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
