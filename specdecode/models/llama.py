@@ -471,8 +471,7 @@ class Transformer(nn.Module):
         logits = self.output_logits(x[:first]) if fused is None else self.softcap(fused)
         hidden = [[outputs[layer][span.first : span.first + span.n] for layer in wanted] for span in spans[:b]]
         greedy = None
-        if found is not None:
-            flat, greedy = found.tolist(), []
-            for span in spans[:b]:
-                greedy.append(flat[span.first : span.first + span.n])
+        if found is not None:  # per row, its tokens' greedy ones
+            every = found.tolist()
+            greedy = [every[span.first : span.first + span.n] for span in spans[:b]]
         return BatchForwardOutput(list(logits.split(sizes)), hidden, greedy)
