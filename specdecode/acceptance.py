@@ -80,6 +80,8 @@ class AcceptanceStats:
         step, at a fraction of the deep rows' work. One plain loop over both classes' counts (suffix decoding asks
         it every step): `_conditional`'s two nested generators took 1.6-1.9x as long."""
         hits, trials = self._rows(bucket)
+        floor_hits: Iterable[float]
+        floor_trials: Iterable[float]
         if floor is None:  # a floor that never rises above the estimate
             floor_hits = floor_trials = repeat(0.0)
             under = -math.inf
