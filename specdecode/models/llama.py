@@ -295,9 +295,8 @@ class Transformer(nn.Module):
             rows = None if blocks.head is None or logits_at is None else \
                 logits_at if isinstance(logits_at, slice) and logits_at.step in (None, 1) else slice(None)
             ropes = [self.rope_span(start, n, t) if consecutive else self.rope(positions, t) for t in types]
-            # each row's greedy token read by the kernel, where the logits asked are the ones it computes, uncapped
-            found = None if rows is None or rows is not logits_at or self.config.final_logit_softcap is not None \
-                else torch.empty(len(range(*rows.indices(n))), dtype=torch.int32)
+            # each row's greedy token read by the kernel, where the logits asked are the ones it computes
+            found = None if rows is None or rows is not logits_at else self._kernel_greedy(len(range(*rows.indices(n))))
             fused = blocks.run(lib, flat, cache.kv, [span], ropes, self.config, outputs, rows, found)
             greedy = None if found is None else found.tolist()
             states = {i: out.view(1, n, -1) for i, out in outputs.items()}
@@ -322,6 +321,11 @@ class Transformer(nn.Module):
         elif logits_at is not None:
             logits = self.output_logits(x[:, logits_at])
         return ForwardOutput(logits, [states[i] for i in wanted], greedy)  # in the order requested
+
+    def _kernel_greedy(self, rows: int) -> torch.Tensor | None:
+        """Where the native kernel's output layer reads each of `rows` rows' greedy token (int32): not under a softcap,
+        whose tanh may round distinct logits to one value and so move the first maximum."""
+        return None if self.config.final_logit_softcap is not None else torch.empty(rows, dtype=torch.int32)
 
     def _native_masks(self, start: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
                       sliding: bool, n: int) -> native.Masks:
@@ -459,8 +463,7 @@ class Transformer(nn.Module):
                                         [self._native_masks(done, pos, None, t, len(chunk)) for t in types]))
         wanted = [i % len(self.layers) for i in hidden_layers]
         outputs = {i: torch.empty_like(x) for i in wanted}
-        found = None if blocks.head is None or self.config.final_logit_softcap is not None else \
-            torch.empty(first, dtype=torch.int32)  # each token's greedy one, read by the kernel
+        found = None if blocks.head is None else self._kernel_greedy(first)
         fused = blocks.run(lib, x, cache.kv, spans, [self.rope(flat_positions, t) for t in types], self.config, outputs,
                            None if blocks.head is None else slice(0, first), found)
         for i, m in enumerate(sizes):
