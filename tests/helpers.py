@@ -22,6 +22,10 @@ from specdecode.models import ModelConfig, Transformer
 from specdecode.proposers.base import Capabilities, Proposer
 from specdecode.tree import DraftTree
 
+# where the lossless and distribution suites run their tiny models: the CPU, or a GPU when one is lent
+# (SPECDECODE_TEST_DEVICE=cuda); every other test stays on the CPU (native kernels, threads, timings)
+TEST_DEVICE = torch.device(os.environ.get("SPECDECODE_TEST_DEVICE", "cpu"))
+
 
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(
@@ -73,7 +77,7 @@ def noisy_copy(model: Transformer, seed: int, noise: float = 0.05) -> Transforme
     gen = torch.Generator().manual_seed(seed)
     for param in draft.parameters():
         scale = noise * float(param.std()) if param.numel() > 1 else noise
-        param.add_(scale * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype))
+        param.add_(scale * torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param))
     draft._rope_cache = None
     return draft
 

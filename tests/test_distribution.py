@@ -33,7 +33,7 @@ from specdecode.proposers import (
 )
 from specdecode.sampling import SamplingParams
 
-from .helpers import FrozenCost, noisy_copy, tiny_model
+from .helpers import TEST_DEVICE, FrozenCost, noisy_copy, tiny_model
 from .test_processing import reference
 
 V = 8
@@ -49,7 +49,7 @@ DRAFTER = Drafter()  # drafts ahead for the asynchronous cases
 def target() -> Transformer:
     """One layer is enough for the context to matter, and keeps thousands of generations cheap."""
     return tiny_model(3, head_gain=3.0, vocab_size=V, num_layers=1, hidden_size=32, intermediate_size=64,
-                      num_heads=2, num_kv_heads=1, head_dim=16)
+                      num_heads=2, num_kv_heads=1, head_dim=16).to(TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,8 @@ def exact_joint(target: Transformer, prompt: list[int], params: SamplingParams, 
             if mass == 0:
                 continue
             ids = prompt + list(prefix)
-            logits = target.forward(torch.tensor([ids]), target.new_cache(len(ids)), logits_at=slice(-1, None))
+            logits = target.forward(torch.tensor([ids], device=target.device), target.new_cache(len(ids)),
+                                    logits_at=slice(-1, None))
             last = logits.logits[0, -1]
             if params.processes:  # bias and penalties, the plain way: this prefix is the whole history
                 last = reference(last, ids, len(prompt), params)

@@ -30,7 +30,7 @@ from specdecode.proposers import (
 )
 from specdecode.sampling import SamplingParams
 
-from .helpers import guessing_pays, noisy_copy, prefix_layers, resize_vocab, tiny_model
+from .helpers import TEST_DEVICE, guessing_pays, noisy_copy, prefix_layers, resize_vocab, tiny_model
 
 VOCAB = 56
 NEW = 40
@@ -41,7 +41,8 @@ def naive_greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
     """The reference: recompute the whole sequence every step, no cache reuse, no engine."""
     ids = list(prompt)
     for _ in range(n):
-        out = model.forward(torch.tensor([ids]), model.new_cache(len(ids)), logits_at=slice(-1, None))
+        out = model.forward(torch.tensor([ids], device=model.device), model.new_cache(len(ids)),
+                            logits_at=slice(-1, None))
         ids.append(int(out.logits[0, -1].argmax()))
     return ids[len(prompt):]
 
@@ -61,7 +62,7 @@ PROMPTS = make_prompts()
 
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    return tiny_model(0, vocab_size=VOCAB)
+    return tiny_model(0, vocab_size=VOCAB).to(TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
