@@ -114,18 +114,25 @@ def replay_method(method: str, cost: CostModel, data: dict[str, dict], rounds: i
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     shared, cache = AcceptanceStats(), SuffixCache()
     for d in data.values():
-        for r in range(rounds):
-            if method == "prompt-lookup":
-                proposer, policy = PromptLookupProposer(), AdaptiveK(cost, shared, cheap=True)
-            elif method == "suffix":
-                proposer, policy = SuffixProposer(cache, cost=cost), FixedK(MAX_DEPTH)
-            else:
-                raise ValueError(f"replay compares prompt-lookup and suffix, not {method!r}")
-            row = replay(policy, proposer, cost, d["prompt"], d["output"], propose_seconds=None)
-            if r == rounds - 1:
-                for key, value in row.items():
-                    totals[d["category"]][key] += value
+        with cache.holding():  # a prompt's rounds never find each other's answers (as in the bench)
+            for r in range(rounds):
+                replay_round(method, cost, shared, cache, d, totals if r == rounds - 1 else None)
     return totals
+
+
+def replay_round(method: str, cost: CostModel, shared: AcceptanceStats, cache: SuffixCache, d: dict,
+                 totals: dict[str, dict[str, float]] | None) -> None:
+    """One run of a prompt under one method, added to `totals` (None: not counted)."""
+    if method == "prompt-lookup":
+        proposer, policy = PromptLookupProposer(), AdaptiveK(cost, shared, cheap=True)
+    elif method in ("suffix", "suffix-local"):  # suffix-local: the request's own text only, no global cache
+        proposer, policy = SuffixProposer(cache if method == "suffix" else None, cost=cost), FixedK(MAX_DEPTH)
+    else:
+        raise ValueError(f"replay compares prompt-lookup, suffix and suffix-local, not {method!r}")
+    row = replay(policy, proposer, cost, d["prompt"], d["output"], propose_seconds=None)
+    if totals is not None:
+        for key, value in row.items():
+            totals[d["category"]][key] += value
 
 
 def compare_methods(methods: list[str], cost: CostModel, data: dict[str, dict], rounds: int, command: str,
