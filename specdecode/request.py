@@ -154,8 +154,8 @@ class Request:
         remaining = self.max_new_tokens - self.stats.new_tokens
         k = self.policy.depth_to_propose(context, remaining - 1)  # the target adds one token of its own
         started = time.perf_counter()
-        root = DraftTree.root_only(self.tokens[-1])
-        proposal = self.proposer.propose(self.tokens, k, self.params, self.generator) if k > 0 else root
+        proposal = self.proposer.propose(self.tokens, k, self.params, self.generator) if k > 0 else \
+            DraftTree.root_only(self.tokens[-1])
         self.draft_seconds = time.perf_counter() - started
         nodes = proposal.num_drafted + (len(proposal.extra.tokens) if proposal.extra is not None else 0)
         if nodes > MAX_DRAFT_NODES:
