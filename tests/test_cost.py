@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 import specdecode.engine as engine_module
@@ -16,6 +17,7 @@ from specdecode.cost import (
     CALIBRATION_SIZES,
     DOUBTED,
     REGIME_STEPS,
+    REPRICE,
     SPREAD,
     THOROUGH_ROUNDS,
     CostModel,
@@ -161,6 +163,26 @@ def test_online_refinement_converges_to_the_machines_shape_on_a_synthetic_clock(
         assert relative(cost, n) == pytest.approx(truth(n), rel=0.03)
     assert cost.forward_seconds(8, 100) / cost.forward_seconds(1, 100) >= relative(cost, 8)  # margin: never below
     assert cost.learned > 500
+
+
+def test_prices_are_np_interp_of_the_table_and_never_lag_learning_by_more_than_reprice() -> None:
+    """Between sizes a price is np.interp's of the learned table, float for float (the interpolation is plain Python
+    now); it is interpolated again only once the learned prices moved REPRICE, so no price lags its size's learned
+    value by more than that."""
+    rng = random.Random(3)
+    for _ in range(100):
+        sizes = sorted(rng.sample(range(1, 70), rng.randint(2, 12)))
+        row = [rng.uniform(1e-3, 1e-2) for _ in sizes]
+        cost = CostModel(sizes, [64, 512], [row, [2 * t for t in row]])
+        assert cost._interpolate(row)[0] == np.interp(np.arange(sizes[-1] + 1), sizes, row).tolist()
+    cost = shaped(0.1, weight=CALIBRATION_ROUNDS)
+    for step in range(400):
+        n = 1 if step % 2 else rng.choice((2, 3, 4, 6, 8, 12, 16))
+        cost.observe(n, 100, (1.0 + 0.2 * (n - 1)) * math.exp(rng.uniform(-0.1, 0.1)))
+        for i, size in enumerate(cost.sizes):
+            learned = cost.seconds[0][i] + (cost.seconds[1][i] - cost.seconds[0][i]) * (100 - 64) / (512 - 64)
+            assert cost.table_seconds(size, 100) == pytest.approx(learned, rel=REPRICE)
+    assert relative(cost, 8) == pytest.approx(1.0 + 0.2 * 7, rel=0.05)  # it did learn the new shape
 
 
 def test_without_plain_steps_the_shape_stands() -> None:
