@@ -69,9 +69,11 @@ class SuffixEagleProposer(Proposer):
 
     def propose(self, tokens, k, params, generator) -> DraftTree:
         found = self.suffix.candidates(tokens, k)
-        ranked = found.ranked()[: self.suffix.nodes]
-        n = self.suffix.best_count(found, ranked, len(tokens))
-        expected = sum(map(found.chances.__getitem__, ranked[:n]))
+        ranked, n, expected = [], 0, 0.0
+        if len(found.tokens) > 1:  # something matched (in chat text, under half the steps)
+            ranked = found.ranked()[: self.suffix.nodes]
+            n = self.suffix.best_count(found, ranked, len(tokens))
+            expected = sum(map(found.chances.__getitem__, ranked[:n]))
         head, eagle = None, self.eagle
         # a step of the head's rest (counted only where the head would run) costs no call (one learning online runs)
         if expected < self.head_expects and (eagle.online is not None or not eagle.resting.take()):
@@ -81,7 +83,7 @@ class SuffixEagleProposer(Proposer):
             else:
                 head = None
         if head is None:
-            tree, sources = found.tree(tokens[-1], ranked[:n])
+            tree, sources = found.tree(tokens[-1], ranked[:n]) if n else (DraftTree.root_only(tokens[-1]), [0])
         elif params.greedy:
             found.graft(head, self.eagle.node_chances, EAGLE)
             ranked = found.ranked()[: self.suffix.nodes + head.num_drafted]
