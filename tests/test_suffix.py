@@ -384,6 +384,35 @@ def test_greedy_hybrid_equals_plain_and_uses_both_sources(target, reference) -> 
     assert heads > 0 and cache.accepted > 0
 
 
+def test_a_head_that_does_not_pay_probes_within_its_share_of_decoding_time(target, reference, monkeypatch) -> None:
+    """Next to a target whose forward is priced at a microsecond the head's real milliseconds never pay: it rests,
+    and once its first probe has spent the savings, probes wait for PROBE_SHARE of the decoding time to pay for them
+    (here: never within the test); with an unbounded share it probes after every rest. Output is plain decoding's."""
+    import specdecode.proposers.suffix_eagle as hybrid_module
+    from specdecode.proposers.eagle import MIN_EVIDENCE
+    from specdecode.proposers.suffix_eagle import SuffixEagleProposer
+
+    fast = FrozenCost([1, 64], [0, 1000], [[1e-6, 1.5e-6], [1e-6, 1.5e-6]])
+
+    def head_runs(share: float) -> int:
+        monkeypatch.setattr(hybrid_module, "PROBE_SHARE", share)
+        eagle = eagle_for(target)
+        eagle.cost = fast
+        proposer = SuffixEagleProposer(SuffixProposer(None, cost=fast), eagle)
+        runs = []
+        propose = eagle.propose
+        monkeypatch.setattr(eagle, "propose", lambda *args: runs.append(1) or propose(*args))
+        for prompt, expected in zip(PROMPTS * 2, reference * 2, strict=True):
+            out, _ = generate_ids(target, prompt, proposer=proposer, k=FixedK(MAX_DEPTH), cost=fast,
+                                  max_new_tokens=NEW)
+            assert out == expected
+        assert eagle.resting.backoff > 0  # it rests: its steps do not pay
+        return len(runs)
+
+    budgeted, unbounded = head_runs(hybrid_module.PROBE_SHARE), head_runs(1e9)
+    assert budgeted <= MIN_EVIDENCE + 2 and budgeted + 4 <= unbounded, (budgeted, unbounded)
+
+
 def test_sampled_hybrid_matches_the_target_distribution() -> None:
     target = tiny_model(3, head_gain=3.0, vocab_size=V, num_layers=1, hidden_size=32, intermediate_size=64,
                         num_heads=2, num_kv_heads=1, head_dim=16)

@@ -12,11 +12,14 @@ suffix's point masses, cut by their own best count, then the head's chain drawn 
 (the multi-round rule tries each sibling against the residual the ones before it left, so it stays exact).
 
 The suffix part runs every step (about 1% of one); the head rests on its own rule while its part does not pay
-(eagle.py). Resting the whole hybrid besides (up to 16 steps) left it 4% behind suffix alone on the repetitive
-workload, where the suffix carries it.
+(eagle.py), and its probes after each rest take at most PROBE_SHARE of the decoding time. Resting the whole hybrid
+besides (up to 16 steps) left it 4% behind suffix alone on the repetitive workload, where the suffix carries it.
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 from ..tree import DraftTree
 from ..verify import Verdict
@@ -25,6 +28,13 @@ from .eagle import HIDDEN_LEAD, EagleProposer
 from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer
 
 EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
+# A head that does not pay (on a CPU, most chat text) still probes after each rest: a probe is its catch-up and a
+# tree, ~2.8 ms beside a ~3.6 ms plain step, and one every 1-3 Spec-Bench requests came to 0.3-0.7% of the hybrid's
+# time, all it trailed suffix decoding by. Probes (runs right after a rest) may take at most this share of decoding
+# time, counted in plain steps' prices; a probe the budget cannot pay yet lengthens the rest until it can (seconds
+# at most PROBE_SAVINGS saved up). A head that pays runs on as before: only probes are charged.
+PROBE_SHARE = 0.001
+PROBE_SAVINGS = 0.02
 
 
 class SuffixEagleProposer(Proposer):
@@ -36,6 +46,8 @@ class SuffixEagleProposer(Proposer):
         self.suffix, self.eagle = suffix, eagle
         self.hidden_layers = eagle.hidden_layers
         self.head_expects = 1.0  # decayed mean of the head's predicted accepted tokens per tree
+        self.budget = 0.0  # seconds its probes may still take (below 0: owed), kept on the head between requests
+        self.accrued = 0.0  # what a step adds to it
         self.last: tuple[DraftTree, DraftTree | None, list[int]] | None = None  # the tree sent, the head's tree,
         # and each node's sources
 
@@ -52,8 +64,17 @@ class SuffixEagleProposer(Proposer):
 
     def begin(self, prompt: list[int], max_len: int) -> None:
         self.suffix.begin(prompt, max_len)
-        self.eagle.begin(prompt, max_len)
+        self.eagle.begin(prompt, max_len)  # resting when the last request ended: this one starts resting
         self.last = None
+        self.budget = getattr(self.eagle.head, "probe_budget", 0.0)
+        self.accrued = PROBE_SHARE * self.suffix.cost.forward_seconds(1, len(prompt))
+        self._defer_probe()
+
+    def _defer_probe(self) -> None:
+        """A resting head whose probe the budget cannot pay yet rests until it can (reading no hidden states)."""
+        resting = self.eagle.resting
+        if self.budget < 0 and resting.backoff > 0 and self.eagle.online is None:
+            resting.left = max(resting.left, math.ceil(-self.budget / max(self.accrued, 1e-12)))
 
     def reads_hidden(self, tokens_left: int) -> bool:
         return self.eagle.reads_hidden(tokens_left)
@@ -75,13 +96,21 @@ class SuffixEagleProposer(Proposer):
             n = self.suffix.best_count(found, ranked, len(tokens))
             expected = sum(map(found.chances.__getitem__, ranked[:n]))
         head, eagle = None, self.eagle
+        self.budget = min(self.budget + self.accrued, PROBE_SAVINGS)
         # a step of the head's rest (counted only where the head would run) costs no call (one learning online runs)
         if expected < self.head_expects and (eagle.online is not None or not eagle.resting.take()):
-            head = eagle.propose(tokens, min(k, eagle.MAX_DEPTH), params, generator)
-            if head.num_drafted and len(eagle.node_chances) == head.num_drafted:
-                self.head_expects = 0.9 * self.head_expects + 0.1 * sum(eagle.node_chances)
+            probe = eagle.online is None and eagle.resting.backoff > 0  # the head comes back from a rest
+            if probe and self.budget < 0:
+                self._defer_probe()
             else:
-                head = None
+                started = time.perf_counter()
+                head = eagle.propose(tokens, min(k, eagle.MAX_DEPTH), params, generator)
+                if probe:
+                    self.budget -= time.perf_counter() - started
+                if head.num_drafted and len(eagle.node_chances) == head.num_drafted:
+                    self.head_expects = 0.9 * self.head_expects + 0.1 * sum(eagle.node_chances)
+                else:
+                    head = None
         if head is None:
             tree, sources = found.tree(tokens[-1], ranked[:n]) if n else (DraftTree.root_only(tokens[-1]), [0])
         elif params.greedy:
@@ -122,3 +151,4 @@ class SuffixEagleProposer(Proposer):
     def finish(self, tokens: list[int]) -> None:
         self.suffix.finish(tokens)
         self.eagle.finish(tokens)
+        self.eagle.head.probe_budget = self.budget  # the next request (any that shares the head) starts from it
