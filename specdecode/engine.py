@@ -196,7 +196,8 @@ class Engine:
                     positions[i, :m] = pos
                     positions[i, m:] = contexts[i] + torch.arange(m, n)
         n = max(sizes)
-        layers = list(dict.fromkeys(layer for row in self.rows for layer in row.hidden_layers))
+        reads = [row.hidden_layers for row in self.rows]  # asked once a step, after the proposals (a property)
+        layers = list(dict.fromkeys(layer for wanted in reads for layer in wanted))
         pending, chunk = self.pending if prefill else None, None
         carry = pending is not None and not pending.hidden_layers and self.model.carries_prefill(tokens, self.cache)
         if pending is not None and carry:  # the prompt's next tokens ride along in the batch's forward: one pass
@@ -225,11 +226,11 @@ class Engine:
                 greedy = out.greedy[i][: len(tree)] if out.greedy is not None and target is nodes else None
                 verdict = verify(tree, target, row.params, row.generator, row.constraint, greedy)
                 self.cache.keep(i, contexts[i], verdict.path)
-                if row.hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
+                if reads[i]:  # a chain's kept prefix is a slice (most steps): no gather
                     kept = verdict.path
                     path = slice(len(kept)) if kept[-1] == len(kept) - 1 else torch.tensor(kept, device=logits.device)
                     row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
-                                                              for layer in row.hidden_layers])
+                                                              for layer in reads[i]])
                 if row.proposer.reads_teacher():  # the target's distributions, to learn from (online EAGLE)
                     row.proposer.observe_teacher(contexts[i], logits[verdict.path])
                 new = row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, plain)
