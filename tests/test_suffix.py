@@ -167,21 +167,52 @@ def test_global_searches_rest_while_they_add_nothing_and_resume_on_a_hit() -> No
     from specdecode.verify import Verdict
 
     cache = SuffixCache()
-    cache.index.add_sequence([1, 2, 30, 31])
+    cache.index.add_sequence([1, 2, 3, 30, 31])
     proposer = SuffixProposer(cache)
-    proposer.begin([9, 8, 1, 2], 100)
+    text = [9, 8, 1, 2, 3]
+    proposer.begin(text, 100)
     searched = []
     for _ in range(40):  # the global guess 30 is never accepted
-        tree = proposer.propose([9, 8, 1, 2], 2, GREEDY, None)
+        tree = proposer.propose(text, 2, GREEDY, None)
         searched.append(proposer.searched_global)
         proposer.observe(tree, Verdict([0], 5), None)
     rests = [len(run) for run in "".join("x" if s else "." for s in searched).split("x")[1:-1]]
     assert rests[:5] == [0, 1, 2, 4, 8] and max(rests) <= GLOBAL_MAX_REST
     while not proposer.searched_global:
-        tree = proposer.propose([9, 8, 1, 2], 2, GREEDY, None)
+        tree = proposer.propose(text, 2, GREEDY, None)
     proposer.observe(tree, Verdict([0, 1], 31), None)  # node 1 (30, global only) accepted
     assert proposer.global_rest == 0 and proposer.global_backoff == 0 and cache.accepted == 1
-    assert proposer.propose([9, 8, 1, 2], 2, GREEDY, None) and proposer.searched_global
+    assert proposer.propose(text, 2, GREEDY, None) and proposer.searched_global
+
+
+def test_the_global_cache_is_searched_only_where_it_may_hold_the_texts_last_3_tokens() -> None:
+    """Its filter is never wrong about a trigram it holds (also after eviction and sorting); a text whose last 3
+    tokens it never saw costs no search and no rest, yet counts as a lookup that missed."""
+    from specdecode.verify import Verdict
+
+    rng = random.Random(0)
+    index = SuffixIndex(max_tokens=20_000)
+    for _ in range(300):  # ~52k tokens through a 20k budget: sorted in and evicted many times over
+        index.add_sequence([rng.randrange(300) for _ in range(rng.randrange(50, 300))])
+    held = {tuple(seq[i : i + 3]) for seq in index.tokens() for i in range(len(seq) - 2)}
+    assert all(index.may_have(list(trigram)) for trigram in held)
+    absent = [t for t in ((rng.randrange(300), rng.randrange(300), rng.randrange(300)) for _ in range(5000))
+              if t not in held]
+    assert sum(index.may_have(list(t)) for t in absent) < 0.2 * len(absent)  # a filter, not a yes to everything
+
+    cache = SuffixCache()
+    cache.index.add_sequence([1, 2, 30, 31])  # "1 2" continues with 30, but no 3 tokens of the text are there
+    proposer = SuffixProposer(cache)
+    text = [9, 8, 1, 2]
+    proposer.begin(text, 100)
+    for _ in range(5):
+        tree = proposer.propose(text, 2, GREEDY, None)
+        assert not proposer.searched_global and 30 not in tree.tokens and proposer.global_rest == 0
+        proposer.observe(tree, Verdict([0], 5), None)
+    assert (cache.lookups, cache.hits) == (5, 0)
+    text = [9, 1, 2, 30]  # now its last 3 tokens are there: searched
+    proposer.begin(text, 100)
+    assert proposer.propose(text, 2, GREEDY, None).tokens[1:] == [31] and proposer.searched_global
 
 
 def test_held_outputs_join_the_cache_after_the_block_each_distinct_once() -> None:
@@ -216,11 +247,11 @@ def test_frequencies_rank_the_branches() -> None:
     """Continuations seen more often rank first, and a tree's size follows them (k nodes without a cost model)."""
     cache = SuffixCache()
     for _ in range(3):
-        cache.index.add_sequence([4, 5, 6, 7])
-    cache.index.add_sequence([4, 5, 8, 9])
+        cache.index.add_sequence([3, 4, 5, 6, 7])
+    cache.index.add_sequence([3, 4, 5, 8, 9])
     proposer = SuffixProposer(cache)
-    proposer.begin([0, 4, 5], 100)
-    tree = proposer.propose([0, 4, 5], 3, GREEDY, None)
+    proposer.begin([0, 3, 4, 5], 100)
+    tree = proposer.propose([0, 3, 4, 5], 3, GREEDY, None)
     assert tree.tokens == [5, 6, 7, 8]  # 6 (3 of 4), 7 after it (3 of 4), then 8 (1 of 4)
     assert tree.parents == [-1, 0, 1, 0]
 
@@ -303,7 +334,7 @@ def test_sampled_suffix_matches_the_target_distribution(sized: bool) -> None:
     drafted = accepted = 0
     for seed in range(samples):
         cache = SuffixCache()  # the same cache every time: outputs of other samples must not leak in
-        cache.index.add_sequence([0, 1, 2, 0, 3, 4, 0, 1])
+        cache.index.add_sequence([7, 6, 0, 1, 2, 7, 6, 0, 3, 4, 0, 1])
         proposer = SuffixProposer(cache, cost=CHEAP if sized else None)
         k = FixedK(proposer.capabilities.max_depth) if sized else 4
         out, stats = generate_ids(target, PROMPT, proposer=proposer, k=k, max_new_tokens=tokens, params=params,
@@ -320,7 +351,7 @@ def test_sampled_suffix_matches_the_target_distribution(sized: bool) -> None:
 def test_sampled_tree_offers_several_branches() -> None:
     """The sampled test above exercises siblings (else it would only test chains)."""
     cache = SuffixCache()
-    cache.index.add_sequence([0, 1, 2, 0, 3, 4, 0, 1])
+    cache.index.add_sequence([7, 6, 0, 1, 2, 7, 6, 0, 3, 4, 0, 1])
     proposer = SuffixProposer(cache, nodes=8)
     proposer.begin(PROMPT, 100)
     tree = proposer.propose(PROMPT, 8, SamplingParams(temperature=1.0), None)
@@ -339,8 +370,8 @@ def test_server_metrics_report_the_shared_cache() -> None:
     holder.append(cache)
     cache.index.add_sequence([1, 2, 3, 4])
     proposer = SuffixProposer(cache)
-    proposer.begin([9, 1, 2], 10)
-    proposer.propose([9, 1, 2], 2, GREEDY, None)
+    proposer.begin([9, 1, 2, 3], 10)
+    proposer.propose([9, 1, 2, 3], 2, GREEDY, None)
     text = metrics.render().decode()
     assert "specdecode_suffix_cache_tokens 4.0" in text and "specdecode_suffix_cache_hit_rate 1.0" in text
     assert "specdecode_suffix_cache_sequences 1.0" in text
