@@ -12,8 +12,9 @@ suffix's point masses, cut by their own best count, then the head's chain drawn 
 (the multi-round rule tries each sibling against the residual the ones before it left, so it stays exact).
 
 The suffix part runs every step (about 1% of one); the head rests on its own rule while its part does not pay
-(eagle.py), and its probes after each rest take at most PROBE_SHARE of the decoding time. Resting the whole hybrid
-besides (up to 16 steps) left it 4% behind suffix alone on the repetitive workload, where the suffix carries it.
+(eagle.py), and what it costs beyond what it saves takes at most PROBE_SHARE of the decoding time (a budget, below).
+Resting the whole hybrid besides (up to 16 steps) left it 4% behind suffix alone on the repetitive workload, where
+the suffix carries it.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from .eagle import HIDDEN_LEAD, EagleProposer
 from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer
 
 EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
-# A head that does not pay (on a CPU, most chat text) still probes after each rest: a probe is its catch-up and a
-# tree, ~2.8 ms beside a ~3.6 ms plain step, and one every 1-3 Spec-Bench requests came to 0.3-0.7% of the hybrid's
-# time, all it trailed suffix decoding by. Probes (runs right after a rest) may take at most this share of decoding
-# time, counted in plain steps' prices; a probe the budget cannot pay yet lengthens the rest until it can (seconds
-# at most PROBE_SAVINGS saved up). A head that pays runs on as before: only probes are charged.
+# A head that does not pay (on a CPU, most chat text) still probes after each rest, and a lucky probe ends its rest:
+# a run is its catch-up and a tree, ~2.8 ms beside a ~3.6 ms plain step, and the runs came to 0.3-1% of the hybrid's
+# time, all it trailed suffix decoding by. The head's budget: every run is charged its seconds and the forward
+# seconds of the nodes only it offered, and credited a plain step for each guess only it offered that was accepted;
+# each step adds PROBE_SHARE of a plain step. A run the budget cannot pay yet rests the head until it can (at most
+# PROBE_SAVINGS seconds saved up). A head that pays earns more than it spends and is never held back.
 PROBE_SHARE = 0.001
 PROBE_SAVINGS = 0.02
 
@@ -46,10 +48,10 @@ class SuffixEagleProposer(Proposer):
         self.suffix, self.eagle = suffix, eagle
         self.hidden_layers = eagle.hidden_layers
         self.head_expects = 1.0  # decayed mean of the head's predicted accepted tokens per tree
-        self.budget = 0.0  # seconds its probes may still take (below 0: owed), kept on the head between requests
+        self.budget = 0.0  # seconds the head may still spend beyond what it saved (below 0: owed), kept on the head
         self.accrued = 0.0  # what a step adds to it
-        self.last: tuple[DraftTree, DraftTree | None, list[int]] | None = None  # the tree sent, the head's tree,
-        # and each node's sources
+        self.last: tuple[DraftTree, DraftTree | None, list[int], int] | None = None  # the tree sent, the head's tree,
+        # each node's sources, and the context
 
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
@@ -66,14 +68,15 @@ class SuffixEagleProposer(Proposer):
         self.suffix.begin(prompt, max_len)
         self.eagle.begin(prompt, max_len)  # resting when the last request ended: this one starts resting
         self.last = None
-        self.budget = getattr(self.eagle.head, "probe_budget", 0.0)
+        self.budget = getattr(self.eagle.head, "head_budget", 0.0)
         self.accrued = PROBE_SHARE * self.suffix.cost.forward_seconds(1, len(prompt))
-        self._defer_probe()
+        self._defer()
 
-    def _defer_probe(self) -> None:
-        """A resting head whose probe the budget cannot pay yet rests until it can (reading no hidden states)."""
-        resting = self.eagle.resting
-        if self.budget < 0 and resting.backoff > 0 and self.eagle.online is None:
+    def _defer(self) -> None:
+        """A head whose run the budget cannot pay yet rests until it can (reading no hidden states meanwhile). A head
+        learning online is never held back: its runs are how it learns."""
+        if self.budget < 0 and self.eagle.online is None:
+            resting = self.eagle.resting
             resting.left = max(resting.left, math.ceil(-self.budget / max(self.accrued, 1e-12)))
 
     def reads_hidden(self, tokens_left: int) -> bool:
@@ -99,14 +102,12 @@ class SuffixEagleProposer(Proposer):
         self.budget = min(self.budget + self.accrued, PROBE_SAVINGS)
         # a step of the head's rest (counted only where the head would run) costs no call (one learning online runs)
         if expected < self.head_expects and (eagle.online is not None or not eagle.resting.take()):
-            probe = eagle.online is None and eagle.resting.backoff > 0  # the head comes back from a rest
-            if probe and self.budget < 0:
-                self._defer_probe()
+            if self.budget < 0 and eagle.online is None:
+                self._defer()
             else:
                 started = time.perf_counter()
                 head = eagle.propose(tokens, min(k, eagle.MAX_DEPTH), params, generator)
-                if probe:
-                    self.budget -= time.perf_counter() - started
+                self.budget -= time.perf_counter() - started
                 if head.num_drafted and len(eagle.node_chances) == head.num_drafted:
                     self.head_expects = 0.9 * self.head_expects + 0.1 * sum(eagle.node_chances)
                 else:
@@ -125,7 +126,7 @@ class SuffixEagleProposer(Proposer):
                              own.draft_probs + head.draft_probs[1:])
             sources = sources + [EAGLE] * head.num_drafted
         self.suffix.scorer.cut(self.suffix.scored, tree.depth)
-        self.last = (tree, head, sources)
+        self.last = (tree, head, sources, len(tokens))
         return tree
 
     def observe(self, tree, verdict, extra_logits) -> None:
@@ -133,12 +134,13 @@ class SuffixEagleProposer(Proposer):
         if self.last is None or self.last[0] is not tree:
             self.last = None
             return
-        _, head, sources = self.last
+        _, head, sources, context = self.last
         self.last = None
         if self.suffix.cache is not None:
             self.suffix.judge_global(sum(sources[i] == GLOBAL for i in verdict.path[1:]))
         if head is None:
             return
+        self._settle(tree, verdict, sources, context)
         path, node = [0], 0
         for accepted in verdict.path[1:]:
             child = next((c for c in head.children(node) if head.tokens[c] == tree.tokens[accepted]), None)
@@ -148,7 +150,15 @@ class SuffixEagleProposer(Proposer):
             node = child
         self.eagle.observe(head, Verdict(path, verdict.next_token), extra_logits)
 
+    def _settle(self, tree: DraftTree, verdict: Verdict, sources: list[int], context: int) -> None:
+        """The head's budget after a step it ran: charged the forward seconds of the nodes only it offered, credited
+        a plain step for each of them accepted (the suffix's own guesses would have been there without it)."""
+        cost, own = self.suffix.cost, sum(source == EAGLE for source in sources)
+        saved = sum(sources[i] == EAGLE for i in verdict.path[1:]) * cost.forward_seconds(1, context)
+        verified = cost.forward_seconds(len(tree), context) - cost.forward_seconds(len(tree) - own, context)
+        self.budget = min(self.budget + saved - verified, PROBE_SAVINGS)
+
     def finish(self, tokens: list[int]) -> None:
         self.suffix.finish(tokens)
         self.eagle.finish(tokens)
-        self.eagle.head.probe_budget = self.budget  # the next request (any that shares the head) starts from it
+        self.eagle.head.head_budget = self.budget  # the next request (any that shares the head) starts from it
