@@ -421,7 +421,8 @@ def test_the_head_costs_at_most_its_share_of_decoding_time_beyond_what_it_saves(
     first run has spent the budget, runs wait for PROBE_SHARE of the decoding time to pay for them (here: never
     within the test); with an unbounded share it runs as its own rest rule allows (and that rule rests it). Next to
     a forward priced at a second, every guess of its own that is accepted pays for its runs: it is never held back.
-    Output is plain decoding's either way."""
+    What it saved in one request does not pay for its runs in the next; what it owes does. Output is plain
+    decoding's throughout."""
     import specdecode.proposers.suffix_eagle as hybrid_module
     from specdecode.proposers.suffix_eagle import SuffixEagleProposer
 
@@ -447,6 +448,12 @@ def test_the_head_costs_at_most_its_share_of_decoding_time_beyond_what_it_saves(
     assert budgeted == 1 and unbounded >= 5, (budgeted, unbounded)
     paying, free = head_runs(dear, hybrid_module.PROBE_SHARE)[0], head_runs(dear, 1e9)[0]
     assert paying == free > unbounded, (paying, free, unbounded)
+
+    proposer = SuffixEagleProposer(SuffixProposer(None, cost=dear), eagle_for(target))
+    for carried, starts in ((0.01, 0.0), (-0.01, -0.01)):  # a request inherits the head's debts, not its savings
+        proposer.eagle.head.head_budget = carried
+        proposer.begin(PROMPTS[0], 100)
+        assert proposer.budget == starts
 
 
 def test_sampled_hybrid_matches_the_target_distribution() -> None:
