@@ -91,7 +91,7 @@ class _Level:
         self.positions = np.empty(0, dtype=np.int64)
         self.fresh: dict[int, list[int]] = {}  # key -> positions not sorted in yet, ascending
         self.fresh_count = 0
-        self._size_filter(self.keys)
+        self._build_filter(self.keys)
 
     def add(self, key: int, position: int) -> None:
         self.fresh.setdefault(key, []).append(position)
@@ -106,7 +106,7 @@ class _Level:
         bit = (key * _MIX & _WORD) >> shift
         return bool(marks[bit >> 3] >> (bit & 7) & 1)
 
-    def _size_filter(self, keys: np.ndarray) -> None:
+    def _build_filter(self, keys: np.ndarray) -> None:
         """The filter of these keys, sized for them and those that join before the next seal (see
         SuffixIndex._append): (shift, marks), where a key's bit is the top 64 - shift bits of key * _MIX."""
         room = _FILTER_BITS_PER_KEY * (len(keys) + max(_SEAL_AT, len(keys) // 4))
@@ -141,7 +141,7 @@ class _Level:
         order = np.lexsort((positions, keys))
         self.keys, self.positions = keys[order], positions[order]
         self.fresh, self.fresh_count = {}, 0
-        self._size_filter(self.keys)
+        self._build_filter(self.keys)
 
     @property
     def nbytes(self) -> int:

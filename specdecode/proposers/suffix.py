@@ -19,7 +19,7 @@ data out of the CPU's caches; ~40 us warm: the request's own text searched in di
 prompt lookup's 10-27 us), so the proposer runs every step, as prompt lookup does: resting while its steps
 did not pay (up to 4 steps, when a step's proposing took 200-350 us) cost it a twentieth of prompt lookup's tau in
 Spec-Bench summarization, RAG and math reasoning. The global cache is searched only where it probably holds the
-text's last 3 tokens (a filter, ~1 us: its 1-2 token matches never paid), and not while its matches add no
+text's last 3 tokens (a filter, ~1 us: its 1-2 token matches added no tau), and not while its matches add no
 accepted token (up to GLOBAL_MAX_REST steps).
 
 Guesses are point masses (q = 1), so greedy and sampled verification are exact through the one verify core.
