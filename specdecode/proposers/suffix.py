@@ -45,7 +45,7 @@ GLOBAL_BUCKET = 16  # added to the class of guesses from the global cache: they 
 # most steps the global cache is not searched while its matches add no accepted token the request's own text did
 # not offer (a search is a sixth of a step's proposing time right after a forward)
 GLOBAL_MAX_REST = 16
-DEFAULT_CACHE_TOKENS = 1_000_000  # global cache budget: about 40 MB of arrays
+DEFAULT_CACHE_TOKENS = 1_000_000  # global cache budget: about 45 MB of arrays
 LOCAL, GLOBAL = 1, 2  # node sources (bit flags)
 # guesses less likely than this are never worth their place in a forward (on a CPU a guessed token costs a tenth of
 # a plain step or more; where it costs next to nothing, 24 such nodes would add a quarter of a token)

@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
                    "batch grows)")
     s.add_argument("--suffix-cache-tokens", type=int, default=1_000_000,
                    help="method suffix: tokens of earlier outputs kept for all requests to match (oldest evicted "
-                        "first; about 40 bytes a token)")
+                        "first; about 45 bytes a token)")
     s.add_argument("--prefix-cache-mb", type=int_in(0, what="a size in MiB"), default=DEFAULT_MB,
                    help="keep up to this many MiB of finished requests' keys and values, so a prompt that begins as "
                         "an earlier request's text did (a chat's next turn, a shared system prompt) prefills only the "
