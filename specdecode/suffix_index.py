@@ -7,12 +7,12 @@ index answers both from the token ids themselves: each position is filed under t
 there, in sorted arrays searched by bisection (plus a small dict of positions not sorted in yet). The most
 recent `max_occurrences` positions filed under the context's last 3 tokens (or last 1 when those 3 never
 occurred) are matched backwards in one vectorised comparison, and the ones that match longest are the
-occurrences; their continuations come out as rows of a matrix. A filter of each level's keys (`may_have`) says in
+occurrences; their continuations come out as rows of a matrix. A filter of the trigram keys (`may_have`) says in
 pure Python whether the context's last 3 tokens could be there at all, before any array is searched.
 
 Why not a pointer-based suffix tree: in Python its nodes cost a few hundred bytes a token and an insertion walks
 up to `max_match` nodes a token; here a token costs about 40 bytes (its id, a key and a position at each of the two
-levels, and a few bits of each level's filter) and an insertion is two list appends. Occurrences beyond the most
+levels, and a few bits of the trigram level's filter) and an insertion is two list appends. Occurrences beyond the most
 recent `max_occurrences` of a key are not seen (recent text weighs more, which is what a cache of earlier outputs
 wants anyway).
 
@@ -82,39 +82,17 @@ def count_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
 
 
 class _Level:
-    """Positions filed under a key (the n tokens ending at the position): sorted arrays + recent positions, and
-    a one-hash Bloom filter of the keys in a bytearray, which answers "was this key ever filed?" in pure Python
-    (a numpy search costs ~20 us right after a forward, the filter a microsecond)."""
+    """Positions filed under a key (the n tokens ending at the position): sorted arrays + recent positions."""
 
     def __init__(self) -> None:
         self.keys = np.empty(0, dtype=np.int64)  # sorted by (key, position)
         self.positions = np.empty(0, dtype=np.int64)
         self.fresh: dict[int, list[int]] = {}  # key -> positions not sorted in yet, ascending
         self.fresh_count = 0
-        self._build_filter(self.keys)
 
     def add(self, key: int, position: int) -> None:
         self.fresh.setdefault(key, []).append(position)
         self.fresh_count += 1
-        shift, marks = self.filter
-        bit = (key * _MIX & _WORD) >> shift
-        marks[bit >> 3] |= 1 << (bit & 7)
-
-    def may_have(self, key: int) -> bool:
-        """False: the key was never filed (or only in positions dropped at the last seal); True: it probably was."""
-        shift, marks = self.filter  # one object: a seal on another thread swaps both at once
-        bit = (key * _MIX & _WORD) >> shift
-        return bool(marks[bit >> 3] >> (bit & 7) & 1)
-
-    def _build_filter(self, keys: np.ndarray) -> None:
-        """The filter of these keys, sized for them and those that join before the next seal (see
-        SuffixIndex._append): (shift, marks), where a key's bit is the top 64 - shift bits of key * _MIX."""
-        room = _FILTER_BITS_PER_KEY * (len(keys) + max(_SEAL_AT, len(keys) // 4))
-        shift = 64 - max(16, room.bit_length())
-        bits = (keys.astype(np.uint64) * np.uint64(_MIX)) >> np.uint64(shift)  # wraps mod 2^64, as & _WORD does
-        marked = np.zeros(1 << (64 - shift), dtype=bool)
-        marked[bits] = True
-        self.filter = (shift, bytearray(np.packbits(marked, bitorder="little")))
 
     def find(self, key: int, live_from: int, most: int) -> np.ndarray:
         """The last `most` live positions filed under `key`, ascending."""
@@ -141,12 +119,52 @@ class _Level:
         order = np.lexsort((positions, keys))
         self.keys, self.positions = keys[order], positions[order]
         self.fresh, self.fresh_count = {}, 0
-        self._build_filter(self.keys)
 
     @property
     def nbytes(self) -> int:
-        # a list slot and an int for each unsorted position
-        return self.keys.nbytes + self.positions.nbytes + len(self.filter[1]) + 48 * self.fresh_count
+        return self.keys.nbytes + self.positions.nbytes + 48 * self.fresh_count  # a list slot and an int each
+
+
+class _FilteredLevel(_Level):
+    """A level with a one-hash Bloom filter of its keys in a bytearray, which answers "was this key ever filed?" in
+    pure Python (a numpy search costs ~20 us right after a forward, the filter a microsecond). Only the trigram
+    level has one: it alone is asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._build_filter()
+
+    def add(self, key: int, position: int) -> None:
+        super().add(key, position)
+        shift, marks = self.filter
+        bit = (key * _MIX & _WORD) >> shift
+        marks[bit >> 3] |= 1 << (bit & 7)
+
+    def may_have(self, key: int) -> bool:
+        """False: the key was never filed (or only in positions dropped at the last seal); True: it probably was."""
+        shift, marks = self.filter  # one object: a seal on another thread swaps both at once
+        bit = (key * _MIX & _WORD) >> shift
+        return bool(marks[bit >> 3] >> (bit & 7) & 1)
+
+    def seal(self, live_from: int) -> None:
+        if self.fresh_count:  # else nothing changed
+            super().seal(live_from)
+            self._build_filter()
+
+    def _build_filter(self) -> None:
+        """The filter of the sorted keys, sized for them and those that join before the next seal (see
+        SuffixIndex._append): (shift, marks), where a key's bit is the top 64 - shift bits of key * _MIX."""
+        keys = self.keys
+        room = _FILTER_BITS_PER_KEY * (len(keys) + max(_SEAL_AT, len(keys) // 4))
+        shift = 64 - max(16, room.bit_length())
+        bits = (keys.astype(np.uint64) * np.uint64(_MIX)) >> np.uint64(shift)  # wraps mod 2^64, as & _WORD does
+        marked = np.zeros(1 << (64 - shift), dtype=bool)
+        marked[bits] = True
+        self.filter = (shift, bytearray(np.packbits(marked, bitorder="little")))
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + len(self.filter[1])
 
 
 class SuffixIndex:
@@ -171,7 +189,8 @@ class SuffixIndex:
         self._end = 0  # absolute position after the last token
         self._live_from = 0  # positions before this are evicted
         self._sequences: deque[tuple[int, int]] = deque()  # (start, end) of each sequence, oldest first
-        self._levels = {1: _Level(), 3: _Level()}
+        self._trigrams = _FilteredLevel()  # the level `may_have` asks
+        self._levels = {1: _Level(), 3: self._trigrams}
         self.evicted_sequences = 0
         self._seal_at = min(_SEAL_AT, max_tokens or _SEAL_AT)  # unsorted positions stay within the budget
 
@@ -271,7 +290,7 @@ class SuffixIndex:
         """False when these 3 tokens never occurred together, so `match` could not match 3 tokens of a context
         ending with them; True when they probably did (a filter: ~1 us, where a `match` takes ~150 us right after
         a forward). Lock-free: a stale answer only costs or spares one search."""
-        return len(last3) == 3 and self._levels[3].may_have(_trigram(*last3))
+        return len(last3) == 3 and self._trigrams.may_have(_trigram(*last3))
 
     def _longest(self, candidates: np.ndarray, backwards: np.ndarray) -> tuple[int, np.ndarray]:
         """How many tokens before each candidate (itself included) match `backwards` (the context, last first):
