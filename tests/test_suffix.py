@@ -418,7 +418,7 @@ def test_greedy_hybrid_equals_plain_and_uses_both_sources(target, reference) -> 
 def test_the_head_costs_at_most_its_share_of_decoding_time_beyond_what_it_saves(target, reference,
                                                                                  monkeypatch) -> None:
     """Next to a target whose forward is priced at a microsecond the head's real milliseconds never pay: once its
-    first run has spent the budget, runs wait for PROBE_SHARE of the decoding time to pay for them (here: never
+    first run has spent the budget, runs wait for HEAD_SHARE of the decoding time to pay for them (here: never
     within the test); with an unbounded share it runs as its own rest rule allows (and that rule rests it). Next to
     a forward priced at a second, every guess of its own that is accepted pays for its runs: it is never held back.
     What it saved in one request does not pay for its runs in the next; what it owes does. Output is plain
@@ -430,7 +430,7 @@ def test_the_head_costs_at_most_its_share_of_decoding_time_beyond_what_it_saves(
     dear = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
 
     def head_runs(cost: FrozenCost, share: float):
-        monkeypatch.setattr(hybrid_module, "PROBE_SHARE", share)
+        monkeypatch.setattr(hybrid_module, "HEAD_SHARE", share)
         eagle = eagle_for(target)
         eagle.cost = cost
         proposer = SuffixEagleProposer(SuffixProposer(None, cost=cost), eagle)
@@ -443,10 +443,10 @@ def test_the_head_costs_at_most_its_share_of_decoding_time_beyond_what_it_saves(
             assert out == expected
         return len(runs), eagle.resting.backoff
 
-    (budgeted, _), (unbounded, backoff) = head_runs(fast, hybrid_module.PROBE_SHARE), head_runs(fast, 1e9)
+    (budgeted, _), (unbounded, backoff) = head_runs(fast, hybrid_module.HEAD_SHARE), head_runs(fast, 1e9)
     assert backoff > 0  # by its own rule it rests: its steps do not pay
     assert budgeted == 1 and unbounded >= 5, (budgeted, unbounded)
-    paying, free = head_runs(dear, hybrid_module.PROBE_SHARE)[0], head_runs(dear, 1e9)[0]
+    paying, free = head_runs(dear, hybrid_module.HEAD_SHARE)[0], head_runs(dear, 1e9)[0]
     assert paying == free > unbounded, (paying, free, unbounded)
 
     proposer = SuffixEagleProposer(SuffixProposer(None, cost=dear), eagle_for(target))

@@ -12,7 +12,7 @@ suffix's point masses, cut by their own best count, then the head's chain drawn 
 (the multi-round rule tries each sibling against the residual the ones before it left, so it stays exact).
 
 The suffix part runs every step (about 1% of one); the head rests on its own rule while its part does not pay
-(eagle.py), and what it costs beyond what it saves takes at most PROBE_SHARE of the decoding time (a budget, below).
+(eagle.py), and what it costs beyond what it saves takes at most HEAD_SHARE of the decoding time (a budget, below).
 Resting the whole hybrid besides (up to 16 steps) left it 4% behind suffix alone on the repetitive workload, where
 the suffix carries it.
 """
@@ -33,11 +33,11 @@ EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
 # a run is its catch-up and a tree, ~2.8 ms beside a ~3.6 ms plain step, and the runs came to 0.3-1% of the hybrid's
 # time, all it trailed suffix decoding by. The head's budget: every run is charged its seconds (a plain step's at
 # most) and the forward seconds of the nodes only it offered, and credited a plain step for each guess only it
-# offered that was accepted; each step adds PROBE_SHARE of a plain step. A run the budget cannot pay yet rests the
-# head until it can (at most PROBE_SAVINGS seconds saved up). A head that pays earns more than it spends and is
+# offered that was accepted; each step adds HEAD_SHARE of a plain step. A run the budget cannot pay yet rests the
+# head until it can (at most HEAD_SAVINGS seconds saved up). A head that pays earns more than it spends and is
 # never held back.
-PROBE_SHARE = 0.001
-PROBE_SAVINGS = 0.02
+HEAD_SHARE = 0.001
+HEAD_SAVINGS = 0.02
 
 
 class SuffixEagleProposer(Proposer):
@@ -50,7 +50,7 @@ class SuffixEagleProposer(Proposer):
         self.hidden_layers = eagle.hidden_layers
         self.head_expects = 1.0  # decayed mean of the head's predicted accepted tokens per tree
         self.budget = 0.0  # seconds the head may still spend beyond what it saved (below 0: owed), kept on the head
-        self.accrued = self.plain = 0.0  # what a step adds to it; a plain step's price
+        self.plain = 0.0  # a plain step's price (a step adds HEAD_SHARE of it to the budget)
         self.last: tuple[DraftTree, DraftTree | None, list[int], int] | None = None  # the tree sent, the head's tree,
         # each node's sources, and the context
 
@@ -73,7 +73,6 @@ class SuffixEagleProposer(Proposer):
         # for its runs on the next (chat it does not): in Spec-Bench they cost the hybrid 1% in qa after summarization
         self.budget = min(getattr(self.eagle.head, "head_budget", 0.0), 0.0)
         self.plain = self.suffix.cost.forward_seconds(1, len(prompt))
-        self.accrued = PROBE_SHARE * self.plain
         self._defer()
 
     def _defer(self) -> None:
@@ -81,7 +80,7 @@ class SuffixEagleProposer(Proposer):
         learning online is never held back: its runs are how it learns."""
         if self.budget < 0 and self.eagle.online is None:
             resting = self.eagle.resting
-            resting.left = max(resting.left, math.ceil(-self.budget / max(self.accrued, 1e-12)))
+            resting.left = max(resting.left, math.ceil(-self.budget / max(HEAD_SHARE * self.plain, 1e-12)))
 
     def reads_hidden(self, tokens_left: int) -> bool:
         return self.eagle.reads_hidden(tokens_left)
@@ -103,7 +102,7 @@ class SuffixEagleProposer(Proposer):
             n = self.suffix.best_count(found, ranked, len(tokens))
             expected = sum(map(found.chances.__getitem__, ranked[:n]))
         head, eagle = None, self.eagle
-        self.budget = min(self.budget + self.accrued, PROBE_SAVINGS)
+        self.budget = min(self.budget + HEAD_SHARE * self.plain, HEAD_SAVINGS)
         # a step of the head's rest (counted only where the head would run) costs no call (one learning online runs)
         if expected < self.head_expects and (eagle.online is not None or not eagle.resting.take()):
             if self.budget < 0 and eagle.online is None:
@@ -161,7 +160,7 @@ class SuffixEagleProposer(Proposer):
         cost, own = self.suffix.cost, sum(source == EAGLE for source in sources)
         saved = sum(sources[i] == EAGLE for i in verdict.path[1:]) * cost.forward_seconds(1, context)
         verified = cost.forward_seconds(len(tree), context) - cost.forward_seconds(len(tree) - own, context)
-        self.budget = min(self.budget + saved - verified, PROBE_SAVINGS)
+        self.budget = min(self.budget + saved - verified, HEAD_SAVINGS)
 
     def finish(self, tokens: list[int]) -> None:
         self.suffix.finish(tokens)
