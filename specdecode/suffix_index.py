@@ -26,6 +26,7 @@ proposing 194 -> 153 us a step on average from this alone), which is what prompt
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -90,9 +91,18 @@ class _Level:
         self.fresh: dict[int, list[int]] = {}  # key -> positions not sorted in yet, ascending
         self.fresh_count = 0
 
-    def add(self, key: int, position: int) -> None:
-        self.fresh.setdefault(key, []).append(position)
-        self.fresh_count += 1
+    def add(self, keys: list[int], start: int) -> None:
+        """File position start + i under keys[i], skipping negative keys (no key there)."""
+        fresh, filed = self.fresh, 0
+        for position, key in enumerate(keys, start):
+            if key >= 0:
+                positions = fresh.get(key)
+                if positions is None:
+                    fresh[key] = [position]
+                else:
+                    positions.append(position)
+                filed += 1
+        self.fresh_count += filed
 
     def find(self, key: int, live_from: int, most: int) -> np.ndarray:
         """The last `most` live positions filed under `key`, ascending."""
@@ -111,13 +121,19 @@ class _Level:
         """Sort the recent positions in and drop evicted ones (amortised: run when enough piled up)."""
         if not self.fresh_count:
             return
-        keys = np.fromiter((k for k, ps in self.fresh.items() for _ in ps), np.int64, self.fresh_count)
-        positions = np.fromiter((p for ps in self.fresh.values() for p in ps), np.int64, self.fresh_count)
-        keep = self.positions >= live_from
-        keys = np.concatenate((self.keys[keep], keys))
-        positions = np.concatenate((self.positions[keep], positions))
-        order = np.lexsort((positions, keys))
-        self.keys, self.positions = keys[order], positions[order]
+        fresh = self.fresh
+        sizes = np.fromiter(map(len, fresh.values()), np.int64, len(fresh))
+        keys = np.repeat(np.fromiter(fresh, np.int64, len(fresh)), sizes)
+        positions = np.fromiter(itertools.chain.from_iterable(fresh.values()), np.int64, self.fresh_count)
+        order = np.argsort(keys, kind="stable")  # each key's positions stay ascending
+        keys, positions = keys[order], positions[order]
+        old_keys, old_positions = self.keys, self.positions
+        if len(old_positions) and old_positions.min() < live_from:
+            keep = old_positions >= live_from
+            old_keys, old_positions = old_keys[keep], old_positions[keep]
+        # merged, not sorted again: a fresh position is newer than every sorted one, so it goes after its key's
+        at = np.searchsorted(old_keys, keys, side="right")
+        self.keys, self.positions = np.insert(old_keys, at, keys), np.insert(old_positions, at, positions)
         self.fresh, self.fresh_count = {}, 0
 
     @property
@@ -134,11 +150,13 @@ class _FilteredLevel(_Level):
         super().__init__()
         self._build_filter()
 
-    def add(self, key: int, position: int) -> None:
-        super().add(key, position)
+    def add(self, keys: list[int], start: int) -> None:
+        super().add(keys, start)
         shift, marks = self.filter
-        bit = (key * _MIX & _WORD) >> shift
-        marks[bit >> 3] |= 1 << (bit & 7)
+        for key in keys:
+            if key >= 0:
+                bit = (key * _MIX & _WORD) >> shift
+                marks[bit >> 3] |= 1 << (bit & 7)
 
     def may_have(self, key: int) -> bool:
         """False: the key was never filed (or only in positions dropped at the last seal); True: it probably was."""
@@ -220,16 +238,13 @@ class SuffixIndex:
         self._reserve(n)
         at = self._end - self._base
         self._buffer[at : at + n] = tokens
-        buf, end = self._buffer, self._end
-        unigrams, trigrams = self._levels[1], self._levels[3]
-        for i, token in enumerate(tokens):
-            position = end + i
-            if token == SEPARATOR:
-                continue
-            unigrams.add(int(token), position)
-            j = position - self._base
-            if position - 2 >= self._live_from and buf[j - 1] >= 0 and buf[j - 2] >= 0:
-                trigrams.add(_trigram(int(buf[j - 2]), int(buf[j - 1]), int(token)), position)
+        # the two tokens before and the new ones, as Python ints (evicted positions, and those before the buffer,
+        # read SEPARATOR): filing them is then two list appends a token, no numpy scalar read
+        window = self._buffer[max(at - 2, 0) : at + n].tolist()
+        window[:0] = [SEPARATOR] * (n + 2 - len(window))
+        self._levels[1].add(window[2:], self._end)
+        self._levels[3].add([_trigram(a, b, c) if a >= 0 and b >= 0 and c >= 0 else SEPARATOR
+                             for a, b, c in zip(window, window[1:], window[2:], strict=False)], self._end)
         self._end += n
         start, _ = self._sequences[-1]
         self._sequences[-1] = (start, self._end)

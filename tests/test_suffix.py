@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from specdecode import suffix_index
 from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.policy import FixedK
@@ -104,6 +105,56 @@ def test_eviction_bounds_memory_and_forgets_the_oldest() -> None:
     assert index.match(new[:10], depth=5).continuations.tolist()[0] == new[10:15]
     index.add_sequence(list(range(3000)))  # longer than the budget: its last 1000 tokens stay
     assert index.tokens() == [list(range(2000, 3000))]
+
+
+def brute_match(sequences: list[list[int]], context: list[int], depth: int, max_match: int, most: int):
+    """SuffixIndex.match read off its definition, over the live sequences: (length, sorted continuations) or None."""
+    for n in (3, 1):
+        if len(context) < n:
+            continue
+        end = context[-n:]
+        filed = [(seq, i) for seq in sequences for i in range(n - 1, len(seq)) if seq[i - n + 1 : i + 1] == end]
+        found = [(seq, i) for seq, i in filed[-most:] if i + 1 < len(seq)]  # the most recent, then those continued
+        if found:
+            break
+    else:
+        return None
+    lengths = []
+    for seq, i in found:
+        length = 0
+        while length < min(max_match, len(context)) and length <= i and seq[i - length] == context[-1 - length]:
+            length += 1
+        lengths.append(length)
+    longest = max(lengths)
+    rows = [(seq[i + 1 : i + 1 + depth] + [SEPARATOR] * depth)[:depth]
+            for (seq, i), length in zip(found, lengths, strict=True) if length == longest]
+    return longest, sorted(rows)
+
+
+@pytest.mark.parametrize("most", [64, 2])
+def test_index_answers_as_its_definition_across_seals_and_evictions(most, monkeypatch) -> None:
+    """Positions sorted into the arrays (seals, merged with what was sorted before), evicted ones dropped, recent ones
+    still unsorted: every match equals a brute-force search of the live sequences (a small `most` checks that the
+    most recent occurrences are the ones kept)."""
+    rng = random.Random(most)
+    monkeypatch.setattr(suffix_index, "_SEAL_AT", 40)  # sorted in often, while most of what was sorted is live
+    index = SuffixIndex(max_tokens=400, max_match=6, max_occurrences=most)
+    pieces = [[rng.randrange(12) for _ in range(rng.randrange(2, 9))] for _ in range(8)]
+    sealed = 0
+    for _ in range(250):
+        seq = [t for _ in range(rng.randrange(1, 8)) for t in rng.choice(pieces)][: rng.randrange(3, 60)]
+        before = len(index._levels[3].keys)
+        index.add_sequence(seq)
+        sealed += len(index._levels[3].keys) != before
+        live = index.tokens()
+        for _ in range(4):
+            source = rng.choice(live)
+            cut = rng.randrange(1, len(source) + 1)
+            context = [rng.randrange(12) for _ in range(rng.randrange(3))] + source[max(0, cut - 8) : cut]
+            match = index.match(context, 4)
+            got = None if match is None else (match.length, sorted(match.continuations.tolist()))
+            assert got == brute_match(live, context, 4, 6, most)
+    assert sealed > 25 and index.evicted_sequences > 100
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_match": 0}, {"max_occurrences": 0}])
