@@ -229,6 +229,7 @@ class Drafting:
             head.check_target(self.model)
             if self.model.quantization.endswith("-a8"):  # beside an int8-activation target: int8 too
                 head.quantize_(EAGLE_BESIDE_A8)
+            head.warm_up()
             self._heads[key] = head
         return self._heads[key]
 

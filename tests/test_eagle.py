@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import specdecode.proposers.eagle as eagle_module
+from specdecode import kernels
 from specdecode.cli import main as cli_main
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
@@ -189,6 +190,8 @@ def test_int8_head_beside_an_int8_activation_target_is_lossless(target, trained)
     llm = specdecode.LLM(quantized, make_tokenizer())
     head = llm.eagle_head(trained)
     assert isinstance(head.lm_head, QuantLinear) and head.lm_head.quantization == "int8-a8"
+    # warmed up as it loads: its kernels' description is built before a request's first run would pay for it
+    assert ("_native" in head.__dict__) == (kernels.native() is not None)
     assert isinstance(head.block.mlp.w13, QuantLinear) and head.dtype == torch.float32
     proposer = EagleProposer(head, quantized, topk=3, nodes=8)
     drafted = accepted = 0

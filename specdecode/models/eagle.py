@@ -203,6 +203,13 @@ class EagleHead(nn.Module):
         cache.length = start + n
         return (self.lm_head(self.norm(x[:, logits_at])) if logits is None else logits[None]), x
 
+    def warm_up(self) -> None:
+        """One forward of a position: a head's first forward builds its native description and RoPE table (~20 ms
+        on a CPU, ten times a later run's), which a request's first run would pay otherwise, and be judged by."""
+        h = self.config.block.hidden_size
+        x = torch.zeros(1, 1, h, dtype=self.dtype, device=self.device)
+        self(x, x, self.new_cache(1), torch.zeros(1, dtype=torch.long, device=self.device), None, slice(-1, None))
+
     def _native_block(self, cache: KVCache):
         """(library, NativeBlocks) where the block can run in the native kernel (float32 on the CPU), else None."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not native.cache_fits(cache):

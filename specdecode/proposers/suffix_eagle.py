@@ -30,12 +30,13 @@ from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer
 
 EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
 # A head that does not pay (on a CPU, most chat text) still probes after each rest, and a lucky probe ends its rest:
-# a run is its catch-up and a tree, ~2.8 ms beside a ~3.6 ms plain step, and the runs came to 0.3-1% of the hybrid's
-# time, all it trailed suffix decoding by. The head's budget: every run is charged its seconds (a plain step's at
-# most) and the forward seconds of the nodes only it offered, and credited a plain step for each guess only it
-# offered that was accepted; each step adds HEAD_SHARE of a plain step. A run the budget cannot pay yet rests the
-# head until it can (at most HEAD_SAVINGS seconds saved up). A head that pays earns more than it spends and is
-# never held back.
+# a run is its catch-up and a tree, 4-11 ms beside a ~4.5 ms plain step, and the runs came to 0.3-1% of the hybrid's
+# time, all it trailed suffix decoding by. The head's budget: every run is charged its seconds and the forward
+# seconds of the nodes only it offered, and credited a plain step for each guess only it offered that was accepted;
+# each step adds HEAD_SHARE of a plain step. A run the budget cannot pay yet rests the head until it can (at most
+# HEAD_SAVINGS seconds saved up). A head that pays earns more than it spends and is never held back. (Charged at
+# most a plain step a run, so that a process's first run, ~20 ms of building the head's kernels, would not rest it
+# for long, the runs cost 2-3x their charge, 0.3% of Spec-Bench's time: the head is warmed up when it loads now.)
 HEAD_SHARE = 0.001
 HEAD_SAVINGS = 0.02
 
@@ -110,8 +111,8 @@ class SuffixEagleProposer(Proposer):
             else:
                 started = time.perf_counter()
                 head = eagle.propose(tokens, min(k, eagle.MAX_DEPTH), params, generator)
-                # at most a plain step: a first run's warm-up (~20 ms on this CPU) is not what the head costs
-                self.budget -= min(time.perf_counter() - started, self.plain)
+                self.budget -= time.perf_counter() - started  # all of it: a run after a rest, its catch-up
+                # over up to HEAD_CONTEXT positions included, took 4-11 ms beside a ~4.5 ms plain step
                 if head.num_drafted and len(eagle.node_chances) == head.num_drafted:
                     self.head_expects = 0.9 * self.head_expects + 0.1 * sum(eagle.node_chances)
                 else:
