@@ -1,8 +1,10 @@
-"""Two methods of one `specdecode bench` run compared prompt by prompt: per category, the time of A over the time of
+"""Two methods of a `specdecode bench` run compared prompt by prompt: per category, the time of A over the time of
 B on the same prompts (> 1: B is faster), with a 95% bootstrap interval over the prompts. The plain decoding
-control (`none@k=0` over `none`) shows what the run's noise alone gives.
+control (`none@k=0` over `none`) shows what the run's noise alone gives. Several runs of the same code pool: a
+prompt's times add up over the runs (each its fastest of `--repeats`), and the bootstrap resamples prompts.
 
     python benchmarks/paired_ratio.py benchmarks/results/RUN/results.json prompt-lookup@k=auto suffix@k=auto
+    python benchmarks/paired_ratio.py RUN1/results.json RUN2/results.json suffix@k=auto hybrid@k=auto
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from pathlib import Path
 
 def paired(records: list[dict], a: str, b: str, resamples: int = 2000, seed: int = 0) -> list[tuple]:
     """[(category, ratio, low, high)], the categories in the run's order, then 'overall'."""
-    seconds: dict[tuple, dict[str, float]] = defaultdict(dict)
+    seconds: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
-        seconds[(r["category"], r["question_id"], r.get("temperature", 0.0))][r["method"]] = r["seconds"]
+        seconds[(r["category"], r["question_id"], r.get("temperature", 0.0))][r["method"]].append(r["seconds"])
     rows: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for (category, *_), by in seconds.items():
         if a in by and b in by:
-            rows[category].append((by[a], by[b]))
+            if len(by[a]) != len(by[b]):
+                raise SystemExit(f"{category}: a prompt ran {len(by[a])} times with {a!r}, {len(by[b])} with {b!r}")
+            rows[category].append((sum(by[a]), sum(by[b])))
     if not rows:
         methods = sorted({r["method"] for r in records})
         raise SystemExit(f"no prompt has both {a!r} and {b!r}: the methods of this run are {methods}")
@@ -39,14 +43,16 @@ def paired(records: list[dict], a: str, b: str, resamples: int = 2000, seed: int
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", help="a bench run's results.json")
+    p.add_argument("results", nargs="+", help="a bench run's results.json, or several runs' (pooled)")
     p.add_argument("a")
     p.add_argument("b")
     args = p.parse_args()
-    records = json.loads(Path(args.results).read_text())["records"]
+    records = [r for path in args.results for r in json.loads(Path(path).read_text())["records"]]
     control = {c: (r, lo, hi) for c, r, lo, hi in paired(records, "none", "none@k=0")} \
         if {"none", "none@k=0"} <= {r["method"] for r in records} else {}
-    print(f"time of {args.a} / time of {args.b}, same prompts (> 1: {args.b} faster); 95% bootstrap over prompts\n")
+    runs = f", {len(args.results)} runs pooled" if len(args.results) > 1 else ""
+    print(f"time of {args.a} / time of {args.b}, same prompts (> 1: {args.b} faster){runs}; 95% bootstrap over "
+          "prompts\n")
     print(f"| category | {args.a} / {args.b} | control: none / none@k=0 |\n|---|---:|---:|")
     for category, ratio, low, high in paired(records, args.a, args.b):
         c = control.get(category)
