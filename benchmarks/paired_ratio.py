@@ -16,28 +16,37 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def paired(records: list[dict], a: str, b: str, resamples: int = 2000, seed: int = 0) -> list[tuple]:
-    """[(category, ratio, low, high)], the categories in the run's order, then 'overall'."""
-    seconds: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        seconds[(r["category"], r["question_id"], r.get("temperature", 0.0))][r["method"]].append(r["seconds"])
-    rows: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for (category, *_), by in seconds.items():
-        if a in by and b in by:
-            if len(by[a]) != len(by[b]):
-                raise SystemExit(f"{category}: a prompt ran {len(by[a])} times with {a!r}, {len(by[b])} with {b!r}")
-            rows[category].append((sum(by[a]), sum(by[b])))
-    if not rows:
-        methods = sorted({r["method"] for r in records})
-        raise SystemExit(f"no prompt has both {a!r} and {b!r}: the methods of this run are {methods}")
+def paired(runs: list[list[dict]], a: str, b: str, same_work: bool = False, resamples: int = 2000,
+           seed: int = 0) -> list[tuple]:
+    """[(category, ratio, low, high, prompts)], the categories in the first run's order, then 'overall'. runs: each
+    run's records; a prompt's A and B times of a run pair up, and add up over the runs. same_work: only the runs of a
+    prompt where A and B did the same work (the same forwards and guesses): what the bench's noise alone gives."""
+    rows: dict[str, dict[tuple, list[float]]] = defaultdict(dict)
+    for records in runs:
+        by: dict[tuple, dict[str, dict]] = defaultdict(dict)
+        for r in records:
+            by[(r["category"], r["question_id"], r.get("temperature", 0.0))][r["method"]] = r
+        for (category, *prompt), methods in by.items():
+            ra, rb = methods.get(a), methods.get(b)
+            if ra is None or rb is None or same_work and (
+                    (ra["target_forwards"], ra["drafted"]) != (rb["target_forwards"], rb["drafted"])):
+                continue
+            pair = rows[category].setdefault(tuple(prompt), [0.0, 0.0])
+            pair[0] += ra["seconds"]
+            pair[1] += rb["seconds"]
+    if not rows and not same_work:
+        methods = sorted({r["method"] for records in runs for r in records})
+        raise SystemExit(f"no prompt has both {a!r} and {b!r}: the methods of these runs are {methods}")
     rng = random.Random(seed)
     out = []
-    for category, pairs in [*rows.items(), ("overall", [p for ps in rows.values() for p in ps])]:
+    every = [pair for category in rows.values() for pair in category.values()]
+    for category, pairs in [*((c, list(ps.values())) for c, ps in rows.items()), ("overall", every)]:
         def ratio(sample):
             return sum(x for x, _ in sample) / sum(y for _, y in sample)
 
         boots = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(resamples))
-        out.append((category, ratio(pairs), boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1]))
+        out.append((category, ratio(pairs), boots[int(0.025 * resamples)], boots[int(0.975 * resamples) - 1],
+                    len(pairs)))
     return out
 
 
@@ -47,17 +56,22 @@ def main() -> None:
     p.add_argument("a")
     p.add_argument("b")
     args = p.parse_args()
-    records = [r for path in args.results for r in json.loads(Path(path).read_text())["records"]]
-    control = {c: (r, lo, hi) for c, r, lo, hi in paired(records, "none", "none@k=0")} \
-        if {"none", "none@k=0"} <= {r["method"] for r in records} else {}
-    runs = f", {len(args.results)} runs pooled" if len(args.results) > 1 else ""
-    print(f"time of {args.a} / time of {args.b}, same prompts (> 1: {args.b} faster){runs}; 95% bootstrap over "
-          "prompts\n")
-    print(f"| category | {args.a} / {args.b} | control: none / none@k=0 |\n|---|---:|---:|")
-    for category, ratio, low, high in paired(records, args.a, args.b):
-        c = control.get(category)
-        noise = f"{c[0]:.3f} [{c[1]:.3f}, {c[2]:.3f}]" if c else "-"
-        print(f"| {category} | {ratio:.3f} [{low:.3f}, {high:.3f}] | {noise} |")
+    runs = [json.loads(Path(path).read_text())["records"] for path in args.results]
+    methods = {r["method"] for records in runs for r in records}
+    control = {c: row for c, *row in paired(runs, "none", "none@k=0")} if {"none", "none@k=0"} <= methods else {}
+    same = {c: row for c, *row in paired(runs, args.a, args.b, same_work=True)}
+    pooled = f", {len(runs)} runs pooled" if len(runs) > 1 else ""
+    print(f"time of {args.a} / time of {args.b}, same prompts (> 1: {args.b} faster){pooled}; 95% bootstrap over "
+          "prompts; same work: the prompts where both made the same forwards and guesses (noise alone)\n")
+    print(f"| category | {args.a} / {args.b} | same work (prompts) | control: none / none@k=0 |\n|---|---:|---:|---:|")
+
+    def cell(row) -> str:
+        return f"{row[0]:.3f} [{row[1]:.3f}, {row[2]:.3f}]" if row else "-"
+
+    for category, ratio, low, high, _ in paired(runs, args.a, args.b):
+        noise = same.get(category)
+        same_cell = f"{cell(noise)} ({noise[3]})" if noise else "-"
+        print(f"| {category} | {cell((ratio, low, high))} | {same_cell} | {cell(control.get(category))} |")
 
 
 if __name__ == "__main__":
