@@ -34,9 +34,9 @@ EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
 # time, all it trailed suffix decoding by. The head's budget: every run is charged its seconds and the forward
 # seconds of the nodes only it offered, and credited a plain step for each guess only it offered that was accepted;
 # each step adds HEAD_SHARE of a plain step. A run the budget cannot pay yet rests the head until it can (at most
-# HEAD_SAVINGS seconds saved up). A head that pays earns more than it spends and is never held back. (Charged at
-# most a plain step a run, so that a process's first run, ~20 ms of building the head's kernels, would not rest it
-# for long, the runs cost 2-3x their charge, 0.3% of Spec-Bench's time: the head is warmed up when it loads now.)
+# HEAD_SAVINGS seconds saved up). A head that pays earns more than it spends and is never held back. (A run was
+# charged at most a plain step, lest a process's first one, ~20 ms of building the head's kernels, rest the head for
+# long: runs then cost 2-3x their charge, 0.3% of Spec-Bench's time. The head is warmed up as it loads instead.)
 HEAD_SHARE = 0.001
 HEAD_SAVINGS = 0.02
 
