@@ -230,6 +230,7 @@ class OnlineHead:
         head.requires_grad_(False)
         if self.quantization is not None:
             head.quantize_(self.quantization)
+        head.warm_up()  # here, off the serving thread: its first forward builds its kernels' description and RoPE table
         rest = getattr(self.current, "rest_state", None)
         if rest is not None:  # the policy's view of the head carries over
             head.rest_state = rest

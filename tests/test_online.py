@@ -97,6 +97,7 @@ def test_guard_brings_back_the_head_before_one_that_accepts_less(target) -> None
         online.learner.fuse.weight.mul_(-1.0)  # a learner gone wrong
     online.publish()
     assert online.version == 1 and online.current is not head
+    assert online.current._rope is not None  # warmed up as it is published, not at a request's first run
     for _ in range(3):
         online.report(1, 0)
     assert online.version == 1  # not judged before judge_steps steps
