@@ -7,6 +7,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, overload
 
+from . import chat_template as chat_templates
 from .acceptance import AcceptanceStats
 from .batch_cost import BatchCost
 from .cost import CostModel
@@ -17,6 +18,7 @@ from .grammar import GrammarTokenizer, StructuredOutput
 from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.loading import DTYPES, load_model
+from .names import DEFAULT_METHOD
 from .prefix_cache import PrefixCache
 from .request import GenerationStats, Request, TokenLogprob
 from .sampling import SAMPLING_OPTIONS, SamplingParams
@@ -24,9 +26,6 @@ from .sampling import SAMPLING_OPTIONS, SamplingParams
 __all__ = ["AUTO_BRANCHES", "DEFAULT_METHOD", "LLM", "METHODS", "SHIPPED_EAGLE", "GenerationOutput", "TextStream",
            "check_same_tokenizer", "load", "stop_token_ids"]
 
-# the default of generate() and of the CLI: the fastest lossless method that needs nothing trained or loaded besides
-# the target (with k='auto' it never costs more than a few probes where guessing does not pay)
-DEFAULT_METHOD = "prompt-lookup"
 # End-of-turn markers of common chat templates; generation stops at whichever the vocabulary has.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
@@ -89,32 +88,26 @@ class LLM(Drafting):
     # ---------------------------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool = False, *, chat_template: str | None = None,
                add_generation_prompt: bool = True, continue_final_message: bool = False,
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+               template_kwargs: dict[str, Any] | None = None, tokenizer=None) -> list[int]:
         """Token ids of a prompt; chat messages (or a string with chat=True) through the chat template: the
         tokenizer's own, or `chat_template` (Jinja, run in transformers' sandbox), with the assistant's turn opened
         (add_generation_prompt) or the last message continued (continue_final_message); template_kwargs: more
-        variables for the template (e.g. enable_thinking)."""
+        variables for the template (e.g. enable_thinking; apply_chat_template's own arguments are refused);
+        tokenizer: a copy of this model's to use (a fast tokenizer runs in one thread at a time)."""
+        tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, str) and not chat:
-            return list(self.tokenizer(prompt)["input_ids"])
+            return list(tokenizer(prompt)["input_ids"])
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if prompt and isinstance(prompt[0], dict):
             if not all(isinstance(m, dict) for m in prompt):
                 raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")
-            if not (chat_template or self.tokenizer.chat_template):
+            if not (chat_template or tokenizer.chat_template):
                 raise ValueError(f"{self.name}'s tokenizer has no chat template: pass a plain string without chat")
-            if add_generation_prompt and continue_final_message:
-                raise ValueError("add_generation_prompt and continue_final_message exclude each other: a new "
-                                 "assistant turn, or the last message continued")
-            import jinja2
-
-            try:
-                ids = self.tokenizer.apply_chat_template(
-                    list(prompt), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, return_dict=False, **(template_kwargs or {}))
-            except jinja2.TemplateError as e:
-                raise ValueError(f"the chat template failed: {e}") from None
-            return list(ids)
+            text = chat_templates.render(tokenizer, cast(Sequence[dict], prompt), chat_template=chat_template,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, variables=template_kwargs)
+            return chat_templates.tokenize(tokenizer, text)
         if not all(isinstance(t, int) or hasattr(t, "__index__") for t in prompt):
             raise ValueError(f"{PROMPT_KINDS}, not a list of {kinds(prompt)}")
         ids = [int(t) for t in cast(Sequence[int], prompt)]

@@ -5,32 +5,71 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
 
 from . import __version__
-from .api import DEFAULT_METHOD, LLM, METHODS, GenerationOutput
 from .cli_args import Parser, int_in, positive
 from .cli_precision import add_precision_args, quantization
-from .cli_report import Comparison, show_comparison, show_stats
-from .models.quant import QUANTIZATIONS
-from .server.cli import add_parser as add_serve_parser
-from .server.cli import cmd_serve
-from .training.cli import add_train_parser, cmd_train
+from .names import DEFAULT_METHOD, METHODS, QUANTIZATIONS, check_model
+
+if TYPE_CHECKING:  # the command line imports torch (seconds) only once a command runs: --help answers at once
+    from .api import LLM, GenerationOutput
 
 # a log or pipe gets 120 columns unless $COLUMNS says otherwise; a terminal, its own width
 err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 120)
 INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = {"generate": "generate text for one prompt",
+            "tune": "measure and cache what the adaptive policy and layer-skip use",
+            "train": "train a draft on the target's own answers: eagle, medusa or draft",
+            "serve": "OpenAI-compatible HTTP server with continuous batching and speculation",
+            "bench": "Spec-Bench: speedup and tau per category, with transformers as peers"}
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand a command line names: its first word that is not an option (the top level's options,
+    --help and --version, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (`command`) the top level and that subcommand's options only: `train` and
+    `serve` build theirs from modules that import torch, which a command line naming another subcommand, or
+    none (`specdecode --help`, a mistyped subcommand), never pays."""
     parser = Parser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one prompt")
+    def wanted(name: str) -> bool:
+        if command is None or command == name:
+            return True
+        sub.add_parser(name, help=COMMANDS[name])  # listed in the top level's help, its options never parsed
+        return False
+
+    if wanted("generate"):
+        add_generate_parser(sub)
+    if wanted("tune"):
+        add_tune_parser(sub)
+    if wanted("train"):
+        from .training.cli import add_train_parser
+
+        add_train_parser(sub)
+    if wanted("serve"):
+        from .server.cli import add_parser as add_serve_parser
+
+        add_serve_parser(sub)
+    if wanted("bench"):
+        add_bench_parser(sub)
+    return parser
+
+
+def add_generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help=COMMANDS["generate"])
     g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
     g.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
@@ -77,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_precision_args(g)
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
 
-    t = sub.add_parser("tune", help="measure and cache what the adaptive policy and layer-skip use")
+
+
+def add_tune_parser(sub) -> None:
+    t = sub.add_parser("tune", help=COMMANDS["tune"])
     t.add_argument("what", choices=["cost", "layer-skip"],
                    help="cost: time target forwards by size, thoroughly (32 paired rounds of 14 sizes: minutes; "
                         "first use calibrates in seconds and refines online); layer-skip: search layers to skip")
@@ -87,11 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer-skip: calibration texts (training-set exchanges shipped with the package, up to 48)")
     t.add_argument("--max-tokens", type=int, default=128, help="layer-skip: tokens per calibration text")
 
-    add_train_parser(sub)
 
-    add_serve_parser(sub)
 
-    b = sub.add_parser("bench", help="Spec-Bench: speedup and tau per category, with transformers as peers")
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help=COMMANDS["bench"])
     b.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
     b.add_argument("--methods", default="none,prompt-lookup",
                    help=f"comma list of name[:draft][@K]: name one of {', '.join(METHODS)}; :PATH for draft, "
@@ -123,30 +164,89 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs of each prompt and method, in interleaved rounds; the fastest prefill and the "
                         "fastest decode are kept (timeit's rule)")
     b.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)  # `train --nproc N` hands them to its workers
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = command_of(argv)
     try:
-        commands = {"bench": cmd_bench, "generate": cmd_generate, "tune": cmd_tune, "train": cmd_train}
-        commands["serve"] = cmd_serve
-        return commands[args.command](args)
+        # everything after this line may import torch and load a model (seconds to a minute): Ctrl-C anywhere in it
+        # is one line and exit code 130, never a traceback
+        args = build_parser(command if command in COMMANDS else "").parse_args(argv)
+        args.argv = argv  # `train --nproc N` hands them to its workers
+        check_before_loading(args)
+        return run_command(args)
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what was streamed stays on the screen)
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C while Python shuts down ends it at once
         print(flush=True)
-        err.print(f"interrupted: specdecode {args.command} stopped (Ctrl-C)")
+        name = f"specdecode {command}" if command in COMMANDS else "specdecode"
+        err.print(f"interrupted: {name} stopped (Ctrl-C)")
         return INTERRUPTED
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "tune":
+        return cmd_tune(args)
+    if args.command == "bench":
+        return cmd_bench(args)
+    if args.command == "train":
+        from .training.cli import cmd_train
+
+        return cmd_train(args)
+    from .server.cli import cmd_serve
+
+    return cmd_serve(args)
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """What can be refused in milliseconds is refused before the model loads (tens of seconds on a first run): a
+    model name or path that is not there, a draft model likewise, an empty prompt, a port the server cannot
+    take."""
+    for option in ("model", "target"):  # generate, tune, bench, serve: --model; train: --target
+        if isinstance(getattr(args, option, None), str):
+            check_model(getattr(args, option))
+    if args.command == "generate":
+        if args.method == "draft" and args.draft:
+            check_model(args.draft)
+        args.prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not args.prompt.strip():
+            raise ValueError("the prompt is empty: give the text to continue (or '-' and the text on standard "
+                             "input)")
+    if args.command == "serve":
+        check_port(args.host, args.port)
+
+
+def check_port(host: str, port: int) -> None:
+    """The server binds host:port after the model loaded and its methods are set up (a minute on a first start):
+    a port another process holds, or a host that is not this machine's, is found out now instead."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closed port's TIME_WAIT is fine
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? choose "
+                             "another --port)") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.online_draft and args.method not in ("eagle", "hybrid"):
         raise ValueError(f"--online-draft trains the EAGLE head: use it with --method eagle or hybrid, not "
                          f"{args.method}")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from .api import LLM
+
+    prompt = args.prompt  # read and checked before the model loads (check_before_loading)
     if args.threads:
         import torch
 
@@ -178,6 +278,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate(prompt, **options)
         print(json.dumps(output_record(out), indent=2))
         return 0
+    from .cli_report import show_stats
+
     stream = llm.generate(prompt, stream=True, **options)
     for piece in stream:
         print(piece, end="", flush=True)
@@ -198,6 +300,10 @@ def measure_costs_once(llm: LLM) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .api import LLM
+
     with err.status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.what == "cost":
@@ -263,6 +369,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -> int:
     """Plain decoding vs the chosen method on the same prompt, alternating order so drift hits both."""
+    from .cli_report import Comparison, show_comparison
+
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     plain_options = {**{k: v for k, v in options.items() if k not in ("async_draft", "draft_threads", "cascade")},

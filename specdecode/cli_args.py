@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -17,11 +19,53 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose subcommands (and theirs) are Parsers with DefaultsHelpFormatter too."""
+    """An ArgumentParser whose subcommands (and theirs) are Parsers with DefaultsHelpFormatter too, and whose errors
+    guess what was meant: a mistyped option or choice gets the closest one, under the usage of the subcommand it
+    was given to (argparse leaves an unknown option of a subcommand to the top level, whose usage says nothing
+    about the subcommand's options)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self.chosen(parsed)
+            parser.error(parser.unrecognized(extras))
+        return parsed
+
+    def chosen(self, parsed: argparse.Namespace) -> Parser:
+        """The innermost subcommand's parser that `parsed` went through (`train eagle`: eagle's)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                picked = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(picked, Parser):
+                    return picked.chosen(parsed)
+        return self
+
+    def unrecognized(self, extras: list[str]) -> str:
+        options = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        hints = []
+        for extra in extras:
+            flag = extra.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6) if flag.startswith("-") else []
+            if close:
+                hints.append((flag, close[0]))
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        if len(hints) == 1:
+            return message + f"; did you mean {hints[0][1]}?"
+        return message + "".join(f"; {flag}: did you mean {guess}?" for flag, guess in hints)
+
+    def error(self, message: str):
+        # argparse's "invalid choice: 'x' (choose from 'a', 'b')", of a subcommand's name or an option's value
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if found:
+            choices = re.findall(r"'([^']*)'", found.group(2))
+            close = difflib.get_close_matches(found.group(1), choices, n=1, cutoff=0.5)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        super().error(message)
 
 
 def int_in(low: int, high: int | None = None, what: str = "a number"):

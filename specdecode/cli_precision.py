@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from .models.loading import DTYPES
-from .models.quant import QUANTIZATIONS
+from .names import DTYPE_NAMES, QUANTIZATIONS
 
 QUANTIZATION_CHOICES = ["auto", "none", *QUANTIZATIONS]
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+    p.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES),
                    help="activations and unquantized weights (default: %(default)s)")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="weights: auto = a GGUF file's Q4_0/Q4_1/Q8_0 as stored, int8 activations as llama.cpp, "

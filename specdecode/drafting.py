@@ -14,6 +14,7 @@ from .cost import CostModel
 from .models import Transformer
 from .models.eagle import EagleHead
 from .models.medusa import MedusaHeads
+from .names import METHODS
 from .online import OnlineConfig, OnlineHead
 from .proposers import (
     DraftModelProposer,
@@ -35,8 +36,6 @@ from .proposers.medusa import RankAccuracy
 from .proposers.quantized import low_bit_copy
 from .proposers.suffix_eagle import SuffixEagleProposer
 
-METHODS = ("none", "prompt-lookup", "draft", "lookahead", "layer-skip", "hybrid", "eagle", "medusa", "quantized",
-           "suffix")
 ASYNC_DRAFTS = ("draft", "quantized", "layer-skip")  # the methods that can draft ahead (async_draft)
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
 # it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:

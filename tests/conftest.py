@@ -1,11 +1,97 @@
-"""Shared test setup."""
+"""Shared test setup, and the guard that keeps the suite independent of what lies beside the checkout."""
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+# The tests need nothing beside the repository (README, "Set up and run"): a bare clone runs them as CI does. The
+# library looks for optional data in $SPECDECODE_DATA, else in shared/data beside the checkout; an empty folder of
+# our own is set here, before any test module imports specdecode, so no default ever finds the data a developer
+# keeps there, and the guard below fails a test that still reads it.
+_USER_DATA = os.environ.get("SPECDECODE_DATA")
+os.environ["SPECDECODE_DATA"] = tempfile.mkdtemp(prefix="specdecode-tests-no-data-")
+
+
+def _real(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))
+
+
+def _forbidden_roots() -> list[str]:
+    """What a test must not read: the folder holding the checkout (its neighbours: ../shared, other clones) and the
+    user's data folder. A checkout at the file system's root has no such folder; only shared/ beside it counts."""
+    roots = [str(CHECKOUT.parent / "shared")]
+    if CHECKOUT.parent != Path(CHECKOUT.anchor):
+        roots.append(str(CHECKOUT.parent))
+    if _USER_DATA:
+        roots.append(_USER_DATA)
+    return sorted({_real(r) for r in roots})
+
+
+def _allowed_roots() -> list[str]:
+    """Where reading is fine even inside a forbidden root: the checkout, the temp dir, the Python installation
+    (a virtualenv may sit beside the checkout) and the per-user caches (converted tokenizers, built kernels)."""
+    roots = [str(CHECKOUT), tempfile.gettempdir(), sys.prefix, sys.base_prefix, sys.exec_prefix,
+             os.environ.get("SPECDECODE_CACHE", "~/.cache/specdecode"), os.environ.get("XDG_CACHE_HOME", "~/.cache"),
+             *sysconfig.get_paths().values(), *(p for p in sys.path if p)]
+    return sorted({_real(r) for r in roots})
+
+
+FORBIDDEN = _forbidden_roots()
+ALLOWED = _allowed_roots()
+WATCHED_EVENTS = frozenset({"open", "os.listdir", "os.scandir"})
+outside_reads: list[str] = []  # every refused path, in order: a test fails if any was added while it ran
+
+
+class ReadOutsideCheckout(RuntimeError):
+    """Not an OSError, so a caller's `except OSError` fallback does not hide it (the teardown check finds it
+    anyway)."""
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def refused(path: str) -> bool:
+    """Under a forbidden root and not under an allowed folder inside it (the temp dir holding the checkout's
+    folder, as `.ci/run`'s isolated copy does, exempts nothing there)."""
+    real = _real(path)
+    for root in FORBIDDEN:
+        if _under(real, root) and not any(_under(real, a) and _under(a, root) and a != root for a in ALLOWED):
+            return True
+    return False
+
+
+def _audit(event: str, args: tuple) -> None:
+    # runs for every audited event in the process (imports, compiles, ...): the event's name is checked first
+    if event not in WATCHED_EVENTS or not args or not isinstance(args[0], str | bytes | os.PathLike):
+        return
+    path = os.fsdecode(args[0])
+    if refused(path):
+        outside_reads.append(path)
+        raise ReadOutsideCheckout(f"a test read {path}, outside the checkout ({CHECKOUT}): the tests must need "
+                                  "nothing beside the repository (ship what they need under tests/ or the package)")
+
+
+sys.addaudithook(_audit)  # audit hooks cannot be removed: it watches the whole session, collection included
+
+
+@pytest.fixture(autouse=True)
+def _nothing_read_outside_the_checkout() -> Iterator[None]:
+    """Fails a test that read beside the checkout even where its code caught the exception the hook raised."""
+    seen = len(outside_reads)
+    yield
+    if len(outside_reads) > seen:
+        pytest.fail(f"read outside the checkout: {sorted(set(outside_reads[seen:]))}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

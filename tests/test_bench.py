@@ -207,7 +207,7 @@ def training_folder(root: Path) -> Path:
     """A few made-up rows in the training data's layout (sharegpt, GPTeacher codegen and toolformer)."""
     (root / "sharegpt").mkdir(parents=True)
     (root / "gpteacher").mkdir()
-    chats = [{"conversations": [{"from": "human", "value": f"Question {i}?"},
+    chats = [{"conversations": [{"from": "human", "value": f"Question {i}: what should a newcomer read first?"},
                                 {"from": "gpt", "value": f"Answer {i}. " + "Some words. " * 40}]} for i in range(6)]
     (root / "sharegpt" / "sharegpt_sample_1000.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
     code = [{"instruction": "Write code", "input": "", "response": f"def f{i}(x):\n" + "    x += 1\n" * 40}
@@ -220,9 +220,9 @@ def training_folder(root: Path) -> Path:
 
 
 def test_repetitive_workload_is_built_from_training_data(tmp_path) -> None:
-    from specdecode.bench.workloads import TRAIN, has_own_turns, load_workload
+    from specdecode.bench.workloads import has_own_turns, load_workload
 
-    train = TRAIN if TRAIN.is_dir() else training_folder(tmp_path / "train")  # the real data where it is
+    train = training_folder(tmp_path / "train")  # made-up rows: the tests read nothing beside the repository
     questions = load_workload("repetitive", per_category=2, train=train)
     assert [q.category for q in questions] == ["revise"] * 2 + ["code-edit"] * 2 + ["tool-loop"] * 2
     assert questions == load_workload("repetitive", per_category=2, train=train)  # the same prompts every run
@@ -252,10 +252,10 @@ def test_sessions_answer_their_own_turns_once_and_every_method_reads_the_same_pr
     from specdecode import LLM
     from specdecode.bench import BenchConfig, run_benchmark, write_report
     from specdecode.bench.runner import answer_own_turns
-    from specdecode.bench.workloads import TRAIN, load_workload
+    from specdecode.bench.workloads import load_workload
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    train = TRAIN if TRAIN.is_dir() else training_folder(tmp_path / "train")
+    train = training_folder(tmp_path / "train")
     questions = load_workload("sessions", per_category=1, train=train)
     ckpt = write_checkpoint(tmp_path / "tiny", make_tokenizer())
     config = json.loads((ckpt / "config.json").read_text())

