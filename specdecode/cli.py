@@ -7,6 +7,9 @@ import json
 import os
 import socket
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -15,6 +18,7 @@ from . import __version__
 from .cli_args import Parser, int_in, positive
 from .cli_precision import add_precision_args, quantization
 from .names import DEFAULT_METHOD, METHODS, QUANTIZATIONS, check_model
+from .progress import FIRST_LINE_S
 
 if TYPE_CHECKING:  # the command line imports torch (seconds) only once a command runs: --help answers at once
     from .api import LLM, GenerationOutput
@@ -22,6 +26,23 @@ if TYPE_CHECKING:  # the command line imports torch (seconds) only once a comman
 # a log or pipe gets 120 columns unless $COLUMNS says otherwise; a terminal, its own width
 err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 120)
 INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
+
+
+@contextmanager
+def status(text: str) -> Iterator[None]:
+    """A spinner while a step runs, on a terminal. Where stderr is not one (a pipe, `make demo > log`, CI) a
+    spinner shows nothing at all, so the step's line is printed as it starts, and how long it took once it ends if
+    that was more than a few seconds. (A console a test substitutes for stderr keeps the quiet spinner.)"""
+    if err.is_terminal or err.file is not sys.stderr:
+        with err.status(text):
+            yield
+        return
+    start = time.monotonic()
+    err.print(text, highlight=False)
+    yield
+    took = time.monotonic() - start
+    if took >= FIRST_LINE_S:
+        err.print(f"{text.removesuffix('...')}: done in {took:.0f} s", highlight=False)
 
 
 COMMANDS = {"generate": "generate text for one prompt",
@@ -251,7 +272,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    with err.status(f"loading {args.model}..."):
+    with status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.k == "auto" and args.method != "none":
         llm.cost_model()  # on a new machine, timed first (seconds, with a progress bar), not during the stream
@@ -295,7 +316,7 @@ def measure_costs_once(llm: LLM) -> None:
     from .cost import CostModel
 
     if CostModel.cached(llm.model) is None:
-        with err.status("timing target forwards..."):  # the library logs a line saying why and for how long
+        with status("timing target forwards..."):  # the library logs a line saying why and for how long
             llm.cost_model()
 
 
@@ -304,7 +325,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from .api import LLM
 
-    with err.status(f"loading {args.model}..."):
+    with status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.what == "cost":
         from .cost import CostModel
@@ -323,7 +344,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     def show(step) -> None:
         err.print(f"skip {step.skipped}: agreement {step.agreement:.3f}, predicted {step.speedup:.2f}x (k={step.k})")
 
-    with err.status("searching layers to skip (teacher-forced agreement on training text)..."):
+    with status("searching layers to skip (teacher-forced agreement on training text)..."):
         result = llm.tune_layer_skip(n_texts=args.texts, max_tokens=args.max_tokens, progress=show)
     if result.pays:
         err.print(f"layer-skip drafts without layers {result.skipped}: predicted {result.speedup:.2f}x")
@@ -375,7 +396,7 @@ def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     plain_options = {**{k: v for k, v in options.items() if k not in ("async_draft", "draft_threads", "cascade")},
                      "method": "none"}
-    with err.status("warming up (first calls pay one-off costs)..."):
+    with status("warming up (first calls pay one-off costs)..."):
         llm.generate(prompt, **{**options, "max_new_tokens": 8})
         llm.generate(prompt, **{**plain_options, "max_new_tokens": 8})
     spec_runs: list[GenerationOutput] = []
@@ -383,7 +404,7 @@ def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -
     for r in range(repeats):
         order = [(options, spec_runs), (plain_options, plain_runs)]
         for opts, runs in order if r % 2 == 0 else order[::-1]:
-            with err.status(f"run {r + 1}/{repeats}: {opts['method']}..."):
+            with status(f"run {r + 1}/{repeats}: {opts['method']}..."):
                 runs.append(llm.generate(prompt, **opts))
     result = Comparison(spec_runs, plain_runs, greedy=options["temperature"] == 0)
     if as_json:

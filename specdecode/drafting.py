@@ -271,12 +271,13 @@ class Drafting:
         return llm
 
     def cost_model(self) -> CostModel:
-        """The target's forward cost on this machine: calibrated in seconds on first use, then read from the cache
+        """The target's forward cost on this machine: calibrated on first use (about a minute), then read from the cache
         dir; the steps every request runs refine it (saved after requests that taught it something)."""
         if self._cost is None:
             if CostModel.cached(self.model) is None:  # k='auto' (the default) prices guesses with these
                 logging.getLogger("specdecode").warning(
-                    "timing %s's forwards on this machine for k='auto' (once, seconds; cached)", self.name)
+                    "timing %s's forwards on this machine for k='auto' (once per model and machine, cached: about a "
+                    "minute on 2 busy cores, less on an idle machine)", self.name)
             self._cost = CostModel.for_model(self.model)
         return self._cost
 

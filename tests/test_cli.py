@@ -144,3 +144,82 @@ def test_compare_numbers_agree_with_each_other_in_80_columns(checkpoint, capsys,
     assert min(record["speedups_by_run"]) <= record["speedup"] <= max(record["speedups_by_run"])
     spec = sorted(o["stats"]["tokens_per_second"] for o in record["speculative"])
     assert medians["speculative"] == spec[1]
+
+
+@pytest.mark.parametrize("args,usage,hint", [
+    (["generate", "hi", "--max-tokens", "5"], "usage: specdecode generate", "did you mean --max-new-tokens?"),
+    (["generate", "hi", "--temprature", "0.7"], "usage: specdecode generate", "did you mean --temperature?"),
+    (["tune", "cost", "--texs", "4"], "usage: specdecode tune", "did you mean --texts?"),
+    (["generate", "hi", "--method", "promt-lookup"], "usage: specdecode generate", "did you mean 'prompt-lookup'?"),
+    (["generte", "hi"], "usage: specdecode [-h]", "did you mean 'generate'?"),
+])
+def test_a_mistyped_option_gets_the_closest_one_and_the_subcommands_usage(args, usage, hint, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(usage) and hint in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,stdin,message", [
+    (["generate", ""], "", "the prompt is empty"),
+    (["generate", "-"], " \n", "the prompt is empty"),
+    (["generate", "hi", "--model", "smollm2-135m"], "", "did you mean 'smollm2-135m-instruct'?"),
+    (["tune", "cost", "--model", "no/such/dir"], "", "model 'no/such/dir' not found"),
+    (["bench", "--model", "gemma3", "--out", "x"], "", "did you mean 'gemma3-270m'?"),
+    (["generate", "hi", "--method", "draft", "--draft", "nowhere.gguf"], "", "model 'nowhere.gguf' not found"),
+])
+def test_cheap_mistakes_are_refused_before_the_model_loads(args, stdin, message, capsys, console,
+                                                             monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    monkeypatch.setattr(specdecode.LLM, "load", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert cli_main(args) == 2
+    assert message in " ".join(console.getvalue().split()) and "Traceback" not in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_it_cannot_take_before_loading(capsys, console, monkeypatch) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr("specdecode.server.cli.cmd_serve", lambda args: pytest.fail("started before checking"))
+        assert cli_main(["serve", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in console.getvalue()
+    assert cli_main(["serve", "--host", "no-such-host.invalid"]) == 2
+    assert "--host no-such-host.invalid: cannot resolve it" in console.getvalue()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["tune", "--help"], ["bench", "--help"],
+                                  ["generate", "hi", "--max-tokens", "3"], ["generate", "", "--model", "x"]])
+def test_help_and_refusals_import_no_torch(args) -> None:
+    """--help and the checks before loading answer in a fraction of a second: torch (seconds to import) waits
+    for a command that runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; t = time.perf_counter(); from specdecode.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('imported:', sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "imported: []", done.stderr
+
+
+def test_ctrl_c_while_torch_imports_is_one_line_and_130(checkpoint, tmp_path) -> None:
+    """The first seconds of a command import torch and load the model; Ctrl-C there, as anywhere, prints one line
+    (no traceback) and exits with 130."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys; from specdecode import cli; print('ready', file=sys.stderr, flush=True); "
+            "sys.exit(cli.main(sys.argv[1:]))")
+    env = {**__import__("os").environ, "SPECDECODE_CACHE": str(tmp_path / "cache")}
+    child = subprocess.Popen([sys.executable, "-c", code, "generate", PROMPT, "--model", str(checkpoint)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert child.stderr is not None and child.stderr.readline() == "ready\n"
+    time.sleep(0.2)  # inside main: parsing done, torch importing (seconds)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted: specdecode generate stopped (Ctrl-C)"]
