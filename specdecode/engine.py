@@ -24,6 +24,7 @@ from .acceptance import AcceptanceStats
 from .batch_cost import BatchCost, RowCost
 from .cost import CostModel, ForwardCost
 from .models import BatchKVCache, Transformer
+from .models.llama import BatchForwardOutput
 from .policy import AdaptiveK, FixedK, Policy, joint_cut
 from .prefix_cache import PrefixCache
 from .proposers import NoProposer, Proposer
@@ -69,6 +70,7 @@ class Engine:
         if self.pending is not None:
             raise RuntimeError("one prompt is prefilled at a time: finish or cancel the pending one first")
         prompt, row = request.tokens, len(self.rows)
+        check_tokens(prompt, self.model.config.vocab_size)
         request.begin(len(prompt) + request.max_new_tokens + MAX_DRAFT_NODES)
         self.cache.reserve(row + 1, len(prompt) + MAX_DRAFT_NODES)
         self.cache.lengths[row] = 0
@@ -174,50 +176,30 @@ class Engine:
         drafting_ahead = torch.get_num_threads() != planned_on
         if drafting_ahead and self.threads is not None:
             self.cost.use_threads(self.threads.update())
-        trees = self.choose([planned[id(row)] for row in self.rows], contexts)
-        self.last_depths = [t.depth for t in trees]
-        positions: torch.Tensor | None
-        masks: list[torch.Tensor | None]
-        if b == 1 and trees[0].extra is None and trees[0].is_chain:  # a lone chain (a plain step): its positions
-            sizes, masks = [len(trees[0])], [None]  # follow the cache (building them took tensor operators)
-            tokens, positions = torch.tensor([trees[0].tokens]), None
-        else:
-            inputs = [t.forward_inputs(c) for t, c in zip(trees, contexts, strict=True)]
-            sizes, masks = [len(toks) for toks, _, _ in inputs], [mask for _, _, mask in inputs]
-            if b == 1:  # a lone request's inputs as they are (padding them took six tensor operators a step)
-                tokens, positions = torch.tensor([inputs[0][0]]), inputs[0][1][None]
-            else:
-                n = max(sizes)
-                tokens = torch.zeros(b, n, dtype=torch.long)
-                positions = torch.zeros(b, n, dtype=torch.long)
-                for i, (toks, pos, _) in enumerate(inputs):
-                    m = sizes[i]
-                    tokens[i, :m] = torch.tensor(toks)
-                    positions[i, :m] = pos
-                    positions[i, m:] = contexts[i] + torch.arange(m, n)
-        n = max(sizes)
+        proposals = [planned[id(row)] for row in self.rows]
         reads = [row.hidden_layers for row in self.rows]  # asked once a step, after the proposals (a property)
         layers = list(dict.fromkeys(layer for wanted in reads for layer in wanted))
-        pending, chunk = self.pending if prefill else None, None
-        carry = pending is not None and not pending.hidden_layers and self.model.carries_prefill(tokens, self.cache)
-        if pending is not None and carry:  # the prompt's next tokens ride along in the batch's forward: one pass
-            done = self.cache.lengths[b]   # over the weights for both
-            chunk = pending.tokens[done : min(len(pending.tokens) - 1, done + min(prefill, PREFILL_CHUNK))]
+        pending = self.pending if prefill else None
+        learn = not drafting_ahead
+        lengths = self.cache.lengths[: b + 1]  # the pending prompt's row included (a chunk may ride along)
         started = time.perf_counter()
+        failed: dict[int, Exception] = {}
         try:
-            out = self.model.forward_batch(tokens, self.cache, positions=positions, sizes=sizes,
-                                           tree_masks=None if all(m is None for m in masks) else masks,
-                                           hidden_layers=layers, prefill=chunk)
-        except Exception as e:  # noqa: BLE001 - the step is lost for its rows; the engine goes on
-            for row in list(self.rows):
-                self.remove(row, failed=True)
-                results.append((row, e))
-            return results
+            trees = self.choose(proposals, contexts)
+            out, n, carry = self._forward(trees, contexts, layers, pending, prefill)
+        except Exception:  # noqa: BLE001 - something of the batch's shared work failed: which row's, each alone tells
+            self.cache.lengths[: len(lengths)] = lengths
+            trees, out, failed = self._rows_alone(proposals, contexts, layers)
+            n, carry, learn = max(len(t) for t in trees), False, False  # rows run one by one: not a batch's time
+        self.last_depths = [t.depth for t in trees]
         seconds = time.perf_counter() - started
-        if not drafting_ahead:
+        if learn:
             self.cost.observe(b, n, max(contexts), seconds)
         plain = self.cost.seconds(b, 1, max(contexts)) if self.cost.priced else 0.0  # the speedup's measure
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
+            if i in failed:
+                results.append((row, failed[i]))
+                continue
             try:
                 logits = out.logits[i]
                 nodes = logits[: len(tree)]
@@ -243,11 +225,89 @@ class Engine:
             if isinstance(result, Exception) and row in self.rows:
                 self.remove(row, failed=True)
         if pending is not None and pending is self.pending:
-            if not carry:  # a forward of its own (its proposer reads hidden states, which a batch does not return)
-                self.prefill(prefill)
-            elif self.cache.lengths[len(self.rows)] >= len(pending.tokens) - 1:
-                self._join()  # its prompt is cached: it steps from the next step on
+            try:
+                if not carry:  # a forward of its own (its proposer reads hidden states, which a batch does not return)
+                    self.prefill(prefill)
+                elif self.cache.lengths[len(self.rows)] >= len(pending.tokens) - 1:
+                    self._join()  # its prompt is cached: it steps from the next step on
+            except Exception as e:  # noqa: BLE001 - the pending prompt fails alone
+                self.cancel_pending()
+                results.append((pending, e))
         return results
+
+    def _forward(self, trees: list[DraftTree], contexts: list[int], layers: list[int], pending: Request | None,
+                 prefill: int) -> tuple[BatchForwardOutput, int, bool]:
+        """The batch's one forward over every row's tree (and, where the model carries it, a chunk of the pending
+        prompt): (its output, the widest row, whether the chunk rode along)."""
+        b = len(trees)
+        positions: torch.Tensor | None
+        masks: list[torch.Tensor | None]
+        if b == 1 and trees[0].extra is None and trees[0].is_chain:  # a lone chain (a plain step): its positions
+            sizes, masks = [len(trees[0])], [None]  # follow the cache (building them took tensor operators)
+            tokens, positions = torch.tensor([trees[0].tokens]), None
+        else:
+            inputs = [t.forward_inputs(c) for t, c in zip(trees, contexts, strict=True)]
+            sizes, masks = [len(toks) for toks, _, _ in inputs], [mask for _, _, mask in inputs]
+            if b == 1:  # a lone request's inputs as they are (padding them took six tensor operators a step)
+                tokens, positions = torch.tensor([inputs[0][0]]), inputs[0][1][None]
+            else:
+                n = max(sizes)
+                tokens = torch.zeros(b, n, dtype=torch.long)
+                positions = torch.zeros(b, n, dtype=torch.long)
+                for i, (toks, pos, _) in enumerate(inputs):
+                    m = sizes[i]
+                    tokens[i, :m] = torch.tensor(toks)
+                    positions[i, :m] = pos
+                    positions[i, m:] = contexts[i] + torch.arange(m, n)
+        chunk = None
+        carry = pending is not None and not pending.hidden_layers and self.model.carries_prefill(tokens, self.cache)
+        if pending is not None and carry:  # the prompt's next tokens ride along in the batch's forward: one pass
+            done = self.cache.lengths[b]   # over the weights for both
+            chunk = pending.tokens[done : min(len(pending.tokens) - 1, done + min(prefill, PREFILL_CHUNK))]
+        out = self.model.forward_batch(tokens, self.cache, positions=positions, sizes=sizes,
+                                       tree_masks=None if all(m is None for m in masks) else masks,
+                                       hidden_layers=layers, prefill=chunk)
+        return out, max(sizes), carry
+
+    @torch.inference_mode()
+    def _rows_alone(self, proposals: list[DraftTree], contexts: list[int],
+                    layers: list[int]) -> tuple[list[DraftTree], BatchForwardOutput, dict[int, Exception]]:
+        """The batch's shared work failed (choosing how much to verify, building the inputs, or the forward): each
+        row does it alone, on its own cache row, so that only a row whose own work fails is failed (the rows' numbers
+        are those of the batch: every row of a batched forward computes what it computes alone). Returns the trees,
+        the forward's output per row and the failures by row."""
+        trees, logits, hidden, greedy = [], [], [], []
+        failed: dict[int, Exception] = {}
+        for i, (row, proposal) in enumerate(zip(self.rows, proposals, strict=True)):
+            tree = proposal
+            try:
+                (tree,) = joint_cut([row.policy], [proposal], [contexts[i]],
+                                    lambda width, context: self.cost.seconds(1, width, context))
+                toks, positions, mask = tree.forward_inputs(contexts[i])
+                self.cache.reserve(len(self.rows), contexts[i] + len(toks))
+                out = self.model.forward(torch.tensor([toks]), self.cache.row(i), positions=positions,
+                                         tree_mask=mask, hidden_layers=layers)
+                logits.append(out.logits[0])
+                hidden.append([h[0] for h in out.hidden])
+                greedy.append(out.greedy)
+            except Exception as e:  # noqa: BLE001
+                self.cache.lengths[i] = contexts[i]
+                failed[i] = e
+                logits.append(torch.empty(0))
+                hidden.append([])
+                greedy.append(None)
+            trees.append(tree)
+        kernel_greedy = None if any(g is None for i, g in enumerate(greedy) if i not in failed) else \
+            [g or [] for g in greedy]
+        return trees, BatchForwardOutput(logits, hidden, kernel_greedy), failed
+
+
+def check_tokens(tokens: list[int], vocab: int) -> None:
+    """A prompt the model can read: ints in [0, vocab) (a row's bad ids would fail the batch's shared forward, not
+    the row alone)."""
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+        bad = next(t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab)
+        raise ValueError(f"prompt tokens must be ints in [0, {vocab}), got {bad!r}")
 
 
 class Generation:

@@ -198,7 +198,7 @@ def test_a_chats_next_turn_reads_its_prefix_from_the_cache_and_decodes_as_the_li
     client = server.client()
     question = "Tell me about prefix caching and why a server keeps it. " * 3
     first, _, usage1 = chat(client, question, max_tokens=30)
-    hits = server.metric("specdecode_prefix_cache_hit_tokens")
+    hits = server.metric("vllm:prefix_cache_hits_total")
     llm.stop_token_ids = frozenset()  # as the server with ignore_eos
     turn1 = llm.encode(question, chat=True) + llm.generate(question, method="none", chat=True,
                                                            max_new_tokens=30).token_ids
@@ -223,7 +223,7 @@ def test_a_chats_next_turn_reads_its_prefix_from_the_cache_and_decodes_as_the_li
         assert cached >= usage1.prompt_tokens
         assert llm.prefix_cache is None
         assert text == llm.generate(messages, method="none", chat=True, max_new_tokens=30).text
-    assert server.metric("specdecode_prefix_cache_hit_tokens") >= hits + usage1.prompt_tokens + len(prompt) - 1
+    assert server.metric("vllm:prefix_cache_hits_total") >= hits + usage1.prompt_tokens + len(prompt) - 1
     assert server.metric("specdecode_prefix_cache_bytes") > 0
 
 

@@ -12,19 +12,24 @@ import contextlib
 import copy
 import hmac
 import json
-import math
+import logging
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from .. import chat_template as chat_templates
 from .. import request as engine_request
 from ..acceptance import AcceptanceStats
 from ..api import LLM
@@ -34,11 +39,18 @@ from ..engine import Engine, policy_for
 from ..grammar import Constraint
 from ..sampling import SamplingParams
 from . import schemas
-from .body import MAX_REQUEST_BYTES, parse_json, read_body
+from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES, parse_json, read_body
 from .errors import APIError, bad_request, internal_error
+from .hosts import host_allowed
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Done, Failed, Job, LockedTokenizer, Piece, Scheduler
+from .template_sandbox import TemplateSandbox
+from .tokenizers import TokenizerPool, max_token_bytes
 from .warmup import DEFAULT_METHODS, warm_up
+
+log = logging.getLogger("specdecode.server")
+FLUSH_SECONDS = 5  # after the scheduler's shutdown deadline, for the cut requests' last events to go out
+PROTECTABLE = ("metrics", "docs")  # routes open by default that --protect puts behind the API key
 
 
 @dataclass
@@ -57,6 +69,9 @@ class ServerConfig:
     prefill_share: float = 0.5  # while requests run, the most of a turn's time a new prompt's prefill may take
     online_draft: bool = False  # eagle and hybrid: the EAGLE head learns from what the target verifies
     async_draft: bool = False  # draft, quantized, layer-skip: the draft drafts ahead while the target verifies
+    allowed_hosts: tuple[str, ...] | None = None  # Host headers answered (None: any; see hosts.py)
+    protect: tuple[str, ...] = ()  # of PROTECTABLE: routes that need the API key too
+    body_timeout: float = BODY_TIMEOUT  # seconds a request body may take to arrive
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -87,10 +102,14 @@ class Server:
         self.engine = Engine(llm.model, cost, llm.prefix_cache)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics, prefill_share=config.prefill_share)
-        # two tokenizers, as a fast tokenizer must not run in two threads at once: the routes' (worker threads,
-        # one at a time) and the scheduler's (its detokenizing never waits behind a long prompt's encoding)
-        self.encode_lock = threading.Lock()
+        # a fast tokenizer must not run in two threads at once: the routes take copies of their own (a long
+        # prompt's encoding holds one copy, not every request), the scheduler detokenizes with another
+        self.tokenizers = TokenizerPool(llm.tokenizer)
         self.tokenizer = LockedTokenizer(copy.deepcopy(llm.tokenizer), threading.Lock())
+        # a text of more bytes than the context's tokens can stand for is refused before it is tokenized
+        self.max_prompt_bytes = self.context * max_token_bytes(llm.tokenizer) * text_shrink(llm.tokenizer)
+        # a request's own chat template renders in a process of its own, bounded in time, memory and output
+        self.sandbox = TemplateSandbox() if config.trust_request_chat_template else None
         self.acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method, across requests
 
     # -------------------------------------------------------------------------------- requests
@@ -136,6 +155,9 @@ class Server:
         if limit < 1:
             raise bad_request(f"the prompt ({len(prompt)} tokens) fills the model's context of {self.context}",
                               param=where, code="context_length_exceeded")
+        if req.min_tokens is not None and req.min_tokens > limit:
+            raise bad_request(f"min_tokens ({req.min_tokens}) is more than max_tokens ({limit}): lower it",
+                              param="min_tokens")
         method, k = self.speculation(req)
         temperature = 1.0 if req.temperature is None else req.temperature
         try:
@@ -158,7 +180,7 @@ class Server:
                 stop_token_ids={*stop_ids, *(() if req.ignore_eos else self.llm.stop_token_ids)},
                 seed=choice_seed(req.seed, choice), logprobs=req.logprob_count, constraint=self.constraint(req))
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), param=schemas.named_field(str(e), type(req).model_fields)) from None
         except FileNotFoundError as e:  # what the method needs is missing here (e.g. layer-skip's calibration text)
             raise bad_request(f"speculation method {method!r} is not available on this server: {e}",
                               param="speculation") from None
@@ -174,28 +196,52 @@ class Server:
             raise bad_request(str(e), param=field) from None
 
     def encode(self, req: schemas.GenerationRequest | schemas.TokenizeChat | schemas.TokenizeCompletion) -> list[int]:
+        """The request's prompt as token ids: its text bounded in bytes before a tokenizer copy of its own encodes
+        it (a chat's text: rendered by the server's template, or by the request's own in the sandbox)."""
         try:
-            with self.encode_lock:
-                if isinstance(req, schemas.ChatRequest):
-                    if req.chat_template is not None and not self.config.trust_request_chat_template:
-                        raise bad_request("a request's own chat_template is refused unless the server runs with "
-                                          "--trust-request-chat-template (its --chat-template sets the default)",
-                                          param="chat_template")
-                    return self.llm.encode(req.chat(), chat=True, chat_template=req.chat_template,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message,
-                                           template_kwargs=req.chat_template_kwargs)
-                if isinstance(req, schemas.TokenizeChat):
-                    return self.llm.encode(req.chat(), chat=True)
+            with self.tokenizers.take() as tokenizer:
+                if isinstance(req, schemas.ChatRequest | schemas.TokenizeChat):
+                    text = self.render(req, tokenizer)
+                    self.check_bytes(text, "messages")
+                    return chat_templates.tokenize(tokenizer, text)
                 if isinstance(req, schemas.TokenizeCompletion):
-                    return list(self.llm.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
-                                ["input_ids"])
-                return self.llm.encode(req.single_prompt())
+                    self.check_bytes(req.prompt, "prompt")
+                    return list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+                prompt = req.single_prompt()
+                if isinstance(prompt, str):
+                    self.check_bytes(prompt, "prompt")
+                return self.llm.encode(prompt, tokenizer=tokenizer)
         except ValueError as e:
             message = str(e)
-            param = "chat_template" if "chat template" in message else \
+            param = "chat_template_kwargs" if "chat_template_kwargs" in message else \
+                "chat_template" if "chat template" in message else \
                 "continue_final_message" if "exclude each other" in message else "prompt"
             raise bad_request(message, param=param) from None
+
+    def render(self, req: schemas.ChatRequest | schemas.TokenizeChat, tokenizer) -> str:
+        """A chat's prompt text, by the server's chat template or (where the server trusts them) the request's."""
+        if isinstance(req, schemas.TokenizeChat):
+            return chat_templates.render(tokenizer, req.chat())
+        if req.chat_template is None:
+            return chat_templates.render(tokenizer, req.chat(), add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         variables=req.chat_template_kwargs)
+        if self.sandbox is None:
+            raise bad_request("a request's own chat_template is refused unless the server runs with "
+                              "--trust-request-chat-template (its --chat-template sets the default)",
+                              param="chat_template")
+        return self.sandbox.render(req.chat_template, req.chat(), add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message,
+                                   variables=chat_templates.check_variables(req.chat_template_kwargs),
+                                   special_tokens=dict(tokenizer.special_tokens_map),
+                                   max_chars=self.max_prompt_bytes)
+
+    def check_bytes(self, text: str, param: str) -> None:
+        size = len(text.encode())
+        if size > self.max_prompt_bytes:
+            raise bad_request(f"the prompt's text ({size} bytes) is longer than this model's context of "
+                              f"{self.context} tokens can hold: shorten it", param=param,
+                              code="context_length_exceeded")
 
     def tokenize(self, raw: bytes) -> dict:
         req = schemas.parse_tokenize(parse_json(raw))
@@ -203,8 +249,8 @@ class Server:
         tokens = self.encode(req)
         out = {"count": len(tokens), "max_model_len": self.context, "tokens": tokens}
         if req.return_token_strs:
-            with self.encode_lock:
-                out["token_strs"] = self.llm.tokenizer.convert_ids_to_tokens(tokens)
+            with self.tokenizers.take() as tokenizer:
+                out["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
         return out
 
     def detokenize(self, raw: bytes) -> dict:
@@ -213,12 +259,19 @@ class Server:
         vocab = self.llm.model.config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-        with self.encode_lock:
-            return {"prompt": self.llm.tokenizer.decode(req.tokens)}
+        with self.tokenizers.take() as tokenizer:
+            return {"prompt": tokenizer.decode(req.tokens)}
 
     def model_card(self) -> dict:
         return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specdecode",
                 "root": self.llm.name, "max_model_len": self.context}
+
+
+def text_shrink(tokenizer) -> int:
+    """How many times fewer UTF-8 bytes a text may have than the tokens it becomes: 1 without a normalizer, else 3
+    (NFKC makes a fullwidth 'Ａ' of three bytes the 'A' of one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return 1 if backend is not None and backend.normalizer is None else 3
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
@@ -232,6 +285,26 @@ def model_not_found(model: str, served: str) -> APIError:
                     param="model", code="model_not_found")
 
 
+class GuardedRoute(APIRoute):
+    """A route whose unexpected exception is answered as an OpenAI-shaped 500 (logged once, under an error id) in
+    the route itself. Past the route, Starlette's outermost handler answers and then raises again: uvicorn logged
+    the traceback a second time and closed the keep-alive connection without `Connection: close`, so a client's
+    next request on it failed."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug: the client gets an id to quote, the log the details
+                raise internal_error("internal server error", e) from None
+
+        return guarded
+
+
 def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thread: bool = True) -> FastAPI:
     """Sets up every method of `config.methods` before it returns (see warmup.py).
     scheduler_thread=False: the caller runs `app.state.server.scheduler.run()` itself (see `serve`)."""
@@ -243,22 +316,39 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
             server.scheduler.start()
         yield
         await run_in_threadpool(server.scheduler.stop)  # in-flight requests had the graceful-shutdown window
+        if server.sandbox is not None:
+            server.sandbox.close()
 
-    app = FastAPI(title="specdecode", version=__version__, lifespan=lifespan)
+    docs = "docs" not in config.protect  # protected: served by the routes below, behind the key
+    app = FastAPI(title="specdecode", version=__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    app.router.route_class = GuardedRoute
     app.state.server = server
+
+    def answer(e: APIError) -> JSONResponse:
+        server.metrics.error(e.status, e.code)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return answer(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
+        return answer(APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))
 
     @app.exception_handler(Exception)
-    async def unhandled(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(internal_error("internal server error", e).body(), status_code=500)
+    async def unhandled(request: Request, e: Exception) -> JSONResponse:  # outside any route (GuardedRoute)
+        return answer(internal_error("internal server error", e))
+
+    @app.middleware("http")
+    async def trusted_hosts(request: Request, call_next: Callable[[Request], Coroutine[Any, Any, Response]]):
+        """A Host header not allowed: a page of another site reached this server through DNS rebinding."""
+        if config.allowed_hosts is not None and not host_allowed(request.headers.get("host"), config.allowed_hosts):
+            return answer(APIError(421, "this server does not answer for that Host header (--allowed-hosts)",
+                                   param="host", code="host_not_allowed"))
+        return await call_next(request)
 
     def authorize(request: Request) -> None:
         key = config.api_key
@@ -272,7 +362,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
 
     async def body(request: Request) -> bytes:
         authorize(request)
-        return await read_body(request, config.max_request_bytes)
+        return await read_body(request, config.max_request_bytes, config.body_timeout)
 
     @app.get("/health")
     async def health() -> dict:
@@ -286,8 +376,21 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if "metrics" in config.protect:
+            authorize(request)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    if not docs:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request) -> JSONResponse:
+            authorize(request)
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def swagger(request: Request) -> HTMLResponse:
+            authorize(request)
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="specdecode")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -392,6 +495,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
                                                 offset=sent[event.index], index=event.index)])
                     sent[event.index] += len(event.text)
                 elif isinstance(event, Failed):
+                    server.metrics.error(event.error.status, event.error.code)
                     yield f"data: {json.dumps(event.error.body())}\n\n"
                     break
                 else:
@@ -408,9 +512,10 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
 
 
 def serve(llm: LLM, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000, cost: BatchCost | None = None,
-          shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+          shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
     """Run the server until SIGINT/SIGTERM; then stop accepting, give in-flight requests `shutdown_timeout`
-    seconds to finish and cancel what is left."""
+    seconds to finish and end what is left with an error event (a stream: then `[DONE]`). Returns the requests
+    cut so (a second signal exits at once and counts what was running)."""
     import uvicorn
 
     class Uvicorn(uvicorn.Server):
@@ -429,13 +534,17 @@ def serve(llm: LLM, config: ServerConfig, *, host: str = "127.0.0.1", port: int 
 
     cost = cost or BatchCost.for_model(llm.model, config.max_batch, llm.cost_model())
     app = create_app(llm, config, cost, scheduler_thread=False)
+    scheduler = app.state.server.scheduler
+    # uvicorn's own deadline comes after ours, so that what the scheduler cuts at ours reaches its client
     web = Uvicorn(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                 timeout_graceful_shutdown=math.ceil(shutdown_timeout)))
+                                 timeout_graceful_shutdown=int(shutdown_timeout) + FLUSH_SECONDS))
 
     def on_signal(sig, frame) -> None:  # as uvicorn's own handler: stop gracefully, a second signal at once
         if web.should_exit and sig == signal.SIGINT:
             web.force_exit = True
         web.should_exit = True
+        if scheduler.deadline is None:
+            scheduler.drain(shutdown_timeout)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -443,7 +552,11 @@ def serve(llm: LLM, config: ServerConfig, *, host: str = "127.0.0.1", port: int 
     thread.start()
     # the decode loop runs here, in the main thread (faster torch); it ends when the app's lifespan stops it,
     # after uvicorn's graceful shutdown, or when uvicorn's thread ends (e.g. the port was taken)
-    app.state.server.scheduler.run(alive=thread.is_alive)
+    running = lambda: thread.is_alive() and not web.force_exit  # noqa: E731
+    scheduler.run(alive=running)
     thread.join()
     if not web.started:
         raise SystemExit(f"the server did not start on {host}:{port} (see the log above)")
+    if scheduler.cut:
+        log.warning("%d request(s) were still running at the end of the shutdown and were cut", scheduler.cut)
+    return scheduler.cut

@@ -6,11 +6,16 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from ..cli_args import int_in, port, positive
 from ..cli_precision import add_precision_args, quantization
 from ..prefix_cache import DEFAULT_MB
-from .body import MAX_REQUEST_BYTES
+from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES
+from .hosts import default_allowed_hosts, parse_allowed_hosts
+
+log = logging.getLogger("specdecode.server")
+PROTECTABLE = ("metrics", "docs")  # as app.PROTECTABLE (app imports torch: not at argument parsing)
 
 
 def add_parser(sub) -> None:
@@ -63,8 +68,16 @@ def add_parser(sub) -> None:
                    "template itself)")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a request bring its own chat_template (run in transformers' Jinja sandbox)")
-    s.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY, else none)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (visible to every user of this machine "
+                   "in `ps`: prefer $SPECDECODE_API_KEY or --api-key-file)")
+    s.add_argument("--api-key-file", help="read the API key from this file (its first line)")
+    s.add_argument("--allowed-hosts", help="comma list of the Host names the server answers for, '*' for any "
+                   "(default: localhost,127.0.0.1,::1 when --host is a loopback address, else any); other Hosts get "
+                   "421, so a web page cannot read a local server through DNS rebinding")
+    s.add_argument("--protect", default="", help=f"comma list of {', '.join(PROTECTABLE)}: routes that need the API "
+                   "key too (default: open, as vLLM's)")
+    s.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
+                   help="seconds a request body may take to arrive in full (then 408)")
     add_precision_args(s)
     s.add_argument("--threads", type=positive, help="CPU threads for the forwards (default: torch's choice)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -85,10 +98,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1024")
     methods = parse_methods(args.methods, args.method)
+    protect = tuple(p.strip() for p in args.protect.split(",") if p.strip())
+    if unknown := [p for p in protect if p not in PROTECTABLE]:
+        raise ValueError(f"--protect takes {', '.join(PROTECTABLE)}, got {', '.join(unknown)}")
+    if args.body_timeout <= 0:
+        raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    allowed_hosts = default_allowed_hosts(args.host) if args.allowed_hosts is None else \
+        parse_allowed_hosts(args.allowed_hosts)
+    api_key = read_api_key(args)
+    if protect and api_key is None:
+        raise ValueError("--protect needs an API key (--api-key-file, $SPECDECODE_API_KEY or --api-key)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s", stream=sys.stderr)
+    if args.api_key is not None:
+        log.warning("--api-key shows the key to every user of this machine (ps); prefer $SPECDECODE_API_KEY or "
+                    "--api-key-file")
     options = dict(model=args.model, served_model_name=args.served_model_name or args.model, method=args.method,
                    methods=methods, k=args.k if args.k == "auto" else int(args.k), draft=args.draft,
-                   max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
+                   max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
+                   allowed_hosts=allowed_hosts, protect=protect, body_timeout=args.body_timeout,
                    max_request_bytes=args.max_request_bytes, dtype=args.dtype, quantization=quantization(args),
                    threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens,
                    prefix_cache_mb=args.prefix_cache_mb,
@@ -106,7 +133,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .replica import build
 
     llm, config, cost = build(options)
-    serve(llm, config, host=args.host, port=args.port, cost=cost, shutdown_timeout=args.shutdown_timeout,
-          log_level=args.log_level)
+    cut = serve(llm, config, host=args.host, port=args.port, cost=cost, shutdown_timeout=args.shutdown_timeout,
+                log_level=args.log_level)
     llm.save_cost_model()  # what the requests taught the single-request table, for the next start
-    return 0
+    return 1 if cut else 0  # requests cut at shutdown: a supervisor should know the stop was not clean
+
+
+def read_api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, else $SPECDECODE_API_KEY, else --api-key (None: no key)."""
+    if args.api_key_file:
+        path = Path(args.api_key_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--api-key-file {path}: no such file")
+        lines = path.read_text().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty: write the key on its first line")
+        return key
+    return os.environ.get("SPECDECODE_API_KEY") or args.api_key

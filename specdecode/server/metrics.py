@@ -33,6 +33,7 @@ class Timed(Protocol):
 
     method: str
     arrived: float
+    scheduled_at: float | None  # when its prefill began
     first_token_at: float | None
 
 
@@ -76,6 +77,19 @@ class Metrics:
                               "tokens after it", mm, buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "From arrival to the last token", mm,
                              buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "From arrival to the start of the prefill",
+                                    mm, buckets=REQUEST_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "From the start of the prefill to the first "
+                                      "generated token", mm, buckets=REQUEST_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "From the first generated token to the last",
+                                     mm, buckets=REQUEST_BUCKETS, registry=r)
+        self.inference_time = Histogram("vllm:request_inference_time_seconds", "From the start of the prefill to the "
+                                        "last token", mm, buckets=REQUEST_BUCKETS, registry=r)
+        # prefix cache (counted in prompt tokens, as vLLM's: hit rate = rate(hits) / rate(queries))
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m,
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens read from the prefix cache (not "
+                                   "prefilled)", m, registry=r)
         # speculation
         self.drafts = Counter("vllm:spec_decode_num_drafts", "Row steps that verified at least one guess", mm,
                               registry=r)
@@ -89,6 +103,8 @@ class Metrics:
         # ours
         self.requests = Counter("specdecode_requests", "Requests by outcome: stop, length, cancelled (client gone), "
                                 "error, rejected (queue full or shutting down)", ["outcome"], registry=r)
+        self.http_errors = Counter("specdecode_http_errors", "Error answers by HTTP status and error code (every 4xx "
+                                   "and 5xx, in a route or mid-stream)", ["status", "code"], registry=r)
         self.step_rows = Histogram("specdecode_step_batch_size", "Rows per batched verification forward",
                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_seconds = Histogram("specdecode_step_seconds", "Seconds per batched step (propose, forward, "
@@ -109,9 +125,17 @@ class Metrics:
     def kv(self, tokens: int, capacity: int) -> None:
         self.kv_usage.labels(self.model_name).set(tokens / capacity if capacity else 0.0)
 
-    def admitted(self, job: Timed, prompt_tokens: int) -> None:
+    def scheduled(self, job: Timed, now: float) -> None:
+        self.queue_time.labels(*self.labels(job)).observe(now - job.arrived)
+
+    def admitted(self, job: Timed, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens.labels(*self.labels(job)).inc(prompt_tokens)
         self.request_prompt.labels(*self.labels(job)).observe(prompt_tokens)
+        self.prefix_queries.labels(self.model_name).inc(prompt_tokens)
+        self.prefix_hits.labels(self.model_name).inc(cached_tokens)
+
+    def error(self, status: int, code: str | None) -> None:
+        self.http_errors.labels(str(status), code or "").inc()
 
     def row_step(self, job: Timed, drafted: int, accepted: int, committed: int) -> None:
         """One row's share of a step: guesses verified and accepted, tokens committed."""
@@ -126,17 +150,25 @@ class Metrics:
 
     def first_token(self, job: Timed, now: float) -> None:
         self.ttft.labels(*self.labels(job)).observe(now - job.arrived)
+        if job.scheduled_at is not None:
+            self.prefill_time.labels(*self.labels(job)).observe(now - job.scheduled_at)
 
     def inter_token(self, job: Timed, seconds: float) -> None:
         self.itl.labels(*self.labels(job)).observe(seconds)
 
     def finished(self, job: Timed, reason: str, now: float, generated: int) -> None:
+        """A request ended: reason stop or length (it ran to its end), abort (its client went away, or the server
+        stopped first: vLLM's name) or error."""
         labels = self.labels(job)
         self.success.labels(*labels, reason).inc()
         self.e2e.labels(*labels).observe(now - job.arrived)
         self.request_generation.labels(*labels).observe(generated)
-        if job.first_token_at is not None and generated > 1:
-            self.tpot.labels(*labels).observe((now - job.first_token_at) / (generated - 1))
+        if job.scheduled_at is not None:
+            self.inference_time.labels(*labels).observe(now - job.scheduled_at)
+        if job.first_token_at is not None:
+            self.decode_time.labels(*labels).observe(now - job.first_token_at)
+            if generated > 1:
+                self.tpot.labels(*labels).observe((now - job.first_token_at) / (generated - 1))
 
     def watch_suffix(self, cache: Callable[[], object | None]) -> None:
         """Gauges read at scrape time from the model's suffix cache (`cache()`: a SuffixCache, None before one
@@ -149,13 +181,10 @@ class Metrics:
             ("accepted_tokens", "accepted", "Accepted guesses that only the global suffix cache offered, since start")))
 
     def watch_prefix(self, cache: object) -> None:
-        """Gauges read at scrape time from the prefix cache: its size and how many prompt tokens it saved."""
+        """Gauges read at scrape time from the prefix cache: its size (what it saved: vllm:prefix_cache_hits)."""
         self._watch("specdecode_prefix_cache_", lambda: [cache], (
             ("bytes", "bytes", "Bytes of finished requests' keys and values kept for prompts that begin the same way"),
-            ("texts", "texts", "Texts whose keys and values the prefix cache keeps"),
-            ("lookups", "lookups", "Prompts looked up in the prefix cache, since start"),
-            ("hits", "hits", "Prompts that began as a kept text did (at least 16 tokens), since start"),
-            ("hit_tokens", "hit_tokens", "Prompt tokens read from the prefix cache, not prefilled, since start")))
+            ("texts", "texts", "Texts whose keys and values the prefix cache keeps")))
 
     def watch_online(self, heads: Callable[[], list]) -> None:
         """Gauges read at scrape time from the model's heads learning online (`heads()`: its OnlineHeads, summed):

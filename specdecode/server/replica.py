@@ -11,6 +11,7 @@ from ..api import LLM
 from ..batch_cost import BatchCost
 from ..prefix_cache import DEFAULT_MB
 from .app import ServerConfig
+from .body import BODY_TIMEOUT
 from .warmup import warm_up
 
 log = logging.getLogger("specdecode.server")
@@ -41,7 +42,9 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
                           trust_request_chat_template=bool(options.get("trust_request_chat_template")),
                           prefill_share=options.get("prefill_share", 0.5),
                           online_draft=options.get("online_draft", False),
-                          async_draft=options.get("async_draft", False))
+                          async_draft=options.get("async_draft", False),
+                          allowed_hosts=options.get("allowed_hosts"), protect=tuple(options.get("protect", ())),
+                          body_timeout=options.get("body_timeout", BODY_TIMEOUT))
     return llm, config, cost
 
 

@@ -79,6 +79,7 @@ class Job:
         self.cancelled = False
         self.done = False
         self.arrived = time.perf_counter()
+        self.scheduled_at: float | None = None  # its prefill began
         self.first_token_at: float | None = None
         self.last_piece_at: float | None = None
 
@@ -116,6 +117,8 @@ class Scheduler:
         self.prefilling: Job | None = None  # the job whose prompt the engine is caching (engine.pending)
         self.active: dict[int, Job] = {}  # id(row) -> job
         self.stopping = False
+        self.deadline: float | None = None  # draining (a graceful shutdown): what still runs then is cut
+        self.cut = 0  # requests cut by the deadline or the stop
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self.run, name="specdecode-scheduler", daemon=True)
 
@@ -133,7 +136,7 @@ class Scheduler:
             raise APIError(400, f"n={len(jobs)} choices cannot fit this server's batch and queue "
                                 f"({self.max_batch} + {self.max_queue}); ask for fewer", param="n")
         with self._cond:
-            if self.stopping:
+            if self.stopping or self.deadline is not None:
                 self.metrics.requests.labels("rejected").inc()
                 raise APIError(503, "the server is shutting down", type="server_unavailable", code="shutting_down")
             if len(self.waiting) + len(self.active) + (self.prefilling is not None) + len(jobs) > \
@@ -151,6 +154,13 @@ class Scheduler:
             job.cancelled = True
             with self._cond:
                 self._cond.notify()
+
+    def drain(self, seconds: float) -> None:
+        """A graceful shutdown began: new requests are refused (503); what is still running or waiting `seconds`
+        from now is cut with an error event, while its connection is still there to carry it."""
+        with self._cond:
+            self.deadline = time.monotonic() + seconds
+            self._cond.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the current step; whatever is still running or waiting is cancelled (503)."""
@@ -176,6 +186,9 @@ class Scheduler:
                 if self.stopping or not alive():
                     self.stopping = True
                     break
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self._cut_all()
+                continue
             try:
                 self._drop_cancelled()
                 self._prefill()
@@ -186,13 +199,20 @@ class Scheduler:
                 for job in [*self.active.values(), *([self.prefilling] if self.prefilling else [])]:
                     self._leave(job)
                     self._close(job, "error", Failed(error))
+        self._cut_all()
+
+    def _cut_all(self) -> None:
+        """Every request still waiting or running ends now, with an error event that says why."""
         with self._cond:
             jobs = [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.active.values()]
             self.waiting.clear()
         for job in jobs:
             self._leave(job)
-            self._close(job, "cancelled", Failed(APIError(503, "the server shut down before this request finished",
-                                                          type="server_unavailable", code="shutting_down")))
+            if not job.done:
+                self.cut += 1
+                self._close(job, "cancelled", Failed(APIError(503, "the server shut down before this request "
+                                                              "finished", type="server_unavailable",
+                                                              code="shutting_down")))
 
     def prefill_budget(self) -> int:
         """Prompt tokens to cache this turn: `prefill_tokens` while nothing runs; else the most (a power of two, at
@@ -222,6 +242,8 @@ class Scheduler:
                 if job is None:
                     return
                 sibling = job.sibling.row if job.sibling is not None else None
+                job.scheduled_at = time.perf_counter()
+                self.metrics.scheduled(job, job.scheduled_at)
                 try:  # a sibling choice still running lends its prompt's cache: one prefill for the n choices
                     self.engine.start(job.row, like=sibling if sibling in self.engine.rows else None)
                 except Exception as e:  # noqa: BLE001
@@ -245,7 +267,7 @@ class Scheduler:
         if self.prefilling is not None and self.engine.pending is None:
             job, self.prefilling = self.prefilling, None
             self.active[id(job.row)] = job
-            self.metrics.admitted(job, job.row.stats.prompt_tokens)
+            self.metrics.admitted(job, job.row.stats.prompt_tokens, job.row.stats.cached_tokens)
 
     def _next_waiting(self) -> Job | None:
         """The first waiting job (cancelled ones are closed on the way) while the batch has room, else None."""
@@ -277,14 +299,24 @@ class Scheduler:
         self._joined()
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         for row, result in results:
-            job = self.active[id(row)]
+            job = self.active.get(id(row))
+            if job is None:  # the pending prompt's prefill failed (the engine has dropped it)
+                if self.prefilling is not None and self.prefilling.row is row:
+                    job, self.prefilling = self.prefilling, None
+                    self._close(job, "error", Failed(internal_error("the prompt's prefill failed", result)))
+                continue
             if isinstance(result, Exception):
                 self._leave(job)
                 self._close(job, "error", Failed(internal_error("the request failed", result)))
                 continue
             drafted, accepted = before[id(row)]
             self.metrics.row_step(job, row.stats.drafted - drafted, row.stats.accepted - accepted, len(result))
-            self._deliver(job, result)
+            try:
+                self._deliver(job, result)
+            except Exception as e:  # noqa: BLE001 - its text (detokenizing, stop strings, logprobs) fails it alone
+                if not job.done:
+                    self._leave(job)
+                    self._close(job, "error", Failed(internal_error("the request's text failed", e)))
         self._publish()
 
     def _publish(self) -> None:
@@ -338,5 +370,8 @@ class Scheduler:
     def _close(self, job: Job, outcome: str, event: Done | Failed | None) -> None:
         job.done = True
         self.metrics.requests.labels(outcome).inc()
+        if outcome in ("cancelled", "error"):  # stop and length were counted as the request finished
+            self.metrics.finished(job, "abort" if outcome == "cancelled" else "error", time.perf_counter(),
+                                  job.row.stats.new_tokens)
         if event is not None:
             job.emit(event)

@@ -8,8 +8,10 @@ field. The models themselves forbid extra fields, so nothing can slip through un
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,7 +32,10 @@ MAX_TEMPLATE_CHARS = 65536
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """No unknown field, and no conversion: `true` is not the integer 1 and "5" is not 5 (a client that sends
+    either has a bug it should hear about)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Speculation(Strict):
@@ -88,7 +93,7 @@ class Common(Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0)  # at most max_tokens (checked against the model: app.build_row)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1, le=MAX_N)  # choices: one prefill, n rows of the batch
@@ -281,7 +286,15 @@ def validate(cls: type[Validated], body: object) -> Validated:
         if first["type"] == "extra_forbidden":
             nested = {f for m in (Speculation, StreamOptions, Message, TextPart) for f in m.model_fields}
             raise unknown(loc, nested | set(cls.model_fields)) from None
-        raise bad_request(f"{loc}: {first['msg']}", param=str(path[0]) if path else None) from None
+        if not path:  # a check of the whole request (a model validator): its message names the field first
+            message = first["msg"].removeprefix("Value error, ")
+            raise bad_request(message, param=named_field(message, cls.model_fields)) from None
+        raise bad_request(f"{loc}: {first['msg']}", param=str(path[0])) from None
+
+
+def named_field(message: str, fields: Collection[str]) -> str | None:
+    """The first of `fields` that a message names (its words as written), else None."""
+    return next((word for word in re.findall(r"[a-z_]+", message) if word in fields), None)
 
 
 def is_union_tag(part: str | int) -> bool:
