@@ -42,7 +42,7 @@ $(VENV)/.torch: | $(PY)
 	configured indexes"; \
 	  $(PIP) "$(TORCH)"; \
 	fi
-	@$(PY) -c "import torch; cuda = torch.version.cuda; print(f'torch {torch.__version__}: ' + ('CPU only' if not \
+	@$(PY) -W ignore -c "import torch; cuda = torch.version.cuda; print(f'torch {torch.__version__}: ' + ('CPU only' if not \
 	cuda else f'built for CUDA {cuda} (a CPU machine wants TORCH_INDEX=https://download.pytorch.org/whl/cpu)'))"
 	@touch $@
 

@@ -178,8 +178,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--peers", default="none", help="comma list: transformers (its generate on the same weights), "
                    "llama.cpp (llama-cpp-python on the same GGUF file: `pip install llama-cpp-python`)")
     add_precision_args(b)
-    b.add_argument("--questions", help="Spec-Bench question.jsonl (default: $SPECDECODE_DATA/eval/spec_bench/, else "
-                   "shared/data beside the checkout, else the 2 per category shipped with the package)")
+    b.add_argument("--questions", help="Spec-Bench question.jsonl (default: $SPECDECODE_DATA/eval/spec_bench/ where "
+                   "you keep the full set, else the 2 per category shipped with the package)")
     b.add_argument("--seed", type=int, default=0, help="seed of the run order and of sampling")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs of each prompt and method, in interleaved rounds; the fastest prefill and the "
