@@ -28,3 +28,14 @@ def test_the_checkout_temp_dir_and_python_are_readable(tmp_path) -> None:
     assert not refused(torch.__file__) and not refused(os.__file__)
     assert refused(str(CHECKOUT.parent / "shared" / "data")) and refused(str(CHECKOUT.parent / "other-clone"))
     assert (tmp_path / "x").write_text("ok") and (tmp_path / "x").read_text() == "ok"
+
+
+def test_tools_dot_folders_in_home_stay_readable(monkeypatch) -> None:
+    """A checkout cloned into HOME makes HOME the folder beside it: the tools' own config and caches there
+    (matplotlib's ~/.config, pip's ~/.cache) are still theirs to read; HOME's other files are not."""
+    import tests.conftest as guard
+
+    monkeypatch.setattr(guard, "FORBIDDEN", [guard.HOME])
+    monkeypatch.setattr(guard, "ALLOWED", [])
+    assert not refused(os.path.join(guard.HOME, ".config", "matplotlib", "matplotlibrc"))
+    assert refused(os.path.join(guard.HOME, "shared", "data", "train"))
