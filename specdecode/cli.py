@@ -77,7 +77,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if wanted("tune"):
         add_tune_parser(sub)
     if wanted("train"):
-        from .training.cli import add_train_parser
+        from .training.parsers import add_train_parser
 
         add_train_parser(sub)
     if wanted("serve"):
@@ -201,9 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what was streamed stays on the screen)
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C while Python shuts down ends it at once
         print(flush=True)
         name = f"specdecode {command}" if command in COMMANDS else "specdecode"
         err.print(f"interrupted: {name} stopped (Ctrl-C)")

@@ -191,7 +191,8 @@ def test_serve_refuses_a_port_it_cannot_take_before_loading(capsys, console, mon
 
 
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["tune", "--help"], ["bench", "--help"],
-                                  ["generate", "hi", "--max-tokens", "3"], ["generate", "", "--model", "x"]])
+                                  ["train", "eagle", "--help"], ["generate", "hi", "--max-tokens", "3"],
+                                  ["generate", "", "--model", "x"]])
 def test_help_and_refusals_import_no_torch(args) -> None:
     """--help and the checks before loading answer in a fraction of a second: torch (seconds to import) waits
     for a command that runs."""

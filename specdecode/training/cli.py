@@ -11,24 +11,9 @@ import argparse
 from pathlib import Path
 
 from . import distill_cli, medusa_cli
-from .common import add_common, answers, err, flush_denormals, prepare, target_config, train_config, write_report
+from .common import answers, err, flush_denormals, prepare, target_config, train_config, write_report
 from .distributed import finish, init, launch, launched, samples_trained_on, world
-
-
-def add_train_parser(sub) -> None:
-    t = sub.add_parser("train", help="train a draft on the target's own answers: eagle, medusa or draft")
-    kinds = t.add_subparsers(dest="kind", required=True)
-    e = kinds.add_parser("eagle", help="an EAGLE-3-style head (fused low/mid/high features, training-time test)")
-    add_common(e)
-    e.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head predicts (most frequent)")
-    e.add_argument("--ttt-steps", type=int, default=4, help="draft depths unrolled in training")
-    e.add_argument("--init", help="fine-tune this trained head (its folder, or 'shipped': the one shipped for the "
-                                  "target) on the answers to --data's prompts, your traffic's; its layers and draft "
-                                  "vocabulary size stay (--draft-vocab is not used)")
-    e.add_argument("--vocab-swaps", type=int, default=512,
-                   help="with --init: draft vocabulary rows the head may give to tokens of these answers it lacks")
-    medusa_cli.add_medusa_parser(kinds, "medusa")
-    distill_cli.add_draft_parser(kinds, "draft")
+from .parsers import add_train_parser  # noqa: F401 - where callers found it before it moved
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -41,6 +26,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and not launched():
         err.print(f"training in {args.nproc} processes (torchrun, PyTorch DDP)")
         return launch(args.nproc, args.argv)
+    if args.device is None:  # the parser leaves it open: deciding it imports torch, which --help does not need
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     world, args.device = init(args.device)
     err.quiet = not world.main  # one voice: the main worker's
     try:

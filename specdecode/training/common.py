@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .data import (
-    DEFAULT_TRAIN_DIR,
     engine_distill,
     load_answered,
     load_prompts,
@@ -38,48 +37,6 @@ def flush_denormals() -> None:
     product took 6 s instead of 45 ms, and Gemma training steps slowed from 2 s to 11 s as their share grew.
     PyTorch's worker threads take the setting from the thread that starts them, so it must come first."""
     torch.set_flush_denormal(True)
-
-
-def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf")
-    p.add_argument("--data", default=str(DEFAULT_TRAIN_DIR),
-                   help="folder of training prompts: sharegpt/, gpteacher/, gsm8k/, flan_cot/ (README: Train a draft)")
-    p.add_argument("--out", required=True, help="output folder (weights, config, report; work/ holds caches)")
-    p.add_argument("--samples", type=int, default=2000, help="prompts the target answers (self-distillation)")
-    p.add_argument("--samples-file", help="reuse the target's answers from this samples.jsonl")
-    p.add_argument("--heldout", type=int, default=64, help="samples kept out of training for evaluation")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
-    p.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generate call")
-    p.add_argument("--temperature", type=float, default=0.0, help="the target's sampling when answering (0: greedy)")
-    p.add_argument("--distill-engine", choices=["auto", "specdecode", "transformers"], default="auto",
-                   help="who answers: specdecode's engine (the target as loaded, quantized as it serves; ~3x "
-                        "transformers' float32 generate on a CPU) or transformers (float; on a GPU); auto: "
-                        "specdecode on a CPU, transformers on a GPU")
-    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
-    p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=100, help="learning-rate warm-up steps")
-    p.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (and saves)")
-    p.add_argument("--distill-seconds", type=float,
-                   help="time budget of self-distillation: prompts not answered by then are left out")
-    p.add_argument("--distill-only", action="store_true",
-                   help="answer the prompts and stop: train later, here or on another machine (a GPU), with "
-                        "--samples-file OUT/work/samples.jsonl; run again, it answers the prompts still left "
-                        "(after a --distill-seconds budget)")
-    p.add_argument("--train-seconds", type=float,
-                   help="time budget of training: the step count (at most --steps) is fitted to it")
-    p.add_argument("--feature-cache", choices=["disk", "memory"], default="disk",
-                   help="keep the target's features under OUT/work (a rerun skips extracting them) or in memory "
-                        "only (large runs: tens of GB)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where training runs")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's dtype for data and features")
-    p.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast (GPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data order and initialisation")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="data-parallel processes (torchrun + PyTorch DDP: gloo on CPUs, nccl on GPUs, one GPU each); "
-                        "--batch-size is the global batch, split between them")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:

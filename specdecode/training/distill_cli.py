@@ -9,30 +9,13 @@ from pathlib import Path
 import torch
 
 from ..data import TRAIN_SOURCE
-from .common import add_common, err, prepare, train_config, write_report
+from .common import err, prepare, train_config, write_report
 from .distributed import samples_trained_on, world
 from .guards import check_samples_file, claim
 from .heldout import append_decoding_report
+from .parsers import SAVE_DTYPE_NAMES
 
-SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def add_draft_parser(kinds, name: str) -> None:
-    p = kinds.add_parser(name, help="a small draft LM with the target's tokenizer, distilled from the target (KD)")
-    add_common(p)
-    p.add_argument("--max-samples", dest="samples", type=int, default=argparse.SUPPRESS, help="same as --samples")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers of the draft")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size of the draft")
-    p.add_argument("--heads", type=int, help="attention heads (default: hidden / 64)")
-    p.add_argument("--intermediate", type=int, help="MLP size (default: 8/3 x hidden, rounded up to 64)")
-    p.add_argument("--kd-weight", type=float, default=0.8,
-                   help="share of the loss on the teacher's top-k (the rest: the token itself)")
-    p.add_argument("--init-embed", choices=["target", "random"], default="target",
-                   help="the draft's embedding starts as the target's projected to --hidden dims, or random")
-    p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default="float32",
-                   help="dtype of the saved weights (bfloat16: half the size; cast to the target's on load)")
-    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts decoded with the draft at the end")
-    p.add_argument("--eval-k", type=int, default=4, help="draft depth for that final held-out decoding")
+SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -9,26 +9,13 @@ from pathlib import Path
 import torch
 
 from ..data import TRAIN_SOURCE
-from .common import add_common, err, prepare, train_config, write_report
+from .common import err, prepare, train_config, write_report
 from .distributed import samples_trained_on, world
 from .guards import check_samples_file, claim
 from .heldout import append_decoding_report
+from .parsers import SAVE_DTYPE_NAMES
 
-SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def add_medusa_parser(kinds, name: str) -> None:
-    p = kinds.add_parser(name, help="Medusa heads: residual blocks on the last hidden state guessing +2..+K+1")
-    add_common(p)
-    p.add_argument("--max-samples", dest="samples", type=int, default=argparse.SUPPRESS, help="same as --samples")
-    p.add_argument("--heads", type=int, default=4, help="tokens guessed per step (one head per tree depth)")
-    p.add_argument("--draft-vocab", type=int, default=4096,
-                   help="tokens the heads predict (most frequent answer tokens; 0 = the whole vocabulary)")
-    p.add_argument("--kd-weight", type=float, default=0.8,
-                   help="share of the loss on the teacher's top-k (the rest: the token itself)")
-    p.add_argument("--save-dtype", choices=list(SAVE_DTYPES), default="float32",
-                   help="dtype of the saved weights (bfloat16: half the size; cast to the target's on load)")
-    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts decoded with the heads at the end")
+SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 
 
 def check_args(args: argparse.Namespace) -> None:
