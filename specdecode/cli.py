@@ -220,7 +220,24 @@ def run_command(args: argparse.Namespace) -> int:
         return cmd_train(args)
     from .server.cli import cmd_serve
 
+    announce_serve_setup(args)
     return cmd_serve(args)
+
+
+def announce_serve_setup(args: argparse.Namespace) -> None:
+    """A server's first start on a machine prepares for minutes before it listens (the tokenizer converted, the
+    kernels compiled, forwards timed for k='auto' by batch size: ~2 minutes measured on 2 busy cores): it says so
+    first, instead of looking hung. Later starts read all of it from the cache (seconds). First start means: no
+    batch table for this --max-batch in the cache (of any model: a heuristic that needs no model loaded)."""
+    from .paths import default_cache_dir
+
+    cache = default_cache_dir()
+    if any((cache / "costs").glob(f"*-batch{args.max_batch}.json")):
+        return
+    err.print(f"first start on this machine: before it listens on {args.host}:{args.port}, the server loads "
+              f"{args.model}, builds its kernels for this CPU and times its forwards for k='auto' up to batches of "
+              f"{args.max_batch} (one-off work cached in {cache}): about 2-4 minutes on 2 cores, each part with its "
+              "own progress; later starts take seconds", highlight=False)
 
 
 def check_before_loading(args: argparse.Namespace) -> None:

@@ -224,3 +224,21 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_130(checkpoint, tmp_path) ->
     out, err = child.communicate(timeout=120)
     assert child.returncode == 130, err
     assert err.strip().splitlines() == ["interrupted: specdecode generate stopped (Ctrl-C)"]
+
+
+def test_a_first_serve_says_what_it_prepares_and_for_how_long(tmp_path, console, monkeypatch) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr("specdecode.server.cli.cmd_serve", lambda args: 0)
+    assert cli_main(["serve", "--port", str(port), "--max-batch", "4"]) == 0
+    said = " ".join(console.getvalue().split())
+    assert "first start on this machine" in said and "about 2-4 minutes" in said and "later starts take seconds" in said
+    (tmp_path / "costs").mkdir()
+    (tmp_path / "costs" / "0123-batch4.json").write_text("{}")
+    console.seek(0)
+    console.truncate()
+    assert cli_main(["serve", "--port", str(port), "--max-batch", "4"]) == 0 and console.getvalue() == ""
