@@ -198,6 +198,12 @@ class Server:
     def encode(self, req: schemas.GenerationRequest | schemas.TokenizeChat | schemas.TokenizeCompletion) -> list[int]:
         """The request's prompt as token ids: its text bounded in bytes before a tokenizer copy of its own encodes
         it (a chat's text: rendered by the server's template, or by the request's own in the sandbox)."""
+        if isinstance(req, schemas.TokenizeCompletion | schemas.CompletionRequest):
+            prompt = req.prompt if isinstance(req, schemas.TokenizeCompletion) else req.single_prompt()
+            if isinstance(prompt, str):
+                self.check_bytes(prompt, "prompt")
+        else:
+            self.check_bytes("".join(m["content"] for m in req.chat()), "messages")  # before the template's text
         try:
             with self.tokenizers.take() as tokenizer:
                 if isinstance(req, schemas.ChatRequest | schemas.TokenizeChat):
@@ -205,11 +211,7 @@ class Server:
                     self.check_bytes(text, "messages")
                     return chat_templates.tokenize(tokenizer, text)
                 if isinstance(req, schemas.TokenizeCompletion):
-                    self.check_bytes(req.prompt, "prompt")
                     return list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-                prompt = req.single_prompt()
-                if isinstance(prompt, str):
-                    self.check_bytes(prompt, "prompt")
                 return self.llm.encode(prompt, tokenizer=tokenizer)
         except ValueError as e:
             message = str(e)

@@ -19,6 +19,7 @@ class TokenizerPool:
     def __init__(self, tokenizer, copies: int = COPIES) -> None:
         if copies < 1:
             raise ValueError(f"a tokenizer pool needs at least one copy, got {copies}")
+        self.copies = copies
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(copies):
             self._free.put(copy.deepcopy(tokenizer))
