@@ -10,10 +10,15 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+# a temperature below this is greedy decoding (as vLLM's): logits / 1e-320 overflow to inf, and a softmax of them is
+# NaN; at such temperatures the distribution is the argmax's anyway but for ties closer than the logits' precision
+SAMPLING_EPS = 1e-5
+MIN_REPETITION_PENALTY = 0.01  # below it, a seen token's logit / the penalty overflows float32
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below SAMPLING_EPS) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 = off
@@ -41,14 +46,15 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 10 or math.isnan(self.repetition_penalty):
-            raise ValueError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10] (1 = off), got "
+                             f"{self.repetition_penalty}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def processes(self) -> bool:

@@ -405,19 +405,19 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
         server.check_model(model)
         return server.model_card()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=schemas.request_body(schemas.TokenizeCompletion, schemas.TokenizeChat))
     async def tokenize(request: Request) -> dict:
         return await run_in_threadpool(server.tokenize, await body(request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=schemas.request_body(schemas.Detokenize))
     async def detokenize(request: Request) -> dict:
         return await run_in_threadpool(server.detokenize, await body(request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=schemas.request_body(schemas.ChatRequest))
     async def chat(request: Request) -> Response:
         return await complete(request, schemas.ChatRequest, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=schemas.request_body(schemas.CompletionRequest))
     async def completions(request: Request) -> Response:
         return await complete(request, schemas.CompletionRequest, "completion")
 

@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..request import MAX_LOGPROBS, TokenLogprob
+from ..sampling import MIN_REPETITION_PENALTY
 from .errors import bad_request
 from .fields import screen, unknown
 
@@ -92,7 +93,7 @@ class Common(Strict):
     speculation: Speculation | bool | None = None
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10)
     min_tokens: int | None = Field(None, ge=0)  # at most max_tokens (checked against the model: app.build_row)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
@@ -317,6 +318,30 @@ def parse_tokenize(body: object) -> TokenizeCompletion | TokenizeChat:
     if isinstance(body, dict) and "messages" in body:
         return validate(TokenizeChat, body)
     return validate(TokenizeCompletion, body)
+
+
+def request_body(*models: type[BaseModel]) -> dict:
+    """The OpenAPI requestBody of a route that reads its JSON body itself (validated by one of `models`), so that
+    /docs shows it and a fuzzer generates it."""
+    bodies = [inline(model.model_json_schema()) for model in models]
+    body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
+
+
+def inline(schema: dict) -> dict:
+    """A JSON schema with its `$defs` written in place of their `$ref`s (no model here refers to itself)."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    return resolve(schema)
 
 
 # ------------------------------------------------------------------------------------- responses
