@@ -1,7 +1,8 @@
 """Property-based fuzzing of the whole HTTP surface from the server's own OpenAPI schema (schemathesis): requests
 that follow the schema and requests that break it (wrong types, missing fields, out-of-range values), on every
 route. Whatever comes in: no 5xx, no traceback, exception name or file path in any body, and /health answers after
-each case. The number of cases is bounded (FUZZ_EXAMPLES per route, about two minutes in all on two cores)."""
+each case. The number of cases is bounded (FUZZ_EXAMPLES per route: about two minutes on two cores; more with
+$SPECDECODE_FUZZ_EXAMPLES)."""
 
 from __future__ import annotations
 
