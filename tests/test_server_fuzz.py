@@ -58,7 +58,7 @@ def fuzzed_schema(url):
 def test_no_request_breaks_the_server(case, url):
     if case.path in ("/v1/chat/completions", "/v1/completions") and isinstance(case.body, dict):
         case.body = {**case.body, "model": "tiny"} if case.body.get("model") is not None else case.body
-    response = case.call()
+    response = case.call(timeout=120)  # a slow answer is not what this test is about (a busy machine)
     assert response.status_code < 500, (case.body, response.text[:2000])
     assert not LEAKS.search(response.text), response.text[:2000]
     assert httpx.get(url + "/health", timeout=30).status_code == 200

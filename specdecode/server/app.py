@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -92,7 +93,9 @@ class Server:
         self.llm, self.config = llm, config
         self.context = llm.model.config.max_position_embeddings
         warm_up(llm, config.allowed, config.draft)
-        llm.grammar()  # structured output's view of the tokenizer (half a second): at start, never in a request
+        # structured output's view of the tokenizer (half a second) and its first constraint (it imports llguidance's
+        # torch side: 4-13 s here): at start, never in a request (the first one waited that long)
+        llm.grammar().constraint({"choice": ["warm-up"]}).mask(torch.zeros(llm.model.config.vocab_size))
         self.metrics = Metrics(config.model_name, self.context)
         self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
         self.metrics.watch_online(lambda: list(llm._online.values()))  # --online-draft's learners
