@@ -287,6 +287,7 @@ class Engine:
                 self.cache.reserve(len(self.rows), contexts[i] + len(toks))
                 out = self.model.forward(torch.tensor([toks]), self.cache.row(i), positions=positions,
                                          tree_mask=mask, hidden_layers=layers)
+                assert out.logits is not None  # every position's logits were asked for
                 logits.append(out.logits[0])
                 hidden.append([h[0] for h in out.hidden])
                 greedy.append(out.greedy)

@@ -341,7 +341,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return answer(APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))
+        return answer(APIError(e.status_code, str(e.detail), type=kind, headers=dict(e.headers or {})))
 
     @app.exception_handler(Exception)
     async def unhandled(request: Request, e: Exception) -> JSONResponse:  # outside any route (GuardedRoute)

@@ -41,7 +41,8 @@ async def read_body(request: Request, limit: int, timeout: float = BODY_TIMEOUT)
     announced = request.headers.get("content-length")
     if announced is not None and announced.isdigit() and int(announced) > limit:
         raise too_large(limit)
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     deadline = time.monotonic() + timeout
     parts = request.stream().__aiter__()
     while True:
@@ -78,7 +79,8 @@ def nested_too_deeply() -> APIError:
 def depth(value: object) -> int:
     """Nesting depth of parsed JSON, without recursion (a scalar is 0, `[]` is 1); a string that is not Unicode text
     (a lone surrogate such as "\\ud800", which JSON allows) is a 400 naming its top-level field."""
-    deepest, stack = 0, [(value, 0, None)]
+    deepest = 0
+    stack: list[tuple[object, int, str | None]] = [(value, 0, None)]
     while stack:
         node, level, field = stack.pop()
         children: Iterable[tuple[Any, str | None]]

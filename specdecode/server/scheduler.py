@@ -301,7 +301,7 @@ class Scheduler:
         for row, result in results:
             job = self.active.get(id(row))
             if job is None:  # the pending prompt's prefill failed (the engine has dropped it)
-                if self.prefilling is not None and self.prefilling.row is row:
+                if self.prefilling is not None and self.prefilling.row is row and isinstance(result, Exception):
                     job, self.prefilling = self.prefilling, None
                     self._close(job, "error", Failed(internal_error("the prompt's prefill failed", result)))
                 continue

@@ -21,12 +21,12 @@ def cap_memory(mib: int) -> None:
 def render(request: dict) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    (text,), _ = render_jinja_template(
+    rendered = render_jinja_template(  # (texts, generation indices), one text per conversation
         conversations=[request["messages"]], chat_template=request["template"],
         add_generation_prompt=request["add_generation_prompt"],
         continue_final_message=request["continue_final_message"],
         **{**request["special_tokens"], **request["variables"]})
-    return text
+    return rendered[0][0]
 
 
 def main() -> None:
