@@ -42,7 +42,7 @@ from ..sampling import SamplingParams
 from . import schemas
 from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES, parse_json, read_body
 from .errors import APIError, bad_request, internal_error
-from .hosts import host_allowed
+from .hosts import TrustedHosts
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Done, Failed, Job, LockedTokenizer, Piece, Scheduler
 from .template_sandbox import TemplateSandbox
@@ -347,13 +347,10 @@ def create_app(llm: LLM, config: ServerConfig, cost: BatchCost, *, scheduler_thr
     async def unhandled(request: Request, e: Exception) -> JSONResponse:  # outside any route (GuardedRoute)
         return answer(internal_error("internal server error", e))
 
-    @app.middleware("http")
-    async def trusted_hosts(request: Request, call_next: Callable[[Request], Coroutine[Any, Any, Response]]):
-        """A Host header not allowed: a page of another site reached this server through DNS rebinding."""
-        if config.allowed_hosts is not None and not host_allowed(request.headers.get("host"), config.allowed_hosts):
-            return answer(APIError(421, "this server does not answer for that Host header (--allowed-hosts)",
-                                   param="host", code="host_not_allowed"))
-        return await call_next(request)
+    if config.allowed_hosts is not None:  # a plain ASGI layer: streams and disconnects pass through untouched
+        app.add_middleware(TrustedHosts, allowed=config.allowed_hosts, refuse=lambda: answer(APIError(
+            421, "this server does not answer for that Host header (--allowed-hosts)", param="host",
+            code="host_not_allowed")))
 
     def authorize(request: Request) -> None:
         key = config.api_key

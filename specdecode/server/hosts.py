@@ -9,6 +9,11 @@ any host and "*.example.com" any subdomain of example.com.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import Response
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
@@ -47,3 +52,17 @@ def host_allowed(header: str | None, allowed: tuple[str, ...]) -> bool:
         return False
     name = host_name(header)
     return any(name == host or (host.startswith("*.") and name.endswith(host[1:])) for host in allowed)
+
+
+class TrustedHosts:
+    """ASGI middleware: a request whose Host is not allowed gets `refuse()`'s response (a page of another site that
+    reached this server through DNS rebinding reads nothing)."""
+
+    def __init__(self, app: Any, allowed: tuple[str, ...], refuse: Callable[[], Response]) -> None:
+        self.app, self.allowed, self.refuse = app, allowed, refuse
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and not host_allowed(Headers(scope=scope).get("host"), self.allowed):
+            await self.refuse()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
