@@ -244,6 +244,9 @@ def check_before_loading(args: argparse.Namespace) -> None:
     """What can be refused in milliseconds is refused before the model loads (tens of seconds on a first run): a
     model name or path that is not there, a draft model likewise, an empty prompt, a port the server cannot
     take."""
+    if args.command == "generate" and args.online_draft and args.method not in ("eagle", "hybrid"):
+        raise ValueError(f"--online-draft trains the EAGLE head: use it with --method eagle or hybrid, not "
+                         f"{args.method}")
     for option in ("model", "target"):  # generate, tune, bench, serve: --model; train: --target
         if isinstance(getattr(args, option, None), str):
             check_model(getattr(args, option))
@@ -276,9 +279,6 @@ def check_port(host: str, port: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.online_draft and args.method not in ("eagle", "hybrid"):
-        raise ValueError(f"--online-draft trains the EAGLE head: use it with --method eagle or hybrid, not "
-                         f"{args.method}")
     from .api import LLM
 
     prompt = args.prompt  # read and checked before the model loads (check_before_loading)
