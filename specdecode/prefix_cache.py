@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from .holding import HoldsBack
+from .names import PREFIX_CACHE_MB
 
-DEFAULT_MB = 256  # the server's default budget (SmolLM2-135M: ~46 KB a token, ~5,800 tokens)
+DEFAULT_MB = PREFIX_CACHE_MB  # the server's default budget
 MIN_TOKENS = 16  # shorter shared prefixes (a chat template's header) are not worth a copy
 
 

@@ -191,6 +191,7 @@ def test_serve_refuses_a_port_it_cannot_take_before_loading(capsys, console, mon
 
 
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["tune", "--help"], ["bench", "--help"],
+                                  ["serve", "--help"],
                                   ["train", "eagle", "--help"], ["generate", "hi", "--max-tokens", "3"],
                                   ["generate", "", "--model", "x"]])
 def test_help_and_refusals_import_no_torch(args) -> None:

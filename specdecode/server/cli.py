@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..cli_args import int_in, port, positive
 from ..cli_precision import add_precision_args, quantization
-from ..prefix_cache import DEFAULT_MB
+from ..names import DEFAULT_METHOD, METHODS, PREFIX_CACHE_MB
 from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES
 from .hosts import default_allowed_hosts, parse_allowed_hosts
 
@@ -19,8 +19,6 @@ PROTECTABLE = ("metrics", "docs")  # as app.PROTECTABLE (app imports torch: not 
 
 
 def add_parser(sub) -> None:
-    from ..api import DEFAULT_METHOD, METHODS
-
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and speculation")
     s.add_argument("--model", default="smollm2-135m-instruct", help="registry name, HF checkpoint dir or .gguf file")
     s.add_argument("--served-model-name", help="the model id clients send (default: --model)")
@@ -37,7 +35,7 @@ def add_parser(sub) -> None:
     s.add_argument("--suffix-cache-tokens", type=int, default=1_000_000,
                    help="method suffix: tokens of earlier outputs kept for all requests to match (oldest evicted "
                         "first; about 45 bytes a token)")
-    s.add_argument("--prefix-cache-mb", type=int_in(0, what="a size in MiB"), default=DEFAULT_MB,
+    s.add_argument("--prefix-cache-mb", type=int_in(0, what="a size in MiB"), default=PREFIX_CACHE_MB,
                    help="keep up to this many MiB of finished requests' keys and values, so a prompt that begins as "
                         "an earlier request's text did (a chat's next turn, a shared system prompt) prefills only the "
                         "rest (0: off)")
