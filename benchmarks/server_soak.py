@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -201,6 +202,7 @@ def main() -> None:
         expected = solo_outputs(url)
         soak = Soak(url, expected, args.minutes * 60)
         memory: list[tuple[float, float]] = []
+        caches: list[float] = []  # MB the prefix and suffix caches hold (bounded by their options), when sampled
         health_failures = 0
         started = time.monotonic()
         with ThreadPoolExecutor(args.clients) as pool:
@@ -209,8 +211,10 @@ def main() -> None:
                 memory.append((time.monotonic() - started, rss_mb(proc.pid)))
                 try:
                     health_failures += httpx.get(url + "/health", timeout=30).status_code != 200
+                    caches.append(cache_mb(httpx.get(url + "/metrics", timeout=30).text))
                 except httpx.HTTPError:
                     health_failures += 1
+                    caches.append(caches[-1] if caches else 0.0)
                 elapsed = time.monotonic() - started
                 print(f"[{elapsed / 60:5.1f} of {args.minutes:g} min] {dict(soak.counts)} rss {memory[-1][1]:.0f} MB",
                       file=sys.stderr, flush=True)
@@ -218,9 +222,12 @@ def main() -> None:
             for f in futures:
                 f.result()
         after = solo_outputs(url)  # the server still answers each alone as before the load
+        time.sleep(10)
+        idle_after = rss_mb(proc.pid)
     results = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "machine": machine_description(),
                "clients": args.clients, "minutes": args.minutes, "counts": dict(soak.counts),
                "failures": soak.failures, "health_failures": health_failures, "memory_mb": memory,
+               "cache_mb": caches, "idle_after_mb": idle_after,
                "unchanged_after": after == expected,
                "good_latency_p50": percentile(soak.latencies, 0.5),
                "good_latency_p99": percentile(soak.latencies, 0.99)}
@@ -231,10 +238,24 @@ def main() -> None:
     sys.exit(1 if bad or health_failures or not results["unchanged_after"] else 0)
 
 
+def cache_mb(metrics: str) -> float:
+    """MB held by the prefix and suffix caches, from the server's /metrics."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics):
+        if family.name in ("specdecode_prefix_cache_bytes", "specdecode_suffix_cache_bytes"):
+            total += sum(sample.value for sample in family.samples)
+    return total / 2**20
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def report(r: dict) -> str:
     memory = [mb for _, mb in r["memory_mb"]]
     window = max(1, len(memory) // 6)  # the first and the last sixth of the run
     first, last = memory[:window], memory[-window:]
+    others = [mb - cache for mb, cache in zip(memory, r.get("cache_mb", [0.0] * len(memory)), strict=False)]
     c = r["counts"]
     lines = [
         "# Server soak: good, bad and disconnecting requests together", "",
@@ -254,6 +275,22 @@ def report(r: dict) -> str:
         f"- resident memory (MB): first sixth median {sorted(first)[len(first) // 2]:.0f}, max {max(first):.0f}; "
         f"last sixth median {sorted(last)[len(last) // 2]:.0f}, max {max(last):.0f}; whole run max {max(memory):.0f}",
     ]
+    if "cache_mb" in r:
+        caches = r["cache_mb"]
+        lines += [
+            f"- the prefix and suffix caches (bounded by --prefix-cache-mb and --suffix-cache-tokens): "
+            f"{median(caches[:window]):.0f} MB in the first sixth, {median(caches[-window:]):.0f} MB in the last",
+            f"- resident memory less those caches (MB): first sixth median {median(others[:window]):.0f}, last sixth "
+            f"median {median(others[-window:]):.0f}",
+            f"- resident memory 10 s after the load: {r['idle_after_mb']:.0f} MB",
+            "",
+            "Resident memory by 5-minute window (MB, median; the caches' part in brackets):",
+            "",
+            *[f"- {w}-{w + 5} min: {median(ms):.0f} ({median(cs):.0f})"
+              for w in range(0, int(r["minutes"]) + 1, 5)
+              if (ms := [mb for (t, mb) in r["memory_mb"] if w * 60 <= t < (w + 5) * 60])
+              and (cs := [c for (t, _), c in zip(r["memory_mb"], caches, strict=False) if w * 60 <= t < (w + 5) * 60])],
+        ]
     if r["failures"]:
         lines += ["", "Failures (first 200):", "", *[f"- {f}" for f in r["failures"]]]
     return "\n".join(lines) + "\n"
