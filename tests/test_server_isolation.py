@@ -25,6 +25,8 @@ from specdecode import request as engine_request
 from specdecode.batch_cost import BatchCost
 from specdecode.detokenize import RequestText
 from specdecode.engine import Engine
+from specdecode.proposers import NoProposer
+from specdecode.sampling import SamplingParams
 from specdecode.server import scheduler as scheduler_module
 from specdecode.server.app import ServerConfig, create_app
 from specdecode.server.cli import read_api_key
@@ -209,9 +211,6 @@ def test_a_batch_whose_shared_forward_fails_steps_each_row_alone(llm):
     prompts = [llm.encode(p) for p in PROMPTS]
     expected = [alone(llm, p, 12).token_ids for p in PROMPTS]
     engine = Engine(model, BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)]))
-    from specdecode.proposers import NoProposer
-    from specdecode.sampling import SamplingParams
-
     rows = [engine_request.Request(256, NoProposer(), p, max_new_tokens=12, params=SamplingParams(), k=0)
             for p in prompts]
     for row in rows:
