@@ -39,6 +39,13 @@ def check_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:
     return variables
 
 
+def check_turn(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """A new assistant turn, or the last message continued: not both."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message exclude each other: a new assistant turn, "
+                         "or the last message continued")
+
+
 def render(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_template: str | None = None,
            add_generation_prompt: bool = True, continue_final_message: bool = False,
            variables: Mapping[str, Any] | None = None) -> str:
@@ -46,9 +53,7 @@ def render(tokenizer, messages: Sequence[Mapping[str, Any]], *, chat_template: s
     opened (add_generation_prompt) or the last message left open (continue_final_message)."""
     import jinja2
 
-    if add_generation_prompt and continue_final_message:
-        raise ValueError("add_generation_prompt and continue_final_message exclude each other: a new assistant turn, "
-                         "or the last message continued")
+    check_turn(add_generation_prompt, continue_final_message)
     try:
         text = tokenizer.apply_chat_template(
             list(messages), chat_template=chat_template, add_generation_prompt=add_generation_prompt,

@@ -51,7 +51,6 @@ from .warmup import DEFAULT_METHODS, warm_up
 
 log = logging.getLogger("specdecode.server")
 FLUSH_SECONDS = 5  # after the scheduler's shutdown deadline, for the cut requests' last events to go out
-PROTECTABLE = ("metrics", "docs")  # routes open by default that --protect puts behind the API key
 
 
 @dataclass
@@ -71,7 +70,7 @@ class ServerConfig:
     online_draft: bool = False  # eagle and hybrid: the EAGLE head learns from what the target verifies
     async_draft: bool = False  # draft, quantized, layer-skip: the draft drafts ahead while the target verifies
     allowed_hosts: tuple[str, ...] | None = None  # Host headers answered (None: any; see hosts.py)
-    protect: tuple[str, ...] = ()  # of PROTECTABLE: routes that need the API key too
+    protect: tuple[str, ...] = ()  # of hosts.PROTECTABLE: routes that need the API key too
     body_timeout: float = BODY_TIMEOUT  # seconds a request body may take to arrive
 
     @property

@@ -12,10 +12,9 @@ from ..cli_args import int_in, port, positive
 from ..cli_precision import add_precision_args, quantization
 from ..names import DEFAULT_METHOD, METHODS, PREFIX_CACHE_MB
 from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES
-from .hosts import default_allowed_hosts, parse_allowed_hosts
+from .hosts import PROTECTABLE, default_allowed_hosts, parse_allowed_hosts
 
 log = logging.getLogger("specdecode.server")
-PROTECTABLE = ("metrics", "docs")  # as app.PROTECTABLE (app imports torch: not at argument parsing)
 
 
 def add_parser(sub) -> None:

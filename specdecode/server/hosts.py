@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+PROTECTABLE = ("metrics", "docs")  # routes open by default (as vLLM's) that --protect puts behind the API key
 
 
 def default_allowed_hosts(bind: str) -> tuple[str, ...] | None:

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..chat_template import check_turn
+
 log = logging.getLogger("specdecode.server")
 SECONDS = 2.0  # a chat template renders in milliseconds; a request's template gets this long
 MEMORY_MIB = 512  # and this much memory beyond the renderer's own
@@ -50,9 +52,7 @@ class TemplateSandbox:
                max_chars: int) -> str:
         """The messages through `template`, or a ValueError that says what went wrong (it failed, ran past its
         time or memory, or wrote more than `max_chars` characters)."""
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message exclude each other: a new assistant "
-                             "turn, or the last message continued")
+        check_turn(add_generation_prompt, continue_final_message)
         request = json.dumps({"template": template, "messages": list(messages), "variables": dict(variables),
                               "special_tokens": dict(special_tokens), "max_chars": max_chars,
                               "add_generation_prompt": add_generation_prompt,
