@@ -113,3 +113,12 @@ def _one_thread_for_tiny_models(request: pytest.FixtureRequest) -> Iterator[None
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _denormals_kept() -> Iterator[None]:
+    """`specdecode train` flushes denormal floats to zero for the rest of its process (training/common.py); a test
+    that runs it in-process must not leave that behind: hypothesis (the server's fuzz tests) refuses to generate
+    floats on a thread that flushes, and float64 reference checks would lose their smallest values."""
+    yield
+    torch.set_flush_denormal(False)
