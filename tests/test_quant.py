@@ -122,7 +122,7 @@ def test_gguf_blocks_load_as_stored() -> None:
         expected = gguf.quants.dequantize(raw, kind)
         got = QuantLinear.from_gguf(raw, name).dequantize().numpy()
         np.testing.assert_array_equal(got, expected, err_msg=name)
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K"):
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K"):
         QuantLinear.from_gguf(raw, "Q2_K")
 
 

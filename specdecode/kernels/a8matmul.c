@@ -29,6 +29,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "kquants.h"
 #include "simd.h"
 
 #define INT8(KIND) ((KIND) == 2 || (KIND) == 4 || (KIND) == 6)
@@ -491,7 +492,8 @@ static int a8_matmul(int kind, const int8_t *xq, const float *dx, const float *s
 /* y[M, N] = round(x) @ dequant(W)^T; kind 1: int4 weights (qs [N, K / 2], needs m), kind 2: int8 (qs [N, K]),
    kinds 3 and 4: int4 and int8 in tiles of 8 outputs (N padded to a multiple of 8; see QuantLinear.tile), kinds 5
    and 6: the same with float32 scales (kind 6: one for each half block), kinds 7-10: kinds 3-6 in tiles of 16
-   (N padded to a multiple of 16). d, m: float16 bits or float32.
+   (N padded to a multiple of 16). d, m: float16 bits or float32. Kinds 11-13 and 15-17: Q4_K, Q5_K, Q6_K at the
+   file's bytes (kquants.h).
    Returns nonzero when scratch memory is short. */
 /* Outputs per tile this build prefers (QuantLinear.tile): 16 where a row meets 16 at once */
 int specdecode_tile_width(void) { return SPECDECODE_AVX512 ? 16 : 8; }
@@ -506,6 +508,22 @@ int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs,
         return 1;
     }
     quantize_rows(x, M, K, xq, dx, sx);
+    if (kind >= K_Q4) {  /* the K-quants at the file's bytes (kquants.c); Q6_K reads each row's sums per 16 */
+        int32_t *s16 = malloc(sizeof(int32_t) * ((size_t)M * K / 16 + 1));
+        if (!s16) {
+            free(xq); free(dx); free(sx);
+            return 1;
+        }
+        for (int64_t i = 0; i < (int64_t)M * K / 16; i++) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += xq[16 * i + j];
+            s16[i] = s;
+        }
+        specdecode_k_matmul(kind, xq, dx, sx, s16, M, K, qs, d, m, y, N);
+        free(s16);
+        free(xq); free(dx); free(sx);
+        return 0;
+    }
     const int failed = a8_matmul(kind, xq, dx, sx, M, K, qs, d, m, y, N);
     free(xq); free(dx); free(sx);
     return failed;

@@ -2,12 +2,18 @@
 
 int4 is GGUF's Q4_1 (w = d * q + m, q in 0..15; Q4_0 loads as m = -8 d) and int8 its Q8_0 (w = d * q; Q5_0 loads
 as q - 16), with d and m in float16, so a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors load as they are, never
-through float32, and a float checkpoint quantizes into the same form. The K-quants load as they are too, with
-float32 scales (their two-level scales multiply out exactly in float32, not in float16): Q4_K as int4 blocks of 32
-(d = super-block d x 6-bit scale, m = -dmin x 6-bit min), Q6_K as int8 blocks with a scale for each 16 weights;
-these run with int8 activations (GGUF's own arithmetic for them), or dequantized. On the CPU the matmul runs in the
-native kernels (specdecode/kernels), which stream these bytes and widen them to float32 in registers; elsewhere,
-or where the kernels cannot be built, the weights are dequantized once into the activations' dtype.
+through float32, and a float checkpoint quantizes into the same form.
+
+The K-quants (Q4_K, Q5_K, Q6_K: kinds "q4k", "q5k", "q6k") load at the file's own bytes per weight, repacked once
+into the kernel's blocks (kernels/kquants.c: per block of 32 weights the low nibbles as int4's, then Q5_K's fifth
+bits or Q6_K's top two bits; the super-blocks' float16 scales and packed sub-scales as the file has them). They run
+with int8 activations only (GGUF's own arithmetic for them), or dequantized. Their scales multiply out exactly in
+float32 (a float16 times a 6- or 8-bit integer), which `widened` stores (int4 or int8 blocks with float32 scales:
+the layout they loaded into before, kept as the reference the packed kernels equal bit for bit).
+
+On the CPU the matmul runs in the native kernels (specdecode/kernels), which stream these bytes and widen them in
+registers; elsewhere, or where the kernels cannot be built, the weights are dequantized once into the activations'
+dtype.
 """
 
 from __future__ import annotations
@@ -24,15 +30,22 @@ from .linear import Linear
 QK = 32  # weights per block
 # kind, bytes per block; Q5_0 (w = d * (q - 16), q of 5 bits) is exactly an int8 block, so it loads as one
 GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q8_0": ("int8", 34)}
-# K-quants: kind, bytes per super-block of 256 weights; loaded exactly, run with int8 activations (else dequantized)
-K_QUANTS = {"Q4_K": ("int4", 144), "Q6_K": ("int8", 210)}
-KINDS = ("int4", "int8")
+QK_K = 256  # weights per K-quant super-block
+# K-quants: kind, bytes per super-block; loaded at their size, run with int8 activations (else dequantized)
+K_QUANTS = {"Q4_K": ("q4k", 144), "Q5_K": ("q5k", 176), "Q6_K": ("q6k", 210)}
+K_KINDS = ("q4k", "q5k", "q6k")
+KINDS = ("int4", "int8", *K_KINDS)
+BLOCK_BYTES = {"int4": 16, "int8": 32, "q4k": 16, "q5k": 20, "q6k": 24}  # an output's bytes per block of 32
+# a K-kind's float16 super-block scales (d, and dmin) and sub-scale bytes (packed 6-bit scales and mins, or int8)
+K_FIELDS = {"q4k": (2, 12), "q5k": (2, 12), "q6k": (1, 16)}
 
 
 class QuantLinear(nn.Module):
     """y = x @ dequant(W).T (+ bias) with W [out, in] in blocks of 32 along `in`; with `act8`, x is first rounded
     to int8 per block of 32 (see kernels/qmatmul.c). d and m: float16 scales (or their int16 bits), or float32 ones
-    as int32 bits (the K-quants': [out, blocks] for int4, [out, 2 * blocks] for int8, a scale per 16 weights)."""
+    as int32 bits (widened K-quants: [out, blocks] for int4, [out, 2 * blocks] for int8, a scale per 16 weights).
+    K kinds: qs [out, blocks * BLOCK_BYTES], d the float16 bits [out, super-blocks * (2 or 1)], m the sub-scale
+    bytes [out, super-blocks * (12 or 16)] (see K_FIELDS and kernels/kquants.c)."""
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, act8: bool = False) -> None:
@@ -41,15 +54,21 @@ class QuantLinear(nn.Module):
             raise ValueError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZATIONS)}")
         self.kind, self.act8 = kind, act8
         self.out_features = qs.shape[0]
-        self.in_features = qs.shape[1] * (2 if kind == "int4" else 1)
+        self.in_features = qs.shape[1] // BLOCK_BYTES[kind] * QK
         self.register_buffer("qs", qs.contiguous())
         # scales kept as integer bits (float16 as int16, float32 as int32): `model.to(dtype)` casts floating buffers,
         # never these
         self.register_buffer("d", half_bits(d))
-        self.register_buffer("m", None if m is None else half_bits(m))
+        self.register_buffer("m", None if m is None else m.contiguous() if kind in K_KINDS else half_bits(m))
         blocks = self.in_features // QK
-        if self.exact_scales and (self.d.shape[1] != blocks * (2 if kind == "int8" else 1)
-                                  or (self.m is not None and self.m.dtype != torch.int32)):
+        if kind in K_KINDS:
+            supers, (d_fields, m_fields) = self.in_features // QK_K, K_FIELDS[kind]
+            if (self.in_features % QK_K or self.m is None or self.d.shape[1] != supers * d_fields
+                    or self.m.shape[1] != supers * m_fields or self.m.dtype not in (torch.uint8, torch.int8)):
+                raise ValueError(f"{kind}: {d_fields} float16 scales and {m_fields} sub-scale bytes a super-block of "
+                                 f"{QK_K} weights; got d {tuple(d.shape)}, m {None if m is None else tuple(m.shape)}")
+        elif self.exact_scales and (self.d.shape[1] != blocks * (2 if kind == "int8" else 1)
+                                    or (self.m is not None and self.m.dtype != torch.int32)):
             raise ValueError(f"float32 scales: one a block for int4, one each 16 weights for int8; got {d.shape}")
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._dense: torch.Tensor | None = None  # the fallback's dequantized weight
@@ -62,8 +81,8 @@ class QuantLinear(nn.Module):
 
     @property
     def exact_scales(self) -> bool:
-        """Float32 scales (a K-quant's): run by the int8-activation kernel only, else dequantized."""
-        return self.d.dtype == torch.int32
+        """A K-quant's scales (float32, or packed): run by the int8-activation kernel only, else dequantized."""
+        return self.d.dtype == torch.int32 or self.kind in K_KINDS
 
     @property
     def weight(self) -> torch.Tensor:
@@ -110,9 +129,12 @@ class QuantLinear(nn.Module):
 
     def a8_operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The int8-activation kernel's kind (3: int4, 4: int8, both in tiles of 8 outputs; 5, 6: the same with
-        float32 scales; 7-10: kinds 3-6 in tiles of 16) and weights (tiled at first use, 16 wide where the kernels
-        built for this CPU meet 16 outputs at once: any build reads either width)."""
+        float32 scales; 7-10: kinds 3-6 in tiles of 16; 11-13: Q4_K, Q5_K, Q6_K in tiles of 8, 15-17 in tiles of
+        16) and weights (tiled at first use, 16 wide where the kernels built for this CPU meet 16 outputs at once:
+        any build reads either width)."""
         self.tile(kernels.tile_width())
+        if self.kind in K_KINDS:
+            return 11 + K_KINDS.index(self.kind) + (4 if self.tiled == 16 else 0), self.qs, self.d, self.m
         kind = (3 if self.kind == "int4" else 4) + 2 * self.exact_scales
         return kind + (4 if self.tiled == 16 else 0), self.qs, self.d, self.m
 
@@ -180,7 +202,8 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, ggml_type: str) -> QuantLinear:
-        """A GGUF tensor's bytes [out, blocks * block_bytes] in Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K, as stored."""
+        """A GGUF tensor's bytes [out, blocks * block_bytes] in Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K, at
+        their size."""
         if ggml_type in K_QUANTS:
             return cls(K_QUANTS[ggml_type][0], *k_quant_blocks(raw, ggml_type), act8=True)
         if ggml_type not in GGUF_BLOCKS:
@@ -207,6 +230,23 @@ class QuantLinear(nn.Module):
             m = None
             qs = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, -1)
         return cls(kind, qs, d, m)
+
+    def widened(self) -> QuantLinear:
+        """A Q4_K / Q6_K layer in the layout it loaded into before the packed kernels (int4 blocks with float32
+        scales and mins, int8 blocks with a float32 scale each 16 weights: 6 and 10 bits a weight): the same
+        numbers, the reference the packed kernels equal bit for bit (tests, benchmarks)."""
+        if self.kind not in ("q4k", "q6k"):
+            raise ValueError(f"only Q4_K and Q6_K layers have a widened layout, not {self.kind}")
+        qs, d, m = self.row_order()
+        n, k = self.out_features, self.in_features
+        ds, ms = k_scales(self.kind, d, m, k)
+        if self.kind == "q4k":
+            layer = QuantLinear("int4", qs, ds.view(torch.int32), ms.view(torch.int32), self.bias, self.act8)
+        else:
+            values = k_values(self.kind, qs, k).to(torch.int16) - 32
+            layer = QuantLinear("int8", values.to(torch.int8).reshape(n, k), ds.view(torch.int32), None, self.bias,
+                                self.act8)
+        return layer
 
     def rows(self, index: torch.Tensor) -> QuantLinear:
         """A layer of the chosen output rows (to fuse or permute projections without dequantizing)."""
@@ -237,8 +277,15 @@ def quantize_linears_(module: nn.Module, kind: str, skip: tuple[nn.Module, ...] 
 
 
 def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int) -> torch.Tensor:
-    """Float32 weights [n, k] from blocks (d and m as float16 or float32 bits; d may hold a scale per 16 weights)."""
+    """Float32 weights [n, k] from blocks (d and m as float16 or float32 bits; d may hold a scale per 16 weights;
+    K kinds: see k_values and k_scales), rounded as the `gguf` package rounds them (d * q, then + m)."""
     n, scales = qs.shape[0], d.shape[1]
+    if kind in K_KINDS:
+        values = k_values(kind, qs, k).float()
+        ds, ms = k_scales(kind, d, m, k)
+        if kind == "q6k":
+            return ((values - 32).reshape(n, -1, 16) * ds.reshape(n, -1, 1)).reshape(n, k)
+        return (values.reshape(n, -1, QK) * ds.reshape(n, -1, 1) + ms.reshape(n, -1, 1)).reshape(n, k)
     d = scale_floats(d).reshape(n, scales, 1)
     if kind == "int4":
         qs = qs.reshape(n, k // QK, QK // 2)
@@ -254,36 +301,73 @@ def scale_floats(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float16).float() if bits.dtype == torch.int16 else bits.view(torch.float32)
 
 
-def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(qs, d, m) of a Q4_K or Q6_K tensor's bytes [out, super-blocks * bytes] in QuantLinear's layout, d and m
-    as float32 bits: their products of a float16 and a 6- or 8-bit scale are exact in float32 (ggml-common.h's
-    block_q4_K and block_q6_K)."""
+def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qs, d, m) of a Q4_K, Q5_K or Q6_K tensor's bytes [out, super-blocks * bytes] (ggml-common.h's block_q4_K,
+    block_q5_K, block_q6_K) in QuantLinear's K layout, as many bytes as the file's (see kernels/kquants.c)."""
     size = K_QUANTS[ggml_type][1]
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
-    if ggml_type == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and mins for 8 blocks, 128 bytes of nibbles
-        d, dmin = (blocks[..., i:i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
-        packed = blocks[..., 4:16]
-        scales = np.concatenate((packed[..., 0:4] & 63, (packed[..., 8:12] & 0xF) | ((packed[..., 0:4] >> 6) << 4)), -1)
-        mins = np.concatenate((packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)), -1)
-        nibbles = blocks[..., 16:].reshape(n, -1, 4, 1, 32)  # 32 bytes a pair of blocks: the first low, the second high
-        values = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-2).reshape(n, -1, QK)  # [n, blocks, 32]
-        qs = values[..., : QK // 2] | (values[..., QK // 2 :] << 4)  # ours: byte j holds weights j and j + 16
-        dq = (d * scales.astype(np.float32)).reshape(n, -1)
-        mq = -(dmin * mins.astype(np.float32)).reshape(n, -1)
-        return (torch.from_numpy(np.ascontiguousarray(qs).reshape(n, -1)), torch.from_numpy(dq).view(torch.int32),
-                torch.from_numpy(np.ascontiguousarray(mq)).view(torch.int32))
-    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one each 16 weights), d (float16)
-    low = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half of 128 weights][first or second 32 bytes][32]
-    h = blocks[..., 128:192].reshape(n, -1, 2, 32)
-    a, b = low[..., 0, :], low[..., 1, :]
-    values = np.stack(((a & 0xF) | ((h & 3) << 4), (b & 0xF) | (((h >> 2) & 3) << 4),
-                       (a >> 4) | (((h >> 4) & 3) << 4), (b >> 4) | (((h >> 6) & 3) << 4)), axis=-2)
-    qs = values.reshape(n, -1).astype(np.int8) - 32
-    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-    dq = (d * blocks[..., 192:208].copy().view(np.int8).astype(np.float32)).reshape(n, -1)
-    return torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(np.ascontiguousarray(dq)).view(torch.int32), \
-        None
+    if ggml_type in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and mins for 8 blocks, then
+        d = blocks[..., 0:4].copy().view(np.int16).reshape(n, -1)  # Q5_K: 32 bytes of fifth bits; 128 of nibbles
+        scales = blocks[..., 4:16].reshape(n, -1)
+        nibbles = blocks[..., -128:].reshape(n, -1, 4, 1, 32)  # 32 bytes a pair of blocks: the first low, then high
+        values = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-2).reshape(n, -1, 4, 2, 32)
+        if ggml_type == "Q5_K":  # block 2c + h's weight l: bit 2c + h of byte l
+            fifth = blocks[..., 16:48].reshape(n, -1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+            values |= (fifth & 1) << 4
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one each 16 weights), d (float16)
+        low = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half of 128 weights][first or second 32 bytes][32]
+        h = blocks[..., 128:192].reshape(n, -1, 2, 32)
+        a, b = low[..., 0, :], low[..., 1, :]
+        values = np.stack(((a & 0xF) | ((h & 3) << 4), (b & 0xF) | (((h >> 2) & 3) << 4),
+                           (a >> 4) | (((h >> 4) & 3) << 4), (b >> 4) | (((h >> 6) & 3) << 4)), axis=-2)
+        d = blocks[..., 208:210].copy().view(np.int16).reshape(n, -1)
+        scales = blocks[..., 192:208].reshape(n, -1).view(np.int8)
+    values = values.reshape(n, -1, QK)  # [n, blocks, 32]: weights 0..255 of each super-block in order, unsigned
+    parts = [(values[..., :16] & 0x0F) | ((values[..., 16:] & 0x0F) << 4)]  # byte i: weights i and i + 16
+    top = (values >> 4).reshape(n, -1, 2, 4, 4)  # [half][group f][byte i]: weight 16 half + 4 f + i's high bits
+    if ggml_type == "Q5_K":  # byte i's bit 4 half + f
+        parts.append(((top & 1) << np.array([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=np.uint8)[..., None]).sum(
+            (-3, -2), dtype=np.uint8))
+    elif ggml_type == "Q6_K":  # word `half`, byte i: bits 2f, 2f + 1
+        parts.append(((top & 3) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)
+                     .reshape(n, -1, 8))
+    qs = np.concatenate(parts, axis=-1).reshape(n, -1)
+    return torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(d)), \
+        torch.from_numpy(np.ascontiguousarray(scales))
+
+
+def k_values(kind: str, qs: torch.Tensor, k: int) -> torch.Tensor:
+    """A K kind's unsigned weights [n, k] (uint8: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, less 32 for its value) from
+    its blocks in row order."""
+    n = qs.shape[0]
+    blocks = qs.reshape(n, k // QK, BLOCK_BYTES[kind])
+    nib = blocks[..., :16]
+    values = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(n, -1, 2, 4, 4)  # [block][half][f][i]
+    if kind == "q5k":  # byte i, bit 4 half + f
+        shifts = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.uint8, device=qs.device)[..., None]
+        values |= ((blocks[..., 16:20].reshape(n, -1, 1, 1, 4) >> shifts) & 1) << 4
+    elif kind == "q6k":  # word `half`, byte i, bits 2f, 2f + 1
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device)[:, None]
+        values |= ((blocks[..., 16:24].reshape(n, -1, 2, 1, 4) >> shifts) & 3) << 4
+    return values.reshape(n, k)
+
+
+def k_scales(kind: str, d: torch.Tensor, m: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K kind's float32 scales (Q4_K / Q5_K: one a block of 32, Q6_K: one each 16 weights) and mins (-dmin x
+    min, Q4_K / Q5_K; Q6_K: zeros) [n, scales]: products of a float16 and a 6- or 8-bit integer, exact in float32
+    (llama.cpp's get_scale_min_k4 unpacks the 6-bit ones)."""
+    n = d.shape[0]
+    halves = d.view(torch.float16).float().reshape(n, k // QK_K, -1)
+    if kind == "q6k":
+        ds = halves * m.view(torch.int8).reshape(n, k // QK_K, 16).float()
+        return ds.reshape(n, -1), torch.zeros(n, 0)
+    q = m.reshape(n, -1, 12).to(torch.int32)
+    scales = torch.cat((q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)), -1)
+    mins = torch.cat((q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)), -1)
+    ds = halves[..., 0:1] * scales.float()
+    ms = -(halves[..., 1:2] * mins.float())
+    return ds.reshape(n, -1), ms.reshape(n, -1)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:

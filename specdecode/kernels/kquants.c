@@ -1,0 +1,341 @@
+/* GGUF's K-quants (Q4_K, Q5_K, Q6_K) at the file's own bytes per weight, with int8 activations.
+
+   A super-block of 256 weights is 8 blocks of 32 (the activations' blocks: a8matmul.c rounds each row per block
+   of 32). QuantLinear repacks a tensor once at load, to exactly the file's size, into tiles of 8 or 16 outputs
+   (as a8matmul.c's kinds 3-10): per block of 32, for each group g of 4 weights, a vector holding 4 bytes of each
+   output of the tile, so a block unpacks with loads, masks and shifts:
+     groups 0-3: byte i of output c = weight 4g + i (low nibble) | weight 16 + 4g + i (high nibble) << 4;
+     Q5_K, group 4: byte i's bit f = the fifth bit of weight 4f + i (f < 4) or 16 + 4(f - 4) + i;
+     Q6_K, groups 4 and 5: byte i's bits 2f, 2f + 1 = the top 2 bits of weight 4f + i (group 4) or 16 + 4f + i
+       (group 5).
+   So a block is 16, 20 or 24 bytes an output (4, 5, 6 bits a weight). The scales stay as the file packs them,
+   transposed into the tile ([super-block][field][output]): Q4_K and Q5_K: float16 d and dmin, and 12 bytes of
+   6-bit scales and mins (get_scale_min_k4 in llama.cpp's ggml-quants.c); Q6_K: float16 d and 16 int8 scales.
+   Per super-block and tile they are decoded once into float32: d * scale and -(dmin * min), products of a
+   float16 and a 6- or 8-bit integer, exact in float32 (the `gguf` package's dequantization rounds the same way).
+
+   The arithmetic per output and row is a8matmul.c's for the widened K-quants (kinds 5 and 6), in the same
+   order: the block's exact integer sum, times (d * dx) in one FMA, then for Q4_K / Q5_K the min times the row's
+   block sum (dx * sum(qx)); Q6_K keeps each half block's sum apart, its weights stored as u = q + 32 in 0..63
+   (unsigned, as the int8 dot product wants them) and 32 * (the row's half-block sum of qx) taken off the integer
+   sum. Same integers, same float operations: the same bits as the widened layout, at 4.5 / 5.5 / 6.56 bits a
+   weight instead of 6 / 6 / 10.
+
+   Row independence (lossless speculation): a row's result comes from the same instructions in the same order
+   whatever the number of rows in the call; integer sums are exact in any order. */
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "kquants.h"
+#include "simd.h"
+
+#define SUBS (QK_K / QK) /* blocks of 32 per super-block */
+
+static inline int block_bytes(int kind) { return kind == K_Q4 ? 16 : kind == K_Q5 ? 20 : 24; }
+static inline int scale_fields(int kind) { return kind == K_Q6 ? 16 : 12; } /* sub-scale bytes a super-block */
+static inline int halves(int kind) { return kind == K_Q6; }                 /* a scale for each 16 weights */
+
+/* Super-block s of outputs c0..c0 + cols - 1 of a tile of lw: ds[j * cols + c] (block j's scale; Q6_K: [16]
+   half blocks), ms[j * cols + c] (block j's min, Q4_K and Q5_K). dt: the tile's float16 d (and dmin), mt: its
+   sub-scale bytes. Plain loops over the outputs: the compiler vectorizes them. */
+static inline __attribute__((always_inline)) void decode_scales(const int kind, const uint16_t *dt,
+                                                                 const uint8_t *mt, int lw, int s, int c0,
+                                                                 const int cols, float *ds, float *ms) {
+    float d[16], dmin[16];
+    if (kind == K_Q6) {
+        for (int c = 0; c < cols; c++) d[c] = half_to_float(dt[(int64_t)s * lw + c0 + c]);
+        const int8_t *sc = (const int8_t *)mt + (int64_t)16 * s * lw + c0;
+        for (int j = 0; j < 16; j++)
+            for (int c = 0; c < cols; c++) ds[j * cols + c] = d[c] * (float)sc[j * lw + c];
+        return;
+    }
+    for (int c = 0; c < cols; c++) {
+        d[c] = half_to_float(dt[(int64_t)2 * s * lw + c0 + c]);
+        dmin[c] = half_to_float(dt[(int64_t)(2 * s + 1) * lw + c0 + c]);
+    }
+    const uint8_t *q = mt + (int64_t)12 * s * lw + c0;
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < cols; c++) {
+            ds[j * cols + c] = d[c] * (float)(q[j * lw + c] & 63);
+            ms[j * cols + c] = -(dmin[c] * (float)(q[(j + 4) * lw + c] & 63));
+        }
+    for (int j = 4; j < 8; j++)
+        for (int c = 0; c < cols; c++) {
+            const int sc = (q[(j + 4) * lw + c] & 15) | ((q[(j - 4) * lw + c] >> 6) << 4);
+            const int mn = (q[(j + 4) * lw + c] >> 4) | ((q[j * lw + c] >> 6) << 4);
+            ds[j * cols + c] = d[c] * (float)sc;
+            ms[j * cols + c] = -(dmin[c] * (float)mn);
+        }
+}
+
+#if SPECDECODE_AVX2
+#define COLS 8
+#define ROWS 4
+#define PREFETCH_BLOCKS 32
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* the int8 dot product of unsigned weights (at most 63) and signed activations, 4 products a lane */
+static inline __m256i dp(__m256i acc, __m256i u, __m256i s) {
+#if SPECDECODE_VNNI
+    return dpbusd(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* group g's high bits (Q5_K: `bit` 1, from h; Q6_K: 2 bits, from h) moved to bits 4 (and 5) of each byte */
+static inline __m256i high5(__m256i h, int shift_right) {  /* bit `shift_right` (0..7) of each byte to bit 4 */
+    return _mm256_and_si256(shift_right <= 4 ? _mm256_slli_epi16(h, 4 - shift_right)
+                                             : _mm256_srli_epi16(h, shift_right - 4), _mm256_set1_epi8(0x10));
+}
+static inline __m256i high6(__m256i h, int g) {  /* bits 2g, 2g + 1 of each byte to bits 4, 5 */
+    return _mm256_and_si256(g <= 2 ? _mm256_slli_epi16(h, 4 - 2 * g) : _mm256_srli_epi16(h, 2), _mm256_set1_epi8(0x30));
+}
+
+/* Rows r..r+R (R constant at each call) of 8 outputs: w, the 8 outputs' bytes in the tile's first block (the tile
+   of lw outputs' second half: 32 bytes on), dt, mt: the tile's scales, c0: the 8 outputs' first column in it. */
+static inline __attribute__((always_inline)) void k_tile_rows(
+    const int KIND, const uint8_t *w, const uint16_t *dt, const uint8_t *mt, int lw, int c0, int ncols,
+    const int8_t *xq, const float *dx, const float *sx, const int32_t *s16, int K, float *y, int N, const int R) {
+    const int nb = K / QK, bb = block_bytes(KIND);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc[ROWS];
+    float ds[16 * COLS], ms[SUBS * COLS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int j = b % SUBS;
+        if (j == 0) decode_scales(KIND, dt, mt, lw, b / SUBS, c0, COLS, ds, ms);
+        const uint8_t *p = w + (int64_t)bb * lw * b;
+        for (int line = 0; line < bb * COLS; line += 64)
+            _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * lw + line, _MM_HINT_T0);
+        __m256i isum[ROWS], isum2[ROWS];
+        for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
+        const __m256i h0 = KIND == K_Q4 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(p + 16 * lw));
+        const __m256i h1 = KIND == K_Q6 ? _mm256_loadu_si256((const __m256i *)(p + 20 * lw)) : h0;
+        for (int g = 0; g < 4; g++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 4 * lw * g));
+            __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            if (KIND == K_Q5) {
+                lo = _mm256_or_si256(lo, high5(h0, g));
+                hi = _mm256_or_si256(hi, high5(h0, 4 + g));
+            } else if (KIND == K_Q6) {
+                lo = _mm256_or_si256(lo, high6(h0, g));
+                hi = _mm256_or_si256(hi, high6(h1, g));
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + (int64_t)r * K + QK * b;
+                isum[r] = dp(isum[r], lo, bcast4(x + 4 * g));
+                if (KIND == K_Q6) isum2[r] = dp(isum2[r], hi, bcast4(x + 16 + 4 * g));
+                else isum[r] = dp(isum[r], hi, bcast4(x + 16 + 4 * g));
+            }
+        }
+        if (KIND == K_Q6) {
+            const __m256 d = _mm256_loadu_ps(ds + COLS * 2 * j), d2 = _mm256_loadu_ps(ds + COLS * (2 * j + 1));
+            for (int r = 0; r < R; r++) {
+                const int32_t *s = s16 + (int64_t)r * (K / 16) + 2 * b;
+                isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * s[0]));
+                isum2[r] = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(32 * s[1]));
+                const __m256 xd = _mm256_set1_ps(dx[(int64_t)r * nb + b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum2[r]), _mm256_mul_ps(d2, xd), acc[r]);
+            }
+        } else {
+            const __m256 d = _mm256_loadu_ps(ds + COLS * j), m = _mm256_loadu_ps(ms + COLS * j);
+            for (int r = 0; r < R; r++) {
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float out[COLS];
+        _mm256_storeu_ps(out, acc[r]);
+        memcpy(y + (int64_t)r * N, out, sizeof(float) * ncols);
+    }
+}
+
+#if SPECDECODE_AVX512
+/* A whole tile of 16 outputs in 512-bit vectors: every lane runs k_tile_rows's operations in its order (the
+   same bits); each broadcast of a row's 4 activations meets 16 outputs. */
+static inline __m512i high5_16(__m512i h, int shift_right) {
+    return _mm512_and_si512(shift_right <= 4 ? _mm512_slli_epi16(h, 4 - shift_right)
+                                             : _mm512_srli_epi16(h, shift_right - 4), _mm512_set1_epi8(0x10));
+}
+static inline __m512i high6_16(__m512i h, int g) {
+    return _mm512_and_si512(g <= 2 ? _mm512_slli_epi16(h, 4 - 2 * g) : _mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30));
+}
+static inline __m512i bcast4_16(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void k_wide_rows(
+    const int KIND, const uint8_t *w, const uint16_t *dt, const uint8_t *mt, const int8_t *xq, const float *dx,
+    const float *sx, const int32_t *s16, int K, float *y, int N, const int R) {
+    const int nb = K / QK, bb = block_bytes(KIND), lw = 16;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[ROWS];
+    float ds[16 * 16], ms[SUBS * 16];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int j = b % SUBS;
+        if (j == 0) decode_scales(KIND, dt, mt, lw, b / SUBS, 0, 16, ds, ms);
+        const uint8_t *p = w + (int64_t)bb * lw * b;
+        for (int line = 0; line < bb * lw; line += 64)
+            _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * COLS + line, _MM_HINT_T0);
+        __m512i isum[ROWS], isum2[ROWS];
+        for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
+        const __m512i h0 = KIND == K_Q4 ? _mm512_setzero_si512() : _mm512_loadu_si512((const void *)(p + 16 * lw));
+        const __m512i h1 = KIND == K_Q6 ? _mm512_loadu_si512((const void *)(p + 20 * lw)) : h0;
+        for (int g = 0; g < 4; g++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(p + 4 * lw * g));
+            __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            if (KIND == K_Q5) {
+                lo = _mm512_or_si512(lo, high5_16(h0, g));
+                hi = _mm512_or_si512(hi, high5_16(h0, 4 + g));
+            } else if (KIND == K_Q6) {
+                lo = _mm512_or_si512(lo, high6_16(h0, g));
+                hi = _mm512_or_si512(hi, high6_16(h1, g));
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + (int64_t)r * K + QK * b;
+                isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast4_16(x + 4 * g));
+                if (KIND == K_Q6) isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, bcast4_16(x + 16 + 4 * g));
+                else isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcast4_16(x + 16 + 4 * g));
+            }
+        }
+        if (KIND == K_Q6) {
+            const __m512 d = _mm512_loadu_ps(ds + 16 * 2 * j), d2 = _mm512_loadu_ps(ds + 16 * (2 * j + 1));
+            for (int r = 0; r < R; r++) {
+                const int32_t *s = s16 + (int64_t)r * (K / 16) + 2 * b;
+                isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * s[0]));
+                isum2[r] = _mm512_sub_epi32(isum2[r], _mm512_set1_epi32(32 * s[1]));
+                const __m512 xd = _mm512_set1_ps(dx[(int64_t)r * nb + b]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, xd), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r]), _mm512_mul_ps(d2, xd), acc[r]);
+            }
+        } else {
+            const __m512 d = _mm512_loadu_ps(ds + 16 * j), m = _mm512_loadu_ps(ms + 16 * j);
+            for (int r = 0; r < R; r++) {
+                const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[(int64_t)r * nb + b]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(int64_t)r * nb + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (int64_t)r * N, acc[r]);
+}
+#endif
+
+#define BY_ROWS(CALL, KIND) do { if (rows >= 4) CALL(KIND, 4); else if (rows == 3) CALL(KIND, 3); \
+                                 else if (rows == 2) CALL(KIND, 2); else CALL(KIND, 1); } while (0)
+
+void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, const int32_t *s16, int M,
+                         int K, const void *qs, const void *d, const void *m, float *y, int N) {
+    const int lw = kind >= K_WIDE ? 16 : COLS;
+    kind = kind >= K_WIDE ? kind - (K_WIDE - K_Q4) : kind;
+    const int nb = K / QK, nsb = K / QK_K, bb = block_bytes(kind);
+    const int d_fields = kind == K_Q6 ? 1 : 2, m_fields = scale_fields(kind);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < (N + lw - 1) / lw; t++) {
+        const int n0 = t * lw;
+        const uint8_t *w = (const uint8_t *)qs + (int64_t)n0 * nb * bb;
+        const uint16_t *dt = (const uint16_t *)d + (int64_t)n0 * nsb * d_fields;
+        const uint8_t *mt = (const uint8_t *)m + (int64_t)n0 * nsb * m_fields;
+#if SPECDECODE_AVX512
+        if (lw == 16 && N - n0 >= 16) {
+            for (int r0 = 0; r0 < M; r0 += ROWS) {
+#define WIDE_ROWS(KIND, R) k_wide_rows(KIND, w, dt, mt, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
+                                       sx + (int64_t)r0 * nb, s16 + (int64_t)r0 * (K / 16), K, \
+                                       y + (int64_t)r0 * N + n0, N, R)
+                const int rows = M - r0 < ROWS ? M - r0 : ROWS;
+                switch (kind) {
+                    case K_Q4: BY_ROWS(WIDE_ROWS, K_Q4); break;
+                    case K_Q5: BY_ROWS(WIDE_ROWS, K_Q5); break;
+                    default: BY_ROWS(WIDE_ROWS, K_Q6); break;
+                }
+#undef WIDE_ROWS
+            }
+            continue;
+        }
+#endif
+        for (int half = 0; half < lw / COLS && n0 + COLS * half < N; half++) {
+            const int n1 = n0 + COLS * half, ncols = N - n1 < COLS ? N - n1 : COLS;
+            const uint8_t *wh = w + 32 * half;
+            for (int r0 = 0; r0 < M; r0 += ROWS) {
+#define TILE_ROWS(KIND, R) k_tile_rows(KIND, wh, dt, mt, lw, COLS * half, ncols, xq + (int64_t)r0 * K, \
+                                       dx + (int64_t)r0 * nb, sx + (int64_t)r0 * nb, s16 + (int64_t)r0 * (K / 16), \
+                                       K, y + (int64_t)r0 * N + n1, N, R)
+                const int rows = M - r0 < ROWS ? M - r0 : ROWS;
+                switch (kind) {
+                    case K_Q4: BY_ROWS(TILE_ROWS, K_Q4); break;
+                    case K_Q5: BY_ROWS(TILE_ROWS, K_Q5); break;
+                    default: BY_ROWS(TILE_ROWS, K_Q6); break;
+                }
+#undef TILE_ROWS
+            }
+        }
+    }
+}
+#else
+/* plain C: one output at a time, each row on its own (the tile's bytes read where they lie) */
+void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const float *sx, const int32_t *s16, int M,
+                         int K, const void *qs, const void *d, const void *m, float *y, int N) {
+    const int lw = kind >= K_WIDE ? 16 : 8;
+    kind = kind >= K_WIDE ? kind - (K_WIDE - K_Q4) : kind;
+    const int nb = K / QK, nsb = K / QK_K, bb = block_bytes(kind);
+    const int d_fields = kind == K_Q6 ? 1 : 2, m_fields = scale_fields(kind);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int t = n / lw, c = n % lw;
+        const uint16_t *dt = (const uint16_t *)d + (int64_t)t * lw * nsb * d_fields;
+        const uint8_t *mt = (const uint8_t *)m + (int64_t)t * lw * nsb * m_fields;
+        for (int r = 0; r < M; r++) {
+            const int8_t *xr = xq + (int64_t)r * K;
+            float total = 0.0f, ds[16], ms[SUBS];
+            for (int b = 0; b < nb; b++) {
+                if (b % SUBS == 0) decode_scales(kind, dt, mt, lw, b / SUBS, c, 1, ds, ms);
+                /* block b of output c: group g's bytes at 4 lw g + 4 c */
+                const uint8_t *p = (const uint8_t *)qs + ((int64_t)t * nb + b) * bb * lw + 4 * c;
+                int s = 0, s2 = 0; /* s2: the second half block's (Q6_K) */
+                for (int i = 0; i < 16; i++) {
+                    const uint8_t byte = p[4 * lw * (i / 4) + i % 4];
+                    int lo = byte & 15, hi = byte >> 4;
+                    if (kind == K_Q5) {
+                        const uint8_t h = p[16 * lw + i % 4];
+                        lo |= ((h >> (i / 4)) & 1) << 4;
+                        hi |= ((h >> (4 + i / 4)) & 1) << 4;
+                    } else if (kind == K_Q6) {
+                        lo |= ((p[16 * lw + i % 4] >> (2 * (i / 4))) & 3) << 4;
+                        hi |= ((p[20 * lw + i % 4] >> (2 * (i / 4))) & 3) << 4;
+                    }
+                    s += lo * xr[QK * b + i];
+                    if (halves(kind)) s2 += hi * xr[QK * b + 16 + i];
+                    else s += hi * xr[QK * b + 16 + i];
+                }
+                const float xd = dx[(int64_t)r * nb + b];
+                const int j = b % SUBS;
+                if (halves(kind)) {
+                    s -= 32 * s16[(int64_t)r * (K / 16) + 2 * b];
+                    s2 -= 32 * s16[(int64_t)r * (K / 16) + 2 * b + 1];
+                    total += (float)s * (ds[2 * j] * xd);
+                    total += (float)s2 * (ds[2 * j + 1] * xd);
+                } else {
+                    total += (float)s * (ds[j] * xd);
+                    total += ms[j] * sx[(int64_t)r * nb + b];
+                }
+            }
+            y[(int64_t)r * N + n] = total;
+        }
+    }
+}
+#endif
