@@ -1,6 +1,11 @@
 """Model configuration: the few numbers a Llama-family transformer needs, and Gemma 3's differences as options.
 
-Gemma 3 is the Llama block with a handful of switches (all off for Llama, Mistral and Qwen2): sliding-window
+Llama 3.x, Mistral, Qwen2/2.5, Qwen3 and Phi-3 are the Llama block as it is: Qwen2 adds biases on q/k/v, Qwen3 an
+RMSNorm on each head's queries and keys (`qk_norm`), Mistral and Phi-3 a sliding window on every layer where their
+config sets one, Llama 3.1+ its RoPE scaling ("llama3"); Phi-3's fused q|k|v and gate|up checkpoint tensors are split
+as they load (models/fused.py).
+
+Gemma 3 is the Llama block with a handful of switches (all off for the others): sliding-window
 attention on most layers with full attention between (`layer_types`), its own RoPE base on the sliding layers,
 RMSNorm on each head's queries and keys, norms on the attention and MLP outputs too ("sandwich"), a tanh-GELU
 gate, embeddings scaled by sqrt(hidden size), a query scale of its own, and norm weights stored as w for a
@@ -14,7 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 # HF `model_type`s that share the Llama block (RMSNorm, RoPE, GQA attention, SwiGLU MLP), and Gemma 3's text model.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+# RoPE scalings the runtime computes (rope_inv_freq): each one's required keys
+ROPE_SCALINGS = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 ACTIVATIONS = ("silu", "gelu_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -32,7 +40,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # with layer_types: the full-attention layers' only
-    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    attention_bias: bool = False  # biases on q/k/v (Qwen2's default)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # a token sees only the last `sliding_window` positions (see layer_types)
     model_type: str = "llama"
@@ -78,12 +86,21 @@ class ModelConfig:
                 f"({', '.join(SUPPORTED_MODEL_TYPES)})."
             )
         num_heads = hf["num_attention_heads"]
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window=true (windows on some layers only, "
+                             "max_window_layers) is not supported; set use_sliding_window to false")
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or None
+        partial = hf.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0
+        if float(partial) != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} (RoPE on part of each head, e.g. Phi-4-mini) is not "
+                             "supported: specdecode rotates whole heads")
         rope_theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = None
+        if model_type != "gemma3_text":
+            check_rope_scaling(rope)
+        # Qwen2 always has q/k/v biases (transformers' Qwen2 ignores attention_bias); the others say so
+        bias = model_type == "qwen2" or bool(hf.get("attention_bias"))
         base = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -96,14 +113,29 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta),
             rope_scaling=rope,
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bias,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
+            # a window on every layer where the config sets one (Qwen's sliding_window applies only with
+            # use_sliding_window, refused above)
+            sliding_window=(hf.get("sliding_window") or None) if model_type in ("mistral", "phi3") else None,
+            qk_norm=model_type == "qwen3",
             model_type=model_type,
         )
         if model_type == "gemma3_text":
             base.update(_gemma3(hf))
         return cls(**base)
+
+
+def check_rope_scaling(rope: dict[str, Any] | None) -> None:
+    """Refuse a RoPE scaling the runtime does not compute (e.g. yarn, longrope, dynamic) or one missing its keys."""
+    if rope is None:
+        return
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)}, or none)")
+    missing = [key for key in ROPE_SCALINGS[kind] if key not in rope]
+    if missing:
+        raise ValueError(f"RoPE scaling {kind!r} needs {', '.join(missing)} in rope_scaling; got {rope}")
 
 
 GEMMA_OPTIONS = ("layer_types", "rope_local_theta", "qk_norm", "sandwich_norm", "hidden_act", "embed_scale",

@@ -1,18 +1,28 @@
 """Reading GGUF files (llama.cpp's format): their config as an HF config dict, their tensors under HF names.
 
-Architectures: llama, qwen2 (the Llama block) and gemma3. Tensors keep the file's layout but for two fixes that
-make them the HF checkpoint's: llama.cpp permutes llama's q/k rows (interleaved RoPE pairs), and stores Gemma's
-norm weights as 1 + w (HF: w, scaled by 1 + w at run time), so `dense` subtracts the 1 again, as transformers'
-GGUF reader does.
+Architectures: llama (Llama 1-3.x, Mistral, SmolLM2), qwen2, qwen3, phi3 (the Llama block) and gemma3. Tensors keep
+the file's layout but for the fixes that make them the HF checkpoint's: llama.cpp permutes llama's q/k rows
+(interleaved RoPE pairs), stores Gemma's norm weights as 1 + w (HF: w, scaled by 1 + w at run time), so `dense`
+subtracts the 1 again, as transformers' GGUF reader does, and keeps Phi-3's q|k|v and gate|up fused (read as row
+ranges of the one tensor). Llama 3.1+'s RoPE scaling is a tensor, `rope_freqs.weight` (each frequency divided by its
+factor): `config` reads it back into the HF "llama3" rope_scaling it was made from.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "gemma3")
+from .config import ModelConfig
+from .fused import fused_splits
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 # the chat template of Google's Gemma 3 tokenizers (text only), for Gemma 3 GGUF files that carry none
 GEMMA3_CHAT_TEMPLATE = (
@@ -38,6 +48,10 @@ GEMMA3_BLOCK_NAMES = {  # Gemma's HF names: post_attention_layernorm is the norm
     "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+QWEN3_BLOCK_NAMES = {**BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+PHI3_BLOCK_NAMES = {**BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+ARCH_BLOCK_NAMES = {"gemma3": GEMMA3_BLOCK_NAMES, "qwen3": QWEN3_BLOCK_NAMES, "phi3": PHI3_BLOCK_NAMES}
+ROPE_FREQS = "rope_freqs.weight"
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 
@@ -66,24 +80,36 @@ def field(r, key: str, default=None):
 
 def tensors(path: Path):
     """(HF name, gguf tensor, row order or None, norm shift) for every tensor of the file. The row order undoes
-    llama.cpp's q/k row permutation; the shift is what `dense` subtracts (Gemma's norms: 1)."""
+    llama.cpp's q/k row permutation, or picks one part of a fused tensor; the shift is what `dense` subtracts (Gemma's
+    norms: 1). rope_freqs is config, not a weight (`config` reads it)."""
     r, arch = reader(path)
     n_heads = field(r, f"{arch}.attention.head_count")
     n_kv = field(r, f"{arch}.attention.head_count_kv", n_heads)
-    names = GEMMA3_BLOCK_NAMES if arch == "gemma3" else BLOCK_NAMES
+    names = ARCH_BLOCK_NAMES.get(arch, BLOCK_NAMES)
+    splits = fused_splits(ModelConfig.from_hf(_shape(r, arch))) if arch == "phi3" else {}
     for t in r.tensors:
         name, rows = t.name, None
+        if name == ROPE_FREQS:
+            continue
         if name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
             if kind not in names:
                 raise ValueError(f"{path.name}: GGUF tensor {name!r} is not supported (not a {arch} block tensor)")
             if arch == "llama" and kind in ("attn_q", "attn_k"):  # llama.cpp permutes only llama's q/k
                 rows = _unpermute(torch.arange(int(t.shape[-1])), n_heads if kind == "attn_q" else n_kv)
-            name = f"model.layers.{layer}.{names[kind]}.{suffix}"
+            hf = names[kind]
+            if hf in splits:  # Phi-3's fused tensor: each part a range of its rows
+                first = 0
+                for part, size in splits[hf]:
+                    yield f"model.layers.{layer}.{part}.{suffix}", t, torch.arange(first, first + size), 0.0
+                    first += size
+                continue
+            name = f"model.layers.{layer}.{hf}.{suffix}"
         elif name in TOP_NAMES:
             name = TOP_NAMES[name]
-        else:  # e.g. rope_freqs.weight: Llama 3.1 RoPE scaling, which this converter does not read yet
-            raise ValueError(f"{path.name}: GGUF tensor {name!r} is not supported; use the HF checkpoint instead")
+        else:
+            raise ValueError(f"{path.name}: GGUF tensor {name!r} is not supported (not a {arch} tensor); use the HF "
+                             "checkpoint instead")
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         yield name, t, rows, shift
 
@@ -103,8 +129,16 @@ def read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def config(path: Path) -> dict:
-    """The HF config of a GGUF file, from its metadata."""
+    """The HF config of a GGUF file, from its metadata (and Llama 3's RoPE factors, from rope_freqs)."""
     r, arch = reader(path)
+    try:
+        return _shape(r, arch)
+    except ValueError as e:
+        raise ValueError(f"{path.name}: {e}") from e
+
+
+def _shape(r, arch: str) -> dict:
+    """The HF config dict of an open GGUF file (`config`)."""
 
     def get(key: str, default=None):
         return field(r, f"{arch}.{key}", default)
@@ -112,18 +146,21 @@ def config(path: Path) -> dict:
     n_heads = get("attention.head_count")
     n_kv = get("attention.head_count_kv", n_heads)
     hidden = get("embedding_length")
+    head_dim = get("attention.key_length") or hidden // n_heads
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ValueError(f"RoPE on {rope_dims} of each head's {head_dim} dimensions (partial rotary) is not supported")
     names = {t.name for t in r.tensors}
     cfg = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM"}[arch]],
-        "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "architectures": [HF_CLASSES[arch]],
+        "model_type": MODEL_TYPES[arch],
         "vocab_size": get("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data),
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
-        "head_dim": get("attention.key_length") or hidden // n_heads,
+        "head_dim": head_dim,
         "max_position_embeddings": get("context_length", 4096),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
@@ -140,7 +177,73 @@ def config(path: Path) -> dict:
                    rope_local_base_freq=10000.0,  # llama.cpp: the 27B (62 layers) scales queries by hidden / heads
                    query_pre_attn_scalar=hidden // n_heads if cfg["num_hidden_layers"] == 62 else cfg["head_dim"],
                    pad_token_id=field(r, "tokenizer.ggml.padding_token_id"))
-        kind, factor = get("rope.scaling.type"), get("rope.scaling.factor")
-        if kind not in (None, "none") and factor not in (None, 1.0):
-            cfg["rope_scaling"] = {"rope_type": kind, "factor": float(factor)}
+    if arch == "phi3":  # llama.cpp applies Phi-3's window on every layer; 0: none (Phi-4)
+        cfg["sliding_window"] = get("attention.sliding_window") or None
+        if {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
+            raise ValueError("Phi-3's long-context RoPE (rope_factors_long / rope_factors_short, longrope) is not "
+                             "supported")
+    if arch == "qwen3":  # no q/k/v biases: say so, as transformers' default for Qwen3 does
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+    kind, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+    if kind not in (None, "none") and factor not in (None, 1.0):
+        if kind != "linear":
+            raise ValueError(f"RoPE scaling {kind!r} (rope.scaling.type) is not supported (linear, llama3)")
+        cfg["rope_scaling"] = {"rope_type": kind, "factor": float(factor)}
+    if ROPE_FREQS in names:
+        if arch != "llama":
+            raise ValueError(f"{ROPE_FREQS} in a {arch} file is not supported (Llama 3's RoPE scaling only)")
+        t = next(t for t in r.tensors if t.name == ROPE_FREQS)
+        import gguf
+
+        factors = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+        original = get("rope.scaling.original_context_length")
+        cfg["rope_scaling"] = llama3_scaling(factors, cfg["rope_theta"], head_dim, original)
     return cfg
+
+
+def llama3_factors(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors of Llama 3's RoPE scaling, as llama.cpp's converter writes them to rope_freqs
+    (from float32 frequencies): inv_freq / factor is the scaled frequency."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.astype(np.float64):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, original: int | None = None) -> dict:
+    """The "llama3" rope_scaling that gives these rope_freqs factors: the factor is the largest one; the function
+    depends on the two wavelength thresholds only (original / low and original / high), so the original context
+    (the file's, else Llama 3's 8192) fixes low and high. Llama 3's own low 1, high 4 are tried first; otherwise
+    they are solved from the blended frequencies (two or more needed). Whatever is found is checked to rebuild the
+    file's factors, else the file is refused: scaling it cannot describe is never run approximately."""
+    if factors.shape != (head_dim // 2,):
+        raise ValueError(f"{ROPE_FREQS} holds {factors.size} factors, expected head_dim / 2 = {head_dim // 2}")
+    factor = float(factors.max())
+    old = float(original or 8192)
+    candidates = [{"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": int(old)}]
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))).astype(np.float64)
+    blended = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if factor > 1 and blended.sum() >= 2:  # 1 / f_i = (1 - s_i) / factor + s_i, s_i = a / wavelen_i - b
+        smooth = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
+        x = inv_freq[blended] / (2 * math.pi)  # 1 / wavelength
+        a, b = np.polyfit(x, smooth, 1)  # s = a x + b': a = old / (high - low), b' = -low / (high - low)
+        low = -b * old / a
+        high = low + old / a
+        candidates.append({"factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high),
+                           "original_max_position_embeddings": int(old)})
+    for scaling in candidates:
+        if np.allclose(llama3_factors(scaling, theta, head_dim), factors, rtol=1e-4, atol=0):
+            return {"rope_type": "llama3", **scaling}
+    raise ValueError(f"{ROPE_FREQS} is not a Llama 3 RoPE scaling this runtime can read back "
+                     f"(factors {np.round(factors, 4).tolist()}); not supported")

@@ -27,6 +27,7 @@ from torch import nn
 from ..names import DTYPE_NAMES, REGISTRY, RegistryEntry
 from ..paths import default_cache_dir
 from .config import ModelConfig
+from .fused import split_fused
 from .gguf_file import GEMMA3_CHAT_TEMPLATE
 from .gguf_file import config as gguf_config
 from .gguf_file import dense as gguf_dense
@@ -194,7 +195,7 @@ def load_transformer(path: Path, dtype: torch.dtype = torch.float32, device: str
     hf_config = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(hf_config)
     state = read_hf_state_dict(path)
-    state = {k.removeprefix("model."): v for k, v in state.items()}
+    state = split_fused({k.removeprefix("model."): v for k, v in state.items()}, cfg)  # Phi-3's q|k|v, gate|up
     embed = state["embed_tokens.weight"]
     ours = {"embed.weight": embed, "norm.weight": norm_weight(state["norm.weight"], cfg)}
     ours["lm_head.weight"] = embed if cfg.tie_word_embeddings else state["lm_head.weight"]
@@ -293,7 +294,7 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     def linear(names: list[str], biases: list[str] | None = None) -> nn.Module:
         weights = [parts[n] for n in names]
         bias = torch.cat([parts[b] for b in biases]) if biases else None
-        if all(isinstance(w, QuantLinear) for w in weights) and len({(w.kind, w.d.dtype) for w in weights}) == 1:
+        if QuantLinear.fusable(weights):  # stored alike, or a K-quant mix (a QuantStack)
             fused = QuantLinear.cat(weights)
             fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             return fused
