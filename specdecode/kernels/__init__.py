@@ -129,7 +129,8 @@ def simd() -> str:
 
 
 class Weight(ctypes.Structure):
-    """A linear layer's weight as block.c reads it (kind: 0 float32, 1 int4, 2 int8, 3 int4-a8, 4 int8-a8)."""
+    """A linear layer's weight as block.c reads it (kind: 0 float32, 1 int4, 2 int8, 9 parts stacked (qs: an
+    array of Weights ended by one with n_out 0), 10 + the int8-activation kernel's kind)."""
 
     _fields_ = [("kind", ctypes.c_int), ("n_out", ctypes.c_int), ("n_in", ctypes.c_int), ("qs", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]

@@ -27,8 +27,10 @@
 #include <immintrin.h>
 #endif
 
-/* float activations: W_F32, W_Q4, W_Q8; int8 activations: W_A8 + the a8 kernel's kind (specdecode_a8_matmul) */
-enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_A8 = 10 };
+/* float activations: W_F32, W_Q4, W_Q8; int8 activations: W_A8 + the a8 kernel's kind (specdecode_a8_matmul);
+   W_STACK: outputs stacked from parts stored differently (a fused q|k|v whose v is Q6_K and q, k Q4_K, as GGUF's
+   Q4_K_M files have them): qs points to the parts (Weights, none stacked, no bias), ended by one with n_out 0 */
+enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_STACK = 9, W_A8 = 10 };
 
 typedef struct {
     int kind, n_out, n_in;
@@ -46,7 +48,24 @@ int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs,
 
 /* returns 1 when the int8-activation kernel's scratch memory ran out */
 static int linear(const Weight *w, const float *x, int M, float *y, float *scratch) {
-    if (w->kind > W_A8) {
+    if (w->kind == W_STACK) {  /* each part into a scratch block, then its columns into y: a row's numbers are
+                                  the part's own, whatever the other parts or rows */
+        const Weight *parts = (const Weight *)w->qs;
+        int widest = 0;
+        for (const Weight *p = parts; p->n_out; p++) widest = p->n_out > widest ? p->n_out : widest;
+        float *part = malloc(sizeof(float) * (size_t)M * widest + 1);
+        if (!part) return 1;
+        int first = 0;
+        for (const Weight *p = parts; p->n_out; first += p->n_out, p++) {
+            if (linear(p, x, M, part, scratch)) {
+                free(part);
+                return 1;
+            }
+            for (int r = 0; r < M; r++)
+                memcpy(y + (int64_t)r * w->n_out + first, part + (int64_t)r * p->n_out, sizeof(float) * p->n_out);
+        }
+        free(part);
+    } else if (w->kind > W_A8) {
         if (specdecode_a8_matmul(w->kind - W_A8, x, M, w->n_in, w->qs, w->d, w->m, y, w->n_out)) return 1;
     } else if (w->kind == W_Q4)
         specdecode_q4_matmul(x, scratch, M, w->n_in, (const uint8_t *)w->qs, w->d, w->m, y, w->n_out);

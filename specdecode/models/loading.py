@@ -294,7 +294,7 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     def linear(names: list[str], biases: list[str] | None = None) -> nn.Module:
         weights = [parts[n] for n in names]
         bias = torch.cat([parts[b] for b in biases]) if biases else None
-        if all(isinstance(w, QuantLinear) for w in weights) and len({(w.kind, w.d.dtype) for w in weights}) == 1:
+        if QuantLinear.fusable(weights):  # stored alike, or a K-quant mix (a QuantStack)
             fused = QuantLinear.cat(weights)
             fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             return fused

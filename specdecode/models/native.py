@@ -19,7 +19,7 @@ import torch
 from .. import kernels
 from .cache import BatchKVCache, KVCache
 from .linear import Linear
-from .quant import QuantLinear
+from .quant import QuantLinear, QuantStack
 
 
 def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
@@ -28,6 +28,15 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(layer, QuantStack):  # block.c's W_STACK: the parts' Weights, ended by an empty one
+        parts = [weight_struct(p) for p in layer.parts]
+        if any(p is None for p in parts):
+            return None
+        array = (kernels.Weight * (len(parts) + 1))(*parts, kernels.Weight())
+        stacked = kernels.Weight(9, layer.out_features, layer.in_features, ctypes.addressof(array), None, None,
+                                 bias_ptr)
+        stacked._parts = array  # alive as long as the struct pointing to it
+        return stacked
     if isinstance(layer, QuantLinear) and layer.act8:  # block.c passes these to the int8-activation kernel
         a8_kind, qs, d, m = layer.a8_operands()
         return kernels.Weight(10 + a8_kind, layer.out_features, layer.in_features, qs.data_ptr(), d.data_ptr(),
@@ -144,6 +153,8 @@ class NativeBlocks:
 
 
 def _storage(m: torch.nn.Module) -> int:
+    if isinstance(m, QuantStack):
+        return _storage(m.parts[0])
     return m._buffers["qs"].data_ptr() if "qs" in m._buffers else m._parameters["weight"].data_ptr()
 
 

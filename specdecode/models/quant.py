@@ -254,9 +254,21 @@ class QuantLinear(nn.Module):
                            self.act8)
 
     @staticmethod
-    def cat(layers: list[QuantLinear]) -> QuantLinear:
-        """One layer computing all of `layers` (stacked outputs): q|k|v and gate|up fused."""
+    def fusable(layers: list[nn.Module]) -> bool:
+        """Whether `cat` fuses these layers without dequantizing (all quantized; stored alike, or all with int8
+        activations: a QuantStack)."""
+        if not all(isinstance(layer, QuantLinear) for layer in layers):
+            return False
+        return len({(layer.quantization, layer.d.dtype) for layer in layers}) == 1 or all(
+            layer.act8 for layer in layers)
+
+    @staticmethod
+    def cat(layers: list[QuantLinear]) -> QuantLinear | QuantStack:
+        """One layer computing all of `layers` (stacked outputs): q|k|v and gate|up fused; layers stored
+        differently (a K-quant file's mix) with int8 activations: a QuantStack of them."""
         kinds = {(layer.quantization, layer.d.dtype) for layer in layers}
+        if len(kinds) != 1 and all(layer.act8 for layer in layers):
+            return QuantStack(layers)
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse projections quantized differently ({', '.join(sorted(map(str, kinds)))})")
         biases = [layer.bias for layer in layers]
@@ -265,6 +277,45 @@ class QuantLinear(nn.Module):
         qs, d, m = zip(*(layer.row_order() for layer in layers), strict=True)
         return QuantLinear(layers[0].kind, torch.cat(qs), torch.cat(d), None if m[0] is None else torch.cat(m), bias,
                            layers[0].act8)
+
+
+class QuantStack(nn.Module):
+    """Outputs stacked from quantized layers stored differently, each with int8 activations (a fused q|k|v whose v
+    is Q6_K and q, k Q4_K, as llama.cpp's Q4_K_M and Q5_K_M files mix them): each part at its own bytes, run by
+    its own kernel (the native block runs them as one weight: block.c's W_STACK). A row's outputs are its parts'
+    own, so row independence holds as it does for each part."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or not all(p.act8 and p.bias is None for p in parts):
+            raise ValueError("a stack's parts share their input size, take int8 activations and have no bias")
+        self.parts = nn.ModuleList(parts)
+        self.act8 = True
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @property
+    def quantization(self) -> str:
+        return "+".join(dict.fromkeys(p.kind for p in self.parts)) + "-a8"
+
+    @property
+    def exact_scales(self) -> bool:
+        return any(p.exact_scales for p in self.parts)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantize()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.quantization}, in_features={self.in_features}, out_features={self.out_features}"
 
 
 def quantize_linears_(module: nn.Module, kind: str, skip: tuple[nn.Module, ...] = ()) -> nn.Module:
