@@ -282,3 +282,47 @@ def test_phi3_gguf_with_long_rope_factors_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="longrope"):
         gguf_config(tmp_path / "long.gguf")
+
+
+# --------------------------------------------------------------------------------- lossless speculation
+def smaller(model):
+    """A draft of the same vocabulary and a third of the depth: the target's embedding, first layer and output."""
+    import copy
+    import dataclasses
+
+    draft = copy.deepcopy(model)
+    draft.layers = torch.nn.ModuleList(list(draft.layers)[:1])
+    draft.config = dataclasses.replace(draft.config, num_layers=1)
+    draft._rope_cache = None
+    return draft
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "llama3-tied"])
+def test_greedy_speculation_equals_plain_decoding(arch: str, tmp_path: Path) -> None:
+    """Prompt lookup and a smaller draft model on the new architectures (Phi-3 decoding past its window), float64
+    from the HF checkpoint, and Qwen3 from its Q8_0 file as stored (the native int8 path): every token equal."""
+    from specdecode.engine import generate_ids
+    from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+
+    from .test_lossless import PROMPTS
+
+    torch.manual_seed(0)
+    model = ARCHITECTURES[arch]() if arch != "qwen3" else _qwen3(rope_theta=1_000_000.0, num_hidden_layers=3)
+    with torch.no_grad():
+        randomize_(model, seed=2)
+    model.save_pretrained(str(tmp_path))
+    targets = [load_transformer(tmp_path, dtype=torch.float64)]
+    if arch == "qwen3":
+        file = write_gguf(tmp_path / "q8.gguf", model.config.to_dict(), model.state_dict(), "Q8_0")
+        targets.append(load_model(file)[0])
+    for target in targets:
+        proposers = {"prompt-lookup": PromptLookupProposer(branches=3),
+                     "draft": DraftModelProposer(smaller(target), VOCAB)}
+        for method, proposer in proposers.items():
+            drafted = accepted = 0
+            for prompt in PROMPTS:
+                expected, _ = generate_ids(target, prompt, max_new_tokens=24)
+                out, stats = generate_ids(target, prompt, proposer=proposer, k=4, max_new_tokens=24)
+                assert out == expected, (arch, target.quantization, method, prompt)
+                drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+            assert 0 < accepted < drafted, (arch, method, accepted, drafted)  # guesses taken and refused

@@ -247,51 +247,16 @@ def test_native_gemma_blocks_equal_the_pytorch_blocks(kind, head_dim, monkeypatc
 
 # ------------------------------------------------------------------------------------ a Gemma GGUF file
 def write_gemma_gguf(path: Path, reference) -> None:
-    """The reference model as llama.cpp writes Gemma 3: norms stored as 1 + w, the embedding and v in Q8_0, q and k
-    in Q5_0 (the fused q|k|v loads as one int8 layer), the rest in float32."""
-    import gguf
+    """The reference model as llama.cpp writes Gemma 3 (models/gguf_write.py: norms stored as 1 + w), the embedding
+    and v in Q8_0, q and k in Q5_0 (the fused q|k|v loads as one int8 layer), the rest in float32; no tokenizer."""
+    from specdecode.models.gguf_write import write_gguf
 
-    cfg = reference.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_sliding_window(WINDOW)
-    w.add_vocab_size(cfg.vocab_size)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-    state = {**reference.model.state_dict(), "output.weight": reference.lm_head.weight}
-    for name, tensor in state.items():
-        data = tensor.detach().float().numpy()
-        if "norm" in name:
-            data = data + 1
-        if name.startswith("layers."):
-            _, layer, rest = name.split(".", 2)
-            gguf_name = f"blk.{layer}.{names[rest.removesuffix('.weight')]}.weight"
-        else:
-            top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-            gguf_name = top.get(name, name)
-        kind = "Q8_0" if gguf_name == "token_embd.weight" or ".attn_v." in gguf_name else \
-            "Q5_0" if ".attn_q." in gguf_name or ".attn_k." in gguf_name else None
-        if kind is None:
-            w.add_tensor(gguf_name, data)
-        else:
-            quant = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(gguf_name, gguf.quants.quantize(data, quant), raw_dtype=quant)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def types(name: str) -> str:
+        if name == "token_embd.weight" or ".attn_v." in name:
+            return "Q8_0"
+        return "Q5_0" if ".attn_q." in name or ".attn_k." in name else "F32"
+
+    write_gguf(path, reference.config.to_dict(), reference.state_dict(), types, with_tokenizer=False)
 
 
 def test_gguf_file_loads_as_transformers_loads_it(tmp_path: Path, checkpoint) -> None:
@@ -310,9 +275,12 @@ def test_gguf_file_loads_as_transformers_loads_it(tmp_path: Path, checkpoint) ->
     (tmp_path / "config.json").write_text(json.dumps(config))
     ours = load_gguf(gguf_path, tmp_path, torch.float32)
     assert ours.config.layer_types == LAYER_TYPES
+    assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}  # the global layers' (rope.scaling.*)
     assert ours.layers[0].attn.wqkv.quantization == "int8" and ours.embed.table.quantization == "int8"
+    # transformers' GGUF reader takes neither the layer pattern nor the query scale nor the RoPE scaling from the file
     theirs_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32,
-                                                        layer_types=LAYER_TYPES, query_pre_attn_scalar=24)
+                                                        layer_types=LAYER_TYPES, query_pre_attn_scalar=24,
+                                                        rope_parameters=reference.config.rope_parameters)
     ids = random_ids(30, 64, seed=5)
     with torch.inference_mode():
         theirs = theirs_model(ids).logits

@@ -194,17 +194,19 @@ def gguf_tensors(config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -
 
 
 def write_gguf(path: str | Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor], types: Types = "F32",
-               vocab: Vocab | None = None, name: str = "synthetic") -> Path:
+               vocab: Vocab | None = None, name: str = "synthetic", with_tokenizer: bool = True) -> Path:
     """Write `state` (an HF checkpoint's tensors, `config` its config dict) as a GGUF file of the converter's layout,
     matrices stored as `types` (see `tensor_type`); vocab: the tokenizer (default `byte_level_vocab` of the config's
-    vocabulary size). Returns the path."""
+    vocabulary size); without `with_tokenizer`, none (a file of weights for a reader that needs no tokenizer, e.g.
+    transformers' weight loading). Returns the path."""
     import gguf
 
     cfg = ModelConfig.from_hf(dict(config))
     arch = GGUF_ARCHITECTURES[cfg.model_type]
-    vocab = vocab or byte_level_vocab(cfg.vocab_size)
-    if len(vocab.tokens) != cfg.vocab_size:
-        raise ValueError(f"the vocabulary has {len(vocab.tokens)} tokens, the model {cfg.vocab_size}")
+    if with_tokenizer:
+        vocab = vocab or byte_level_vocab(cfg.vocab_size)
+        if len(vocab.tokens) != cfg.vocab_size:
+            raise ValueError(f"the vocabulary has {len(vocab.tokens)} tokens, the model {cfg.vocab_size}")
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -226,6 +228,22 @@ def write_gguf(path: str | Path, config: Mapping[str, Any], state: Mapping[str, 
         w.add_rope_scaling_factor(float(scaling["factor"]))
     if arch in ("gemma3", "phi3"):  # the window llama.cpp applies (Phi-3: 0 for none)
         w.add_sliding_window(cfg.sliding_window or 0)
+    if vocab is not None:
+        _add_vocab(w, vocab)
+    for gguf_name, data in gguf_tensors(config, state).items():
+        array, raw = stored(data, tensor_type(gguf_name, data.shape, types))
+        if raw is None:
+            w.add_tensor(gguf_name, array)
+        else:
+            w.add_tensor(gguf_name, array, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_vocab(w, vocab: Vocab) -> None:
     w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
@@ -239,14 +257,3 @@ def write_gguf(path: str | Path, config: Mapping[str, Any], state: Mapping[str, 
     w.add_add_bos_token(vocab.add_bos_token)
     if vocab.chat_template:
         w.add_chat_template(vocab.chat_template)
-    for gguf_name, data in gguf_tensors(config, state).items():
-        array, raw = stored(data, tensor_type(gguf_name, data.shape, types))
-        if raw is None:
-            w.add_tensor(gguf_name, array)
-        else:
-            w.add_tensor(gguf_name, array, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
