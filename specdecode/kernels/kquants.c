@@ -75,6 +75,39 @@ static inline __attribute__((always_inline)) void decode_scales(const int kind, 
 #define ROWS 4
 #define PREFETCH_BLOCKS 32
 
+/* decode_scales for 8 outputs in vectors (the same products, each exact: the same floats); -(dmin * m) as
+   (-dmin) * m, equal in IEEE arithmetic (rounding is symmetric in sign) */
+static inline void decode_scales8(const int kind, const uint16_t *dt, const uint8_t *mt, int lw, int s, int c0,
+                                  float *ds, float *ms) {
+    if (kind == K_Q6) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)s * lw + c0)));
+        const int8_t *sc = (const int8_t *)mt + (int64_t)16 * s * lw + c0;
+        for (int j = 0; j < 16; j++)
+            _mm256_storeu_ps(ds + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                              _mm_loadl_epi64((const __m128i *)(sc + j * lw))))));
+        return;
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)2 * s * lw + c0)));
+    const __m256 nmin = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_cvtph_ps(_mm_loadu_si128(
+                                                                  (const __m128i *)(dt + (int64_t)(2 * s + 1) * lw + c0))));
+    const uint8_t *q = mt + (int64_t)12 * s * lw + c0;
+    __m256i b[12];
+    for (int j = 0; j < 12; j++) b[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j * lw)));
+    const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
+    for (int j = 0; j < 8; j++) {
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(b[j], six);
+            mn = _mm256_and_si256(b[j + 4], six);
+        } else {
+            sc = _mm256_or_si256(_mm256_and_si256(b[j + 4], four), _mm256_slli_epi32(_mm256_srli_epi32(b[j - 4], 6), 4));
+            mn = _mm256_or_si256(_mm256_srli_epi32(b[j + 4], 4), _mm256_slli_epi32(_mm256_srli_epi32(b[j], 6), 4));
+        }
+        _mm256_storeu_ps(ds + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+        _mm256_storeu_ps(ms + 8 * j, _mm256_mul_ps(nmin, _mm256_cvtepi32_ps(mn)));
+    }
+}
+
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -111,7 +144,7 @@ static inline __attribute__((always_inline)) void k_tile_rows(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int j = b % SUBS;
-        if (j == 0) decode_scales(KIND, dt, mt, lw, b / SUBS, c0, COLS, ds, ms);
+        if (j == 0) decode_scales8(KIND, dt, mt, lw, b / SUBS, c0, ds, ms);
         const uint8_t *p = w + (int64_t)bb * lw * b;
         for (int line = 0; line < bb * COLS; line += 64)
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * lw + line, _MM_HINT_T0);
@@ -172,6 +205,39 @@ static inline __m512i high5_16(__m512i h, int shift_right) {
 static inline __m512i high6_16(__m512i h, int g) {
     return _mm512_and_si512(g <= 2 ? _mm512_slli_epi16(h, 4 - 2 * g) : _mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30));
 }
+/* decode_scales8 for a tile of 16 */
+static inline void decode_scales16(const int kind, const uint16_t *dt, const uint8_t *mt, int s, float *ds,
+                                   float *ms) {
+    const int lw = 16;
+    if (kind == K_Q6) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)s * lw)));
+        const int8_t *sc = (const int8_t *)mt + (int64_t)16 * s * lw;
+        for (int j = 0; j < 16; j++)
+            _mm512_storeu_ps(ds + 16 * j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                _mm_loadu_si128((const __m128i *)(sc + j * lw))))));
+        return;
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)2 * s * lw)));
+    const __m512 nmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_set1_epi32((int)0x80000000u), _mm512_castps_si512(
+        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)(2 * s + 1) * lw))))));
+    const uint8_t *q = mt + (int64_t)12 * s * lw;
+    __m512i b[12];
+    for (int j = 0; j < 12; j++) b[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * lw)));
+    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
+    for (int j = 0; j < 8; j++) {
+        __m512i sc, mn;
+        if (j < 4) {
+            sc = _mm512_and_si512(b[j], six);
+            mn = _mm512_and_si512(b[j + 4], six);
+        } else {
+            sc = _mm512_or_si512(_mm512_and_si512(b[j + 4], four), _mm512_slli_epi32(_mm512_srli_epi32(b[j - 4], 6), 4));
+            mn = _mm512_or_si512(_mm512_srli_epi32(b[j + 4], 4), _mm512_slli_epi32(_mm512_srli_epi32(b[j], 6), 4));
+        }
+        _mm512_storeu_ps(ds + 16 * j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_storeu_ps(ms + 16 * j, _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(mn)));
+    }
+}
+
 static inline __m512i bcast4_16(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -188,7 +254,7 @@ static inline __attribute__((always_inline)) void k_wide_rows(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int j = b % SUBS;
-        if (j == 0) decode_scales(KIND, dt, mt, lw, b / SUBS, 0, 16, ds, ms);
+        if (j == 0) decode_scales16(KIND, dt, mt, b / SUBS, ds, ms);
         const uint8_t *p = w + (int64_t)bb * lw * b;
         for (int line = 0; line < bb * lw; line += 64)
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * COLS + line, _MM_HINT_T0);
