@@ -126,15 +126,15 @@ def test_hf_checkpoint_logits_equal_transformers(checkpoint) -> None:
     assert cfg.sliding_window == (12 if arch in ("mistral", "phi3") else None)
 
 
-@pytest.mark.parametrize("change", ["rope_scaling", "sliding_window", "qk_norm"])
+FEATURES = [("llama3.1", "rope_scaling"), ("llama3-tied", "rope_scaling"), ("mistral", "sliding_window"),
+            ("phi3", "sliding_window"), ("qwen3", "qk_norm")]
+
+
+@pytest.mark.parametrize("checkpoint,change", FEATURES, indirect=["checkpoint"], ids=[f"{a}-{c}" for a, c in FEATURES])
 def test_each_feature_moves_the_logits(checkpoint, change: str) -> None:
     """Teeth: the comparisons above would fail without the feature (no scaling, no window, no q/k norm): the logits
     move by ten times their tolerance or more."""
-    arch, path, reference = checkpoint
-    applies = {"rope_scaling": arch.startswith("llama3"), "sliding_window": arch in ("mistral", "phi3"),
-               "qk_norm": arch == "qwen3"}[change]
-    if not applies:
-        pytest.skip(f"{arch} has no {change}")
+    _, path, reference = checkpoint
     ours = load_transformer(path)
     if change == "qk_norm":
         for block in ours.layers:
@@ -210,6 +210,39 @@ def test_rope_freqs_read_back_as_the_scaling_they_were_made_from() -> None:
     bent[2] *= 1.5
     with pytest.raises(ValueError, match="rope_freqs"):
         llama3_scaling(bent, 10_000.0, 16, 64)
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path: Path) -> None:
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text model's config inside (transformers'
+    defaults filled in), its weights under language_model.*, beside a vision tower left out; the linear RoPE scaling
+    of the 4B's global layers. Logits equal the multimodal model's on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from .test_gemma import LAYER_TYPES
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=6, layer_types=LAYER_TYPES,
+                query_pre_attn_scalar=16, rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    with torch.no_grad():
+        randomize_(model, seed=3)
+        for name, p in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.sub_(1.0)  # Gemma's norms scale by 1 + w
+            if "embed_tokens" in name:
+                p.mul_(0.125)  # embeddings times sqrt(64): the residual stream stays O(1)
+    model.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma3"
+    ours = load_transformer(tmp_path)
+    cfg = ours.config
+    assert cfg.layer_types == LAYER_TYPES and cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.tie_word_embeddings and cfg.query_scale == 16**-0.5
+    ids = sequences()
+    close(our_logits(ours, ids), transformers_logits(model.eval(), ids))
 
 
 # ------------------------------------------------------------------------------------- tokenizer and chat

@@ -78,9 +78,12 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type", "llama")
+        if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):  # Gemma 3 4B+: its text model
+            hf = gemma3_text_config(hf)
+            model_type = "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = " (a Gemma 3 multimodal checkpoint: use its text model, model_type gemma3_text)" \
-                if model_type == "gemma3" else ""
+            hint = " (a Gemma 3 multimodal config without its text_config: give the text model's, model_type " \
+                "gemma3_text)" if model_type == "gemma3" else ""
             raise ValueError(
                 f"model_type {model_type!r} is not supported{hint}; specdecode runs Llama-family models and Gemma 3 "
                 f"({', '.join(SUPPORTED_MODEL_TYPES)})."
@@ -124,6 +127,17 @@ class ModelConfig:
         if model_type == "gemma3_text":
             base.update(_gemma3(hf))
         return cls(**base)
+
+
+def gemma3_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 config's text model, transformers' defaults filled in (the published 4B-27B configs give
+    only what differs from them)."""
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**hf["text_config"]).to_dict()
+    if "tie_word_embeddings" in hf and "tie_word_embeddings" not in hf["text_config"]:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return {**text, "model_type": "gemma3_text"}
 
 
 def check_rope_scaling(rope: dict[str, Any] | None) -> None:

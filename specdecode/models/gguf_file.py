@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .fused import fused_splits
+from .layouts import fused_splits
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text"}

@@ -1,4 +1,5 @@
-"""Checkpoint tensors stored fused (Phi-3's q|k|v and gate|up), split into the Llama names the loaders read."""
+"""Checkpoint layouts other than Llama's, as the Llama names the loaders read: Phi-3's fused q|k|v and gate|up split,
+and the text model of a multimodal Gemma 3 checkpoint (4B and up) taken out of it."""
 
 from __future__ import annotations
 
@@ -42,3 +43,26 @@ def _layer_split(base: str) -> tuple[str, str]:
         i = parts.index("layers")
         return ".".join(parts[: i + 2]) + ".", ".".join(parts[i + 2 :])
     return "", base
+
+
+# a multimodal checkpoint's text model: its prefixes (transformers' saved names, then its in-memory ones) -> a text-only
+# checkpoint's; the vision tower and projector are left out
+TEXT_TOWER = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+              ("model.language_model.", "model."))
+NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_tower(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's text model under a text-only checkpoint's names; any other state dict as it is."""
+    if not any(name.startswith(prefix) for name in state for prefix, _ in TEXT_TOWER):
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.startswith(NOT_TEXT):
+            continue
+        for prefix, text in TEXT_TOWER:
+            if name.startswith(prefix):
+                name = text + name.removeprefix(prefix)
+                break
+        out[name] = tensor
+    return out

@@ -27,12 +27,12 @@ from torch import nn
 from ..names import DTYPE_NAMES, REGISTRY, RegistryEntry
 from ..paths import default_cache_dir
 from .config import ModelConfig
-from .fused import split_fused
 from .gguf_file import GEMMA3_CHAT_TEMPLATE
 from .gguf_file import config as gguf_config
 from .gguf_file import dense as gguf_dense
 from .gguf_file import read as read_gguf
 from .gguf_file import tensors as gguf_tensors
+from .layouts import split_fused, text_tower
 from .linear import Linear
 from .llama import Transformer
 from .quant import GGUF_BLOCKS, K_QUANTS, QUANTIZATIONS, QuantEmbedding, QuantLinear, quantize_linears_
@@ -195,7 +195,8 @@ def load_transformer(path: Path, dtype: torch.dtype = torch.float32, device: str
     hf_config = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(hf_config)
     state = read_hf_state_dict(path)
-    state = split_fused({k.removeprefix("model."): v for k, v in state.items()}, cfg)  # Phi-3's q|k|v, gate|up
+    # Gemma 3 4B+'s text model out of its multimodal checkpoint; Phi-3's fused q|k|v and gate|up split
+    state = split_fused({k.removeprefix("model."): v for k, v in text_tower(state).items()}, cfg)
     embed = state["embed_tokens.weight"]
     ours = {"embed.weight": embed, "norm.weight": norm_weight(state["norm.weight"], cfg)}
     ours["lm_head.weight"] = embed if cfg.tie_word_embeddings else state["lm_head.weight"]
