@@ -14,6 +14,7 @@ from .cost import CostModel
 from .models import Transformer
 from .models.eagle import EagleHead
 from .models.medusa import MedusaHeads
+from .models.published_heads import load_eagle_head, load_medusa_heads
 from .names import METHODS
 from .online import OnlineConfig, OnlineHead
 from .proposers import (
@@ -224,8 +225,7 @@ class Drafting:
                                  "--target ... --out DIR`) and pass draft=DIR (--draft DIR)")
         key = str(Path(path).expanduser().resolve())
         if key not in self._heads:
-            head = EagleHead.load(key, dtype=self.model.dtype, device=self.model.device)
-            head.check_target(self.model)
+            head = load_eagle_head(key, self.model)  # ours, EAGLE-3 or EAGLE-1/2: detected, checked
             if self.model.quantization.endswith("-a8"):  # beside an int8-activation target: int8 too
                 head.quantize_(EAGLE_BESIDE_A8)
             head.warm_up()
@@ -251,8 +251,7 @@ class Drafting:
                              "--out DIR`) and pass draft=DIR (--draft DIR)")
         key = str(Path(path).expanduser().resolve())
         if key not in self._medusa:
-            heads = MedusaHeads.load(key, dtype=self.model.dtype, device=self.model.device)
-            heads.check_target(self.model)
+            heads = load_medusa_heads(key, self.model)  # ours or Medusa's layout: detected, checked
             self._medusa[key] = heads
         return self._medusa[key]
 
