@@ -261,6 +261,8 @@ def test_llama3_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
     vocab = byte_level_vocab(VOCAB)
     assert tokenizer.chat_template == LLAMA3_CHAT_TEMPLATE
     assert tokenizer.bos_token == "<|begin_of_text|>" and tokenizer.eos_token == "<|eot_id|>"
+    # transformers' conversion adds GPT-2's <|endoftext|> past the vocabulary (Llama 3's has none): dropped
+    assert len(tokenizer) == VOCAB and max(tokenizer.encode("a <|endoftext|>", add_special_tokens=False)) < VOCAB
     for text in ["the quick brown fox", "Hello, World! 12345 ...\n\n  tabs\tand ünïcödé ✓", " the token"]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert tokenizer.decode(ids) == text

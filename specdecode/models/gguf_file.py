@@ -10,6 +10,7 @@ factor): `config` reads it back into the HF "llama3" rope_scaling it was made fr
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -247,3 +248,28 @@ def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, original: i
             return {"rope_type": "llama3", **scaling}
     raise ValueError(f"{ROPE_FREQS} is not a Llama 3 RoPE scaling this runtime can read back "
                      f"(factors {np.round(factors, 4).tolist()}); not supported")
+
+
+def trim_added_tokens(tokenizer_dir: Path, vocab_size: int) -> list[str]:
+    """Drop the tokens transformers' GGUF conversion adds past the file's vocabulary (its byte-level tokenizer's
+    default `<|endoftext|>`, which Llama 3's vocabulary lacks): a text spelling one would encode to an id the model has
+    no embedding for. Rewrites the saved tokenizer.json (and tokenizer_config.json); returns the tokens dropped."""
+    path = tokenizer_dir / "tokenizer.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    dropped = [t["content"] for t in data.get("added_tokens", []) if t["id"] >= vocab_size]
+    if not dropped:
+        return []
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < vocab_size]
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    config_path = tokenizer_dir / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        decoder = config.get("added_tokens_decoder") or {}
+        config["added_tokens_decoder"] = {k: v for k, v in decoder.items() if int(k) < vocab_size} or decoder
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            if config.get(key) in dropped:
+                config[key] = None
+        config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    return dropped

@@ -32,6 +32,7 @@ from .gguf_file import config as gguf_config
 from .gguf_file import dense as gguf_dense
 from .gguf_file import read as read_gguf
 from .gguf_file import tensors as gguf_tensors
+from .gguf_file import trim_added_tokens
 from .layouts import split_fused, text_tower
 from .linear import Linear
 from .llama import Transformer
@@ -135,6 +136,7 @@ def convert_gguf(path: Path, weights: bool = True) -> Path:
             if not tokenizer.chat_template and config["model_type"] == "gemma3_text":
                 tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE  # the file has none: Gemma's own
             tokenizer.save_pretrained(str(tmp))
+            trim_added_tokens(tmp, config["vocab_size"])  # ids past the model's embedding
         if weights:
             _, tensors = read_gguf(path)
             save_file(tensors, str(tmp / "model.safetensors"))
