@@ -27,12 +27,11 @@ from torch import nn
 from ..names import DTYPE_NAMES, REGISTRY, RegistryEntry
 from ..paths import default_cache_dir
 from .config import ModelConfig
-from .gguf_file import GEMMA3_CHAT_TEMPLATE
+from .gguf_file import GEMMA3_CHAT_TEMPLATE, trim_added_tokens
 from .gguf_file import config as gguf_config
 from .gguf_file import dense as gguf_dense
 from .gguf_file import read as read_gguf
 from .gguf_file import tensors as gguf_tensors
-from .gguf_file import trim_added_tokens
 from .layouts import split_fused, text_tower
 from .linear import Linear
 from .llama import Transformer
