@@ -280,6 +280,30 @@ def test_llama3_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
     assert ids[0] == vocab.bos_token_id and ids.count(vocab.tokens.index("<|eot_id|>")) == 1
 
 
+def test_qwen_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    """Qwen's byte-level BPE (pre qwen2) and ChatML template from a Qwen3 file: no BOS added, <|im_start|> and
+    <|im_end|> one token each, the file's template."""
+    from transformers import AutoTokenizer
+
+    from specdecode.models.gguf_write import CHATML_TEMPLATE, QWEN_SPECIALS, byte_level_vocab
+    from specdecode.models.loading import convert_gguf
+
+    model = _qwen3()
+    vocab = byte_level_vocab(VOCAB, QWEN_SPECIALS, "qwen2", CHATML_TEMPLATE, add_bos_token=False)
+    file = write_gguf(tmp_path / "qwen3.gguf", model.config.to_dict(), model.state_dict(), "Q8_0", vocab)
+    tokenizer = AutoTokenizer.from_pretrained(str(convert_gguf(file, weights=False)))
+    assert tokenizer.chat_template == CHATML_TEMPLATE and tokenizer.eos_token == "<|im_end|>"
+    assert len(tokenizer) == VOCAB
+    text = "Hello, World! 12345 the 2nd line\n"
+    ids = tokenizer.encode(text)  # with the tokenizer's own special tokens: none added
+    assert tokenizer.decode(ids) == text and max(ids) < VOCAB
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(chat, add_special_tokens=False)
+    assert ids[0] == vocab.tokens.index("<|im_start|>") and ids.count(vocab.tokens.index("<|im_end|>")) == 1
+
+
 # --------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("config,message", [
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),

@@ -32,6 +32,11 @@ LLAMA3_CHAT_TEMPLATE = (
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # text whose byte pairs the made-up vocabulary merges first (so ordinary words take few tokens)
 MERGE_TEXT = ("the quick brown fox jumps over the lazy dog. speculative decoding drafts tokens that the target "
               "model verifies in one forward pass; the output equals plain decoding token for token.")
@@ -53,9 +58,10 @@ class Vocab:
 
 
 def byte_level_vocab(size: int, specials: tuple[str, ...] = LLAMA3_SPECIALS, pre: str = "llama-bpe",
-                     chat_template: str | None = LLAMA3_CHAT_TEMPLATE) -> Vocab:
+                     chat_template: str | None = LLAMA3_CHAT_TEMPLATE, add_bos_token: bool = True) -> Vocab:
     """A byte-level BPE of `size` tokens in GPT-2's spelling: the 256 bytes, merges (MERGE_TEXT's most frequent pairs
-    first, then pairs of letters), and `specials` last (control tokens; the first is BOS, the last EOS)."""
+    first, then pairs of letters), and `specials` last (control tokens; the first is BOS, the last EOS). Llama 3's
+    by default; Qwen's: QWEN_SPECIALS, pre "qwen2", CHATML_TEMPLATE, no BOS added."""
     byte_tokens = list(_bytes_to_unicode().values())
     n_merges = size - len(byte_tokens) - len(specials)
     if n_merges < 0:
@@ -88,7 +94,8 @@ def byte_level_vocab(size: int, specials: tuple[str, ...] = LLAMA3_SPECIALS, pre
     tokens += list(specials)
     types = [1] * first_special + [3] * len(specials)
     return Vocab(tokens, types, merges, pre=pre, bos_token_id=first_special if specials else None,
-                 eos_token_id=len(tokens) - 1 if specials else None, chat_template=chat_template)
+                 eos_token_id=len(tokens) - 1 if specials else None, chat_template=chat_template,
+                 add_bos_token=add_bos_token)
 
 
 def _merge(word: list[str], pair: tuple[str, str]) -> list[str]:
