@@ -25,21 +25,21 @@ from .helpers import tiny_model
 
 gguf = pytest.importorskip("gguf")
 
-TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1"]  # Q5_1: Q5_K's blocks with a float16 d and m each 32 weights
 BUILDS = ["", "portable", "emulate-vnni"]  # this CPU's, plain C, AVX2 with the VNNI code path
 
 
 def random_k_quant(name: str, n: int, k: int, seed: int) -> np.ndarray:
     """A [n, k] K-quant tensor's bytes: random bits (every bit pattern is a valid block) but for the float16
     super-block scales, kept in a realistic range (random bits would give infinities and NaNs)."""
-    size = K_QUANTS[name][1]
+    size, block = K_QUANTS[name][1], 32 if name == "Q5_1" else 256
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    scales = rng.uniform(1e-3, 2e-2, (n, k // 256, 2)).astype(np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 2e-2, (n, k // block, 2)).astype(np.float16).view(np.uint8)
     if name == "Q6_K":
         raw[..., 208:210] = scales[..., :2]  # d
     else:
-        raw[..., 0:4] = scales  # d, dmin
+        raw[..., 0:4] = scales  # d, dmin (Q5_1: d, m)
     return raw.reshape(n, -1)
 
 
@@ -77,11 +77,22 @@ def test_k_quants_load_at_the_files_size_and_dequantize_as_gguf_does(name) -> No
         assert torch.equal(tiled.dequantize(), expected)
         index = torch.tensor([n - 1, 0, 17])
         assert torch.equal(tiled.rows(index).dequantize(), expected[index])
-    with pytest.raises(ValueError, match="super-block"):
+    with pytest.raises(ValueError, match="super-block" if name != "Q5_1" else "a block"):
         QuantLinear(layer.kind, layer.qs, layer.d[:, :-1], layer.m)
 
 
-@pytest.mark.parametrize("name", TYPES)
+def test_q5_1_from_gguf_quantize_loads_at_its_size_beside_widths_not_of_256() -> None:
+    """Q5_1 as the gguf package writes it (blocks of 32: rows of 96 weights, no super-blocks) and a partial tile."""
+    w = np.random.default_rng(3).standard_normal((13, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_1)
+    layer = QuantLinear.from_gguf(raw, "Q5_1")
+    assert torch.equal(layer.dequantize(), gguf_weights(raw, "Q5_1")) and layer.quantization == "q5_1-a8"
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    reference = round_activations(x).double() @ gguf_weights(raw, "Q5_1").double().T
+    torch.testing.assert_close(layer(x).double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("name", TYPES[:3])
 def test_quantize_k_writes_blocks_gguf_reads_back_close_to_the_weights(name) -> None:
     w = np.random.default_rng(2).standard_normal((8, 512)).astype(np.float32)
     raw = quantize_k(w, name)
@@ -114,7 +125,7 @@ def test_kernel_is_rounded_activations_times_the_weights_and_rows_are_independen
         assert torch.equal(got, alone)
         for rows in (2, 3, 4, 5, 8, 9):
             assert torch.equal(layer(x[13 - rows :]), alone[13 - rows :]), rows
-        if name != "Q5_K":
+        if name in ("Q4_K", "Q6_K"):
             widened = QuantLinear.from_gguf(raw, name).widened()
             assert widened.kind in ("int4", "int8") and torch.equal(widened.dequantize(), expected.float())
             assert torch.equal(widened(x), got)
@@ -259,3 +270,25 @@ def test_greedy_speculation_over_a_k_quant_target_equals_its_plain_decoding(k_qu
         spec, stats = generate_ids(target, prompt, max_new_tokens=30, params=params, k=k, proposer=proposer)
         assert spec == plain, proposer.name
         assert stats.drafted > 0
+
+
+def test_matrices_without_a_native_kernel_are_named_in_one_line_with_their_memory(caplog) -> None:
+    """Types still dequantized to float32 (Q3_K, IQ4_XS, F16 here): one warning naming them, with the file's bytes
+    and float32's; float32 matrices, norms and native types are not counted; none where all load natively."""
+    from types import SimpleNamespace
+
+    from specdecode.models.quant import log_dequantized
+
+    def tensor(kind: str, shape: tuple[int, ...], nbytes: int) -> SimpleNamespace:
+        return SimpleNamespace(tensor_type=SimpleNamespace(name=kind), shape=shape, n_bytes=nbytes,
+                               n_elements=int(np.prod(shape)))
+
+    listed = [("a", tensor("Q3_K", (4096, 1024), 2 << 20)), ("b", tensor("F16", (1024, 1024), 2 << 20)),
+              ("c", tensor("F32", (1024, 1024), 4 << 20)), ("n", tensor("F16", (1024,), 2048)),
+              ("q", tensor("Q4_K", (1024, 1024), 1024 * 1024 * 144 // 256))]
+    with caplog.at_level("WARNING", logger="specdecode"):
+        line = log_dequantized("m.gguf", listed, {"Q4_K"})
+    assert line is not None and caplog.text.count("dequantized once to float32") == 1
+    assert "F16, Q3_K matrices" in line and "4 MB in the file -> 20 MB in memory (5.0x)" in line
+    assert log_dequantized("m.gguf", listed[2:], {"Q4_K"}) is None
+    assert "F16" not in (log_dequantized("m.gguf", listed, {"Q4_K"}, requantized=True) or "")

@@ -1,4 +1,4 @@
-/* GGUF's K-quants (Q4_K, Q5_K, Q6_K) at the file's own bytes per weight, with int8 activations.
+/* GGUF's K-quants (Q4_K, Q5_K, Q6_K) and Q5_1 at the file's own bytes per weight, with int8 activations.
 
    A super-block of 256 weights is 8 blocks of 32 (the activations' blocks: a8matmul.c rounds each row per block
    of 32). QuantLinear repacks a tensor once at load, to exactly the file's size, into tiles of 8 or 16 outputs
@@ -13,6 +13,8 @@
    6-bit scales and mins (get_scale_min_k4 in llama.cpp's ggml-quants.c); Q6_K: float16 d and 16 int8 scales.
    Per super-block and tile they are decoded once into float32: d * scale and -(dmin * min), products of a
    float16 and a 6- or 8-bit integer, exact in float32 (the `gguf` package's dequantization rounds the same way).
+   Q5_1 (blocks of 32: float16 d and m, 5-bit weights) is Q5_K's blocks with a8matmul.c's int4 scales: float16 d
+   and m per block, [block][output] in the tile, read as they are (a8matmul.c's kind 3 arithmetic).
 
    The arithmetic per output and row is a8matmul.c's for the widened K-quants (kinds 5 and 6), in the same
    order: the block's exact integer sum, times (d * dx) in one FMA, then for Q4_K / Q5_K the min times the row's
@@ -33,7 +35,7 @@
 
 #define SUBS (QK_K / QK) /* blocks of 32 per super-block */
 
-static inline int block_bytes(int kind) { return kind == K_Q4 ? 16 : kind == K_Q5 ? 20 : 24; }
+static inline int block_bytes(int kind) { return kind == K_Q4 ? 16 : kind == K_Q6 ? 24 : 20; }
 static inline int scale_fields(int kind) { return kind == K_Q6 ? 16 : 12; } /* sub-scale bytes a super-block */
 static inline int halves(int kind) { return kind == K_Q6; }                 /* a scale for each 16 weights */
 
@@ -144,7 +146,7 @@ static inline __attribute__((always_inline)) void k_tile_rows(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int j = b % SUBS;
-        if (j == 0) decode_scales8(KIND, dt, mt, lw, b / SUBS, c0, ds, ms);
+        if (j == 0 && KIND != K_Q51) decode_scales8(KIND, dt, mt, lw, b / SUBS, c0, ds, ms);
         const uint8_t *p = w + (int64_t)bb * lw * b;
         for (int line = 0; line < bb * COLS; line += 64)
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * lw + line, _MM_HINT_T0);
@@ -155,7 +157,7 @@ static inline __attribute__((always_inline)) void k_tile_rows(
         for (int g = 0; g < 4; g++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 4 * lw * g));
             __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            if (KIND == K_Q5) {
+            if (KIND == K_Q5 || KIND == K_Q51) {
                 lo = _mm256_or_si256(lo, high5(h0, g));
                 hi = _mm256_or_si256(hi, high5(h0, 4 + g));
             } else if (KIND == K_Q6) {
@@ -180,7 +182,10 @@ static inline __attribute__((always_inline)) void k_tile_rows(
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum2[r]), _mm256_mul_ps(d2, xd), acc[r]);
             }
         } else {
-            const __m256 d = _mm256_loadu_ps(ds + COLS * j), m = _mm256_loadu_ps(ms + COLS * j);
+            const __m256 d = KIND == K_Q51 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)lw * b + c0)))
+                                           : _mm256_loadu_ps(ds + COLS * j);
+            const __m256 m = KIND == K_Q51 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mt + 2 * ((int64_t)lw * b + c0))))
+                                           : _mm256_loadu_ps(ms + COLS * j);
             for (int r = 0; r < R; r++) {
                 const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
@@ -254,7 +259,7 @@ static inline __attribute__((always_inline)) void k_wide_rows(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int j = b % SUBS;
-        if (j == 0) decode_scales16(KIND, dt, mt, b / SUBS, ds, ms);
+        if (j == 0 && KIND != K_Q51) decode_scales16(KIND, dt, mt, b / SUBS, ds, ms);
         const uint8_t *p = w + (int64_t)bb * lw * b;
         for (int line = 0; line < bb * lw; line += 64)
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * COLS + line, _MM_HINT_T0);
@@ -265,7 +270,7 @@ static inline __attribute__((always_inline)) void k_wide_rows(
         for (int g = 0; g < 4; g++) {
             const __m512i raw = _mm512_loadu_si512((const void *)(p + 4 * lw * g));
             __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            if (KIND == K_Q5) {
+            if (KIND == K_Q5 || KIND == K_Q51) {
                 lo = _mm512_or_si512(lo, high5_16(h0, g));
                 hi = _mm512_or_si512(hi, high5_16(h0, 4 + g));
             } else if (KIND == K_Q6) {
@@ -290,7 +295,10 @@ static inline __attribute__((always_inline)) void k_wide_rows(
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r]), _mm512_mul_ps(d2, xd), acc[r]);
             }
         } else {
-            const __m512 d = _mm512_loadu_ps(ds + 16 * j), m = _mm512_loadu_ps(ms + 16 * j);
+            const __m512 d = KIND == K_Q51 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)lw * b)))
+                                           : _mm512_loadu_ps(ds + 16 * j);
+            const __m512 m = KIND == K_Q51 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + 2 * (int64_t)lw * b)))
+                                           : _mm512_loadu_ps(ms + 16 * j);
             for (int r = 0; r < R; r++) {
                 const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[(int64_t)r * nb + b]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
@@ -310,13 +318,15 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
     const int lw = kind >= K_WIDE ? 16 : COLS;
     kind = kind >= K_WIDE ? kind - (K_WIDE - K_Q4) : kind;
     const int nb = K / QK, nsb = K / QK_K, bb = block_bytes(kind);
-    const int d_fields = kind == K_Q6 ? 1 : 2, m_fields = scale_fields(kind);
+    /* an output's float16 scales and sub-scale bytes */
+    const int64_t d_count = kind == K_Q51 ? nb : (int64_t)nsb * (kind == K_Q6 ? 1 : 2);
+    const int64_t m_bytes = kind == K_Q51 ? 2 * nb : (int64_t)nsb * scale_fields(kind);
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < (N + lw - 1) / lw; t++) {
         const int n0 = t * lw;
         const uint8_t *w = (const uint8_t *)qs + (int64_t)n0 * nb * bb;
-        const uint16_t *dt = (const uint16_t *)d + (int64_t)n0 * nsb * d_fields;
-        const uint8_t *mt = (const uint8_t *)m + (int64_t)n0 * nsb * m_fields;
+        const uint16_t *dt = (const uint16_t *)d + n0 * d_count;
+        const uint8_t *mt = (const uint8_t *)m + n0 * m_bytes;
 #if SPECDECODE_AVX512
         if (lw == 16 && N - n0 >= 16) {
             for (int r0 = 0; r0 < M; r0 += ROWS) {
@@ -327,6 +337,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                 switch (kind) {
                     case K_Q4: BY_ROWS(WIDE_ROWS, K_Q4); break;
                     case K_Q5: BY_ROWS(WIDE_ROWS, K_Q5); break;
+                    case K_Q51: BY_ROWS(WIDE_ROWS, K_Q51); break;
                     default: BY_ROWS(WIDE_ROWS, K_Q6); break;
                 }
 #undef WIDE_ROWS
@@ -345,6 +356,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                 switch (kind) {
                     case K_Q4: BY_ROWS(TILE_ROWS, K_Q4); break;
                     case K_Q5: BY_ROWS(TILE_ROWS, K_Q5); break;
+                    case K_Q51: BY_ROWS(TILE_ROWS, K_Q51); break;
                     default: BY_ROWS(TILE_ROWS, K_Q6); break;
                 }
 #undef TILE_ROWS
@@ -359,24 +371,30 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
     const int lw = kind >= K_WIDE ? 16 : 8;
     kind = kind >= K_WIDE ? kind - (K_WIDE - K_Q4) : kind;
     const int nb = K / QK, nsb = K / QK_K, bb = block_bytes(kind);
-    const int d_fields = kind == K_Q6 ? 1 : 2, m_fields = scale_fields(kind);
+    const int64_t d_count = kind == K_Q51 ? nb : (int64_t)nsb * (kind == K_Q6 ? 1 : 2);
+    const int64_t m_bytes = kind == K_Q51 ? 2 * nb : (int64_t)nsb * scale_fields(kind);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const int t = n / lw, c = n % lw;
-        const uint16_t *dt = (const uint16_t *)d + (int64_t)t * lw * nsb * d_fields;
-        const uint8_t *mt = (const uint8_t *)m + (int64_t)t * lw * nsb * m_fields;
+        const uint16_t *dt = (const uint16_t *)d + (int64_t)t * lw * d_count;
+        const uint8_t *mt = (const uint8_t *)m + (int64_t)t * lw * m_bytes;
         for (int r = 0; r < M; r++) {
             const int8_t *xr = xq + (int64_t)r * K;
             float total = 0.0f, ds[16], ms[SUBS];
             for (int b = 0; b < nb; b++) {
-                if (b % SUBS == 0) decode_scales(kind, dt, mt, lw, b / SUBS, c, 1, ds, ms);
+                if (kind == K_Q51) {  /* [block][output] float16 d and m */
+                    ds[b % SUBS] = half_to_float(dt[(int64_t)lw * b + c]);
+                    ms[b % SUBS] = half_to_float(((const uint16_t *)mt)[(int64_t)lw * b + c]);
+                } else if (b % SUBS == 0) {
+                    decode_scales(kind, dt, mt, lw, b / SUBS, c, 1, ds, ms);
+                }
                 /* block b of output c: group g's bytes at 4 lw g + 4 c */
                 const uint8_t *p = (const uint8_t *)qs + ((int64_t)t * nb + b) * bb * lw + 4 * c;
                 int s = 0, s2 = 0; /* s2: the second half block's (Q6_K) */
                 for (int i = 0; i < 16; i++) {
                     const uint8_t byte = p[4 * lw * (i / 4) + i % 4];
                     int lo = byte & 15, hi = byte >> 4;
-                    if (kind == K_Q5) {
+                    if (kind == K_Q5 || kind == K_Q51) {
                         const uint8_t h = p[16 * lw + i % 4];
                         lo |= ((h >> (i / 4)) & 1) << 4;
                         hi |= ((h >> (4 + i / 4)) & 1) << 4;

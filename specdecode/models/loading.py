@@ -35,7 +35,7 @@ from .gguf_file import tensors as gguf_tensors
 from .layouts import split_fused, text_tower
 from .linear import Linear
 from .llama import Transformer
-from .quant import GGUF_BLOCKS, K_QUANTS, QUANTIZATIONS, QuantEmbedding, QuantLinear, quantize_linears_
+from .quant import GGUF_BLOCKS, K_QUANTS, QUANTIZATIONS, QuantEmbedding, QuantLinear, log_dequantized, quantize_linears_
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -266,7 +266,8 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
 def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu", kind: str | None = None,
               act8: bool = False) -> Transformer:
     """A GGUF file's model, its Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors loaded as they are stored (and with `act8` its
-    Q4_K / Q6_K ones, whose kernels take int8 activations only), the others dequantized to float32 once; with `kind`
+    Q4_K / Q5_K / Q6_K / Q5_1 ones, whose kernels take int8 activations only), the others dequantized to float32
+    once (one log line says so, and what it costs in memory); with `kind`
     ("int4", "int8") the file's float matrices are quantized to that (never the K-quants: rounding twice only
     loses); act8: int8 activations (the int4 / int8 layers')."""
     from rich.console import Console
@@ -278,6 +279,7 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     as_stored = {*GGUF_BLOCKS, *(K_QUANTS if act8 else ())}
     dequantized = sorted({t.tensor_type.name for _, t, _, _ in listed} - as_stored - {"F32", "F16", "BF16"})
     what = f" (dequantizing its {', '.join(dequantized)} tensors)" if dequantized else ""
+    log_dequantized(gguf_file.name, listed, as_stored, requantized=kind is not None)  # one line, where any
     for name, t, rows, shift in track(listed, description=f"loading {gguf_file.name}{what}", transient=True,
                                       console=Console(stderr=True)):
         stored = t.tensor_type.name

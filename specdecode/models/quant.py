@@ -18,6 +18,8 @@ dtype.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -27,15 +29,17 @@ from .. import kernels
 from ..names import QUANTIZATIONS
 from .linear import Linear
 
+log = logging.getLogger("specdecode")
 QK = 32  # weights per block
 # kind, bytes per block; Q5_0 (w = d * (q - 16), q of 5 bits) is exactly an int8 block, so it loads as one
 GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22), "Q8_0": ("int8", 34)}
 QK_K = 256  # weights per K-quant super-block
 # K-quants: kind, bytes per super-block; loaded at their size, run with int8 activations (else dequantized)
-K_QUANTS = {"Q4_K": ("q4k", 144), "Q5_K": ("q5k", 176), "Q6_K": ("q6k", 210)}
-K_KINDS = ("q4k", "q5k", "q6k")
+# (Q5_1 rides along: Q5_K's 5-bit blocks with float16 d and m per block of 32, as int4's)
+K_QUANTS = {"Q4_K": ("q4k", 144), "Q5_K": ("q5k", 176), "Q6_K": ("q6k", 210), "Q5_1": ("q5_1", 24)}
+K_KINDS = ("q4k", "q5k", "q6k", "q5_1")  # in the kernel's order (kinds 11-14)
 KINDS = ("int4", "int8", *K_KINDS)
-BLOCK_BYTES = {"int4": 16, "int8": 32, "q4k": 16, "q5k": 20, "q6k": 24}  # an output's bytes per block of 32
+BLOCK_BYTES = {"int4": 16, "int8": 32, "q4k": 16, "q5k": 20, "q6k": 24, "q5_1": 20}  # an output's bytes a block
 # a K-kind's float16 super-block scales (d, and dmin) and sub-scale bytes (packed 6-bit scales and mins, or int8)
 K_FIELDS = {"q4k": (2, 12), "q5k": (2, 12), "q6k": (1, 16)}
 
@@ -59,9 +63,12 @@ class QuantLinear(nn.Module):
         # scales kept as integer bits (float16 as int16, float32 as int32): `model.to(dtype)` casts floating buffers,
         # never these
         self.register_buffer("d", half_bits(d))
-        self.register_buffer("m", None if m is None else m.contiguous() if kind in K_KINDS else half_bits(m))
+        self.register_buffer("m", None if m is None else m.contiguous() if kind in K_FIELDS else half_bits(m))
         blocks = self.in_features // QK
-        if kind in K_KINDS:
+        if kind == "q5_1":
+            if self.m is None or self.d.shape[1] != blocks or self.m.shape[1] != blocks:
+                raise ValueError(f"q5_1: a float16 d and m a block of {QK} weights; got d {tuple(d.shape)}")
+        elif kind in K_KINDS:
             supers, (d_fields, m_fields) = self.in_features // QK_K, K_FIELDS[kind]
             if (self.in_features % QK_K or self.m is None or self.d.shape[1] != supers * d_fields
                     or self.m.shape[1] != supers * m_fields or self.m.dtype not in (torch.uint8, torch.int8)):
@@ -331,6 +338,9 @@ def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     """Float32 weights [n, k] from blocks (d and m as float16 or float32 bits; d may hold a scale per 16 weights;
     K kinds: see k_values and k_scales), rounded as the `gguf` package rounds them (d * q, then + m)."""
     n, scales = qs.shape[0], d.shape[1]
+    if kind == "q5_1":
+        return (k_values(kind, qs, k).float().reshape(n, -1, QK) * scale_floats(d).reshape(n, -1, 1)
+                + scale_floats(m).reshape(n, -1, 1)).reshape(n, k)
     if kind in K_KINDS:
         values = k_values(kind, qs, k).float()
         ds, ms = k_scales(kind, d, m, k)
@@ -353,12 +363,18 @@ def scale_floats(bits: torch.Tensor) -> torch.Tensor:
 
 
 def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(qs, d, m) of a Q4_K, Q5_K or Q6_K tensor's bytes [out, super-blocks * bytes] (ggml-common.h's block_q4_K,
-    block_q5_K, block_q6_K) in QuantLinear's K layout, as many bytes as the file's (see kernels/kquants.c)."""
+    """(qs, d, m) of a Q4_K, Q5_K, Q6_K or Q5_1 tensor's bytes [out, blocks * bytes] (ggml-common.h's block_q4_K,
+    block_q5_K, block_q6_K, block_q5_1) in QuantLinear's K layout, as many bytes as the file's (kernels/kquants.c)."""
     size = K_QUANTS[ggml_type][1]
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
-    if ggml_type in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and mins for 8 blocks, then
+    if ggml_type == "Q5_1":  # d, m (float16), 32 fifth bits (bit j: weight j's), 16 bytes of nibbles (j, j + 16)
+        d = blocks[..., 0:2].copy().view(np.int16)[..., 0]
+        scales = blocks[..., 2:4].copy().view(np.int16)[..., 0]
+        fifth = (blocks[..., 4:8].copy().view("<u4") >> np.arange(QK, dtype=np.uint32)) & 1  # [n, blocks, 32]
+        low = blocks[..., 8:]
+        values = np.concatenate((low & 0x0F, low >> 4), axis=-1) | (fifth.astype(np.uint8) << 4)
+    elif ggml_type in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and mins for 8 blocks, then
         d = blocks[..., 0:4].copy().view(np.int16).reshape(n, -1)  # Q5_K: 32 bytes of fifth bits; 128 of nibbles
         scales = blocks[..., 4:16].reshape(n, -1)
         nibbles = blocks[..., -128:].reshape(n, -1, 4, 1, 32)  # 32 bytes a pair of blocks: the first low, then high
@@ -377,7 +393,7 @@ def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch
     values = values.reshape(n, -1, QK)  # [n, blocks, 32]: weights 0..255 of each super-block in order, unsigned
     parts = [(values[..., :16] & 0x0F) | ((values[..., 16:] & 0x0F) << 4)]  # byte i: weights i and i + 16
     top = (values >> 4).reshape(n, -1, 2, 4, 4)  # [half][group f][byte i]: weight 16 half + 4 f + i's high bits
-    if ggml_type == "Q5_K":  # byte i's bit 4 half + f
+    if ggml_type in ("Q5_K", "Q5_1"):  # byte i's bit 4 half + f
         parts.append(((top & 1) << np.array([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=np.uint8)[..., None]).sum(
             (-3, -2), dtype=np.uint8))
     elif ggml_type == "Q6_K":  # word `half`, byte i: bits 2f, 2f + 1
@@ -395,7 +411,7 @@ def k_values(kind: str, qs: torch.Tensor, k: int) -> torch.Tensor:
     blocks = qs.reshape(n, k // QK, BLOCK_BYTES[kind])
     nib = blocks[..., :16]
     values = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(n, -1, 2, 4, 4)  # [block][half][f][i]
-    if kind == "q5k":  # byte i, bit 4 half + f
+    if kind in ("q5k", "q5_1"):  # byte i, bit 4 half + f
         shifts = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.uint8, device=qs.device)[..., None]
         values |= ((blocks[..., 16:20].reshape(n, -1, 1, 1, 4) >> shifts) & 1) << 4
     elif kind == "q6k":  # word `half`, byte i, bits 2f, 2f + 1
@@ -419,6 +435,33 @@ def k_scales(kind: str, d: torch.Tensor, m: torch.Tensor, k: int) -> tuple[torch
     ds = halves[..., 0:1] * scales.float()
     ms = -(halves[..., 1:2] * mins.float())
     return ds.reshape(n, -1), ms.reshape(n, -1)
+
+
+def log_dequantized(file_name: str, tensors: list, native: set[str], requantized: bool = False) -> str | None:
+    """The one line a load logs (and returns) where a GGUF file's matrices have no native kernel here: their types,
+    and the memory they take dequantized to float32 against the file's bytes (None where all load natively).
+    tensors: (name, gguf tensor, ...) as gguf_file.tensors yields them; F32 matrices and 1-d tensors (norms) are
+    float32 in the file already; `requantized`: the float matrices are rounded to a chosen quantization instead."""
+    types: dict[str, list[int]] = {}
+    seen: set[int] = set()
+    for _, t, *_ in tensors:
+        stored = t.tensor_type.name
+        if stored in native or stored == "F32" or len(t.shape) < 2 or id(t) in seen:
+            continue
+        if requantized and stored in ("F16", "BF16"):
+            continue
+        seen.add(id(t))  # a fused tensor's parts: counted once
+        sizes = types.setdefault(stored, [0, 0])
+        sizes[0] += int(t.n_bytes)
+        sizes[1] += int(t.n_elements) * 4
+    if not types:
+        return None
+    file_mb, float_mb = (sum(v[i] for v in types.values()) / 2**20 for i in (0, 1))
+    line = (f"{file_name}: no native kernel for its {', '.join(sorted(types))} matrices here: dequantized once to "
+            f"float32, {file_mb:.0f} MB in the file -> {float_mb:.0f} MB in memory ({float_mb / file_mb:.1f}x), "
+            "and read at that size every token")
+    log.warning(line)
+    return line
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
