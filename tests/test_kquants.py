@@ -25,7 +25,7 @@ from .helpers import tiny_model
 
 gguf = pytest.importorskip("gguf")
 
-TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1"]  # Q5_1: Q5_K's blocks with a float16 d and m each 32 weights
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q3_K"]  # Q5_1: Q5_K's blocks with a float16 d and m each 32 weights
 BUILDS = ["", "portable", "emulate-vnni"]  # this CPU's, plain C, AVX2 with the VNNI code path
 
 
@@ -36,8 +36,8 @@ def random_k_quant(name: str, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 2e-2, (n, k // block, 2)).astype(np.float16).view(np.uint8)
-    if name == "Q6_K":
-        raw[..., 208:210] = scales[..., :2]  # d
+    if name in ("Q6_K", "Q3_K"):
+        raw[..., size - 2:] = scales[..., :2]  # d, last
     else:
         raw[..., 0:4] = scales  # d, dmin (Q5_1: d, m)
     return raw.reshape(n, -1)

@@ -1,4 +1,4 @@
-/* GGUF's K-quants (Q4_K, Q5_K, Q6_K) and Q5_1 at the file's own bytes per weight, with int8 activations.
+/* GGUF's K-quants (Q4_K, Q5_K, Q6_K, Q3_K) and Q5_1 at the file's own bytes per weight, with int8 activations.
 
    A super-block of 256 weights is 8 blocks of 32 (the activations' blocks: a8matmul.c rounds each row per block
    of 32). QuantLinear repacks a tensor once at load, to exactly the file's size, into tiles of 8 or 16 outputs
@@ -7,10 +7,13 @@
      groups 0-3: byte i of output c = weight 4g + i (low nibble) | weight 16 + 4g + i (high nibble) << 4;
      Q5_K, group 4: byte i's bit f = the fifth bit of weight 4f + i (f < 4) or 16 + 4(f - 4) + i;
      Q6_K, groups 4 and 5: byte i's bits 2f, 2f + 1 = the top 2 bits of weight 4f + i (group 4) or 16 + 4f + i
-       (group 5).
-   So a block is 16, 20 or 24 bytes an output (4, 5, 6 bits a weight). The scales stay as the file packs them,
+       (group 5);
+     Q3_K (no nibbles): groups 0 and 1: byte i's bits 2f, 2f + 1 = the low 2 bits of weight 4f + i (group 0) or
+       16 + 4f + i (group 1); group 2: byte i's bit f = the third bit of weight 4f + i (f < 4) or 16 + 4(f - 4) + i.
+   So a block is 16, 20, 24 or 12 bytes an output (4, 5, 6, 3 bits a weight). The scales stay as the file packs them,
    transposed into the tile ([super-block][field][output]): Q4_K and Q5_K: float16 d and dmin, and 12 bytes of
-   6-bit scales and mins (get_scale_min_k4 in llama.cpp's ggml-quants.c); Q6_K: float16 d and 16 int8 scales.
+   6-bit scales and mins (get_scale_min_k4 in llama.cpp's ggml-quants.c); Q6_K: float16 d and 16 int8 scales;
+   Q3_K: float16 d and 12 bytes of 16 6-bit scales (less 32; dequantize_row_q3_K's unpacking).
    Per super-block and tile they are decoded once into float32: d * scale and -(dmin * min), products of a
    float16 and a 6- or 8-bit integer, exact in float32 (the `gguf` package's dequantization rounds the same way).
    Q5_1 (blocks of 32: float16 d and m, 5-bit weights) is Q5_K's blocks with a8matmul.c's int4 scales: float16 d
@@ -18,9 +21,9 @@
 
    The arithmetic per output and row is a8matmul.c's for the widened K-quants (kinds 5 and 6), in the same
    order: the block's exact integer sum, times (d * dx) in one FMA, then for Q4_K / Q5_K the min times the row's
-   block sum (dx * sum(qx)); Q6_K keeps each half block's sum apart, its weights stored as u = q + 32 in 0..63
-   (unsigned, as the int8 dot product wants them) and 32 * (the row's half-block sum of qx) taken off the integer
-   sum. Same integers, same float operations: the same bits as the widened layout, at 4.5 / 5.5 / 6.56 bits a
+   block sum (dx * sum(qx)); Q6_K and Q3_K keep each half block's sum apart, their weights stored as u = q + 32
+   in 0..63 (Q3_K: q + 4 in 0..7; unsigned, as the int8 dot product wants them) and 32 (4) times the row's
+   half-block sum of qx taken off the integer sum. Same integers, same float operations: the same bits as the widened layout, at 4.5 / 5.5 / 6.56 bits a
    weight instead of 6 / 6 / 10.
 
    Row independence (lossless speculation): a row's result comes from the same instructions in the same order
@@ -35,9 +38,11 @@
 
 #define SUBS (QK_K / QK) /* blocks of 32 per super-block */
 
-static inline int block_bytes(int kind) { return kind == K_Q4 ? 16 : kind == K_Q6 ? 24 : 20; }
+static inline int block_bytes(int kind) { return kind == K_Q4 ? 16 : kind == K_Q6 ? 24 : kind == K_Q3 ? 12 : 20; }
 static inline int scale_fields(int kind) { return kind == K_Q6 ? 16 : 12; } /* sub-scale bytes a super-block */
-static inline int halves(int kind) { return kind == K_Q6; }                 /* a scale for each 16 weights */
+static inline int halves(int kind) { return kind == K_Q6 || kind == K_Q3; } /* a scale for each 16 weights */
+static inline int offset(int kind) { return kind == K_Q3 ? 4 : 32; }       /* stored u = q + offset (halves) */
+static inline int d_fields(int kind) { return halves(kind) ? 1 : 2; }     /* float16 scales a super-block */
 
 /* Super-block s of outputs c0..c0 + cols - 1 of a tile of lw: ds[j * cols + c] (block j's scale; Q6_K: [16]
    half blocks), ms[j * cols + c] (block j's min, Q4_K and Q5_K). dt: the tile's float16 d (and dmin), mt: its
@@ -46,6 +51,17 @@ static inline __attribute__((always_inline)) void decode_scales(const int kind, 
                                                                  const uint8_t *mt, int lw, int s, int c0,
                                                                  const int cols, float *ds, float *ms) {
     float d[16], dmin[16];
+    if (kind == K_Q3) {  /* scale j: low 4 bits in byte j % 8 (j >= 8: its high nibble), high 2 in byte 8 + j % 4 */
+        for (int c = 0; c < cols; c++) d[c] = half_to_float(dt[(int64_t)s * lw + c0 + c]);
+        const uint8_t *q = mt + (int64_t)12 * s * lw + c0;
+        for (int j = 0; j < 16; j++)
+            for (int c = 0; c < cols; c++) {
+                const int sc = ((q[(j % 8) * lw + c] >> (j < 8 ? 0 : 4)) & 15) |
+                               (((q[(8 + j % 4) * lw + c] >> (2 * (j / 4))) & 3) << 4);
+                ds[j * cols + c] = d[c] * (float)(sc - 32);
+            }
+        return;
+    }
     if (kind == K_Q6) {
         for (int c = 0; c < cols; c++) d[c] = half_to_float(dt[(int64_t)s * lw + c0 + c]);
         const int8_t *sc = (const int8_t *)mt + (int64_t)16 * s * lw + c0;
@@ -81,6 +97,19 @@ static inline __attribute__((always_inline)) void decode_scales(const int kind, 
    (-dmin) * m, equal in IEEE arithmetic (rounding is symmetric in sign) */
 static inline void decode_scales8(const int kind, const uint16_t *dt, const uint8_t *mt, int lw, int s, int c0,
                                   float *ds, float *ms) {
+    if (kind == K_Q3) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)s * lw + c0)));
+        const uint8_t *q = mt + (int64_t)12 * s * lw + c0;
+        __m256i b[12];
+        for (int j = 0; j < 12; j++) b[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j * lw)));
+        for (int j = 0; j < 16; j++) {
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(b[j % 8], j < 8 ? 0 : 4), _mm256_set1_epi32(15));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(b[8 + j % 4], 2 * (j / 4)), _mm256_set1_epi32(3));
+            const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+            _mm256_storeu_ps(ds + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+        }
+        return;
+    }
     if (kind == K_Q6) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)s * lw + c0)));
         const int8_t *sc = (const int8_t *)mt + (int64_t)16 * s * lw + c0;
@@ -130,6 +159,12 @@ static inline __m256i high5(__m256i h, int shift_right) {  /* bit `shift_right` 
     return _mm256_and_si256(shift_right <= 4 ? _mm256_slli_epi16(h, 4 - shift_right)
                                              : _mm256_srli_epi16(h, shift_right - 4), _mm256_set1_epi8(0x10));
 }
+static inline __m256i low2(__m256i h, int g) {  /* Q3_K: bits 2g, 2g + 1 of each byte to bits 0, 1 */
+    return _mm256_and_si256(_mm256_srli_epi16(h, 2 * g), _mm256_set1_epi8(0x03));
+}
+static inline __m256i third(__m256i h, int f) {  /* Q3_K: bit f of each byte to bit 2 */
+    return _mm256_and_si256(f <= 2 ? _mm256_slli_epi16(h, 2 - f) : _mm256_srli_epi16(h, f - 2), _mm256_set1_epi8(0x04));
+}
 static inline __m256i high6(__m256i h, int g) {  /* bits 2g, 2g + 1 of each byte to bits 4, 5 */
     return _mm256_and_si256(g <= 2 ? _mm256_slli_epi16(h, 4 - 2 * g) : _mm256_srli_epi16(h, 2), _mm256_set1_epi8(0x30));
 }
@@ -152,11 +187,21 @@ static inline __attribute__((always_inline)) void k_tile_rows(
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * lw + line, _MM_HINT_T0);
         __m256i isum[ROWS], isum2[ROWS];
         for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
-        const __m256i h0 = KIND == K_Q4 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(p + 16 * lw));
+        const __m256i h0 = KIND == K_Q4 ? _mm256_setzero_si256()
+                         : _mm256_loadu_si256((const __m256i *)(p + (KIND == K_Q3 ? 8 : 16) * lw));
         const __m256i h1 = KIND == K_Q6 ? _mm256_loadu_si256((const __m256i *)(p + 20 * lw)) : h0;
+        const __m256i a3 = KIND == K_Q3 ? _mm256_loadu_si256((const __m256i *)p) : h0;  /* Q3_K: low bit pairs */
+        const __m256i b3 = KIND == K_Q3 ? _mm256_loadu_si256((const __m256i *)(p + 4 * lw)) : h0;
         for (int g = 0; g < 4; g++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 4 * lw * g));
-            __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            __m256i lo, hi;
+            if (KIND == K_Q3) {
+                lo = _mm256_or_si256(low2(a3, g), third(h0, g));
+                hi = _mm256_or_si256(low2(b3, g), third(h0, 4 + g));
+            } else {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 4 * lw * g));
+                lo = _mm256_and_si256(raw, low);
+                hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            }
             if (KIND == K_Q5 || KIND == K_Q51) {
                 lo = _mm256_or_si256(lo, high5(h0, g));
                 hi = _mm256_or_si256(hi, high5(h0, 4 + g));
@@ -167,16 +212,16 @@ static inline __attribute__((always_inline)) void k_tile_rows(
             for (int r = 0; r < R; r++) {
                 const int8_t *x = xq + (int64_t)r * K + QK * b;
                 isum[r] = dp(isum[r], lo, bcast4(x + 4 * g));
-                if (KIND == K_Q6) isum2[r] = dp(isum2[r], hi, bcast4(x + 16 + 4 * g));
+                if (halves(KIND)) isum2[r] = dp(isum2[r], hi, bcast4(x + 16 + 4 * g));
                 else isum[r] = dp(isum[r], hi, bcast4(x + 16 + 4 * g));
             }
         }
-        if (KIND == K_Q6) {
+        if (halves(KIND)) {
             const __m256 d = _mm256_loadu_ps(ds + COLS * 2 * j), d2 = _mm256_loadu_ps(ds + COLS * (2 * j + 1));
             for (int r = 0; r < R; r++) {
                 const int32_t *s = s16 + (int64_t)r * (K / 16) + 2 * b;
-                isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * s[0]));
-                isum2[r] = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(32 * s[1]));
+                isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(offset(KIND) * s[0]));
+                isum2[r] = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(offset(KIND) * s[1]));
                 const __m256 xd = _mm256_set1_ps(dx[(int64_t)r * nb + b]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum2[r]), _mm256_mul_ps(d2, xd), acc[r]);
@@ -207,6 +252,12 @@ static inline __m512i high5_16(__m512i h, int shift_right) {
     return _mm512_and_si512(shift_right <= 4 ? _mm512_slli_epi16(h, 4 - shift_right)
                                              : _mm512_srli_epi16(h, shift_right - 4), _mm512_set1_epi8(0x10));
 }
+static inline __m512i low2_16(__m512i h, int g) {
+    return _mm512_and_si512(_mm512_srli_epi16(h, 2 * g), _mm512_set1_epi8(0x03));
+}
+static inline __m512i third16(__m512i h, int f) {
+    return _mm512_and_si512(f <= 2 ? _mm512_slli_epi16(h, 2 - f) : _mm512_srli_epi16(h, f - 2), _mm512_set1_epi8(0x04));
+}
 static inline __m512i high6_16(__m512i h, int g) {
     return _mm512_and_si512(g <= 2 ? _mm512_slli_epi16(h, 4 - 2 * g) : _mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30));
 }
@@ -214,6 +265,19 @@ static inline __m512i high6_16(__m512i h, int g) {
 static inline void decode_scales16(const int kind, const uint16_t *dt, const uint8_t *mt, int s, float *ds,
                                    float *ms) {
     const int lw = 16;
+    if (kind == K_Q3) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)s * lw)));
+        const uint8_t *q = mt + (int64_t)12 * s * lw;
+        __m512i b[12];
+        for (int j = 0; j < 12; j++) b[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * lw)));
+        for (int j = 0; j < 16; j++) {
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(b[j % 8], j < 8 ? 0 : 4), _mm512_set1_epi32(15));
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(b[8 + j % 4], 2 * (j / 4)), _mm512_set1_epi32(3));
+            const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+            _mm512_storeu_ps(ds + 16 * j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        }
+        return;
+    }
     if (kind == K_Q6) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)s * lw)));
         const int8_t *sc = (const int8_t *)mt + (int64_t)16 * s * lw;
@@ -265,11 +329,21 @@ static inline __attribute__((always_inline)) void k_wide_rows(
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * COLS + line, _MM_HINT_T0);
         __m512i isum[ROWS], isum2[ROWS];
         for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
-        const __m512i h0 = KIND == K_Q4 ? _mm512_setzero_si512() : _mm512_loadu_si512((const void *)(p + 16 * lw));
+        const __m512i h0 = KIND == K_Q4 ? _mm512_setzero_si512()
+                         : _mm512_loadu_si512((const void *)(p + (KIND == K_Q3 ? 8 : 16) * lw));
         const __m512i h1 = KIND == K_Q6 ? _mm512_loadu_si512((const void *)(p + 20 * lw)) : h0;
+        const __m512i a3 = KIND == K_Q3 ? _mm512_loadu_si512((const void *)p) : h0;
+        const __m512i b3 = KIND == K_Q3 ? _mm512_loadu_si512((const void *)(p + 4 * lw)) : h0;
         for (int g = 0; g < 4; g++) {
-            const __m512i raw = _mm512_loadu_si512((const void *)(p + 4 * lw * g));
-            __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            __m512i lo, hi;
+            if (KIND == K_Q3) {
+                lo = _mm512_or_si512(low2_16(a3, g), third16(h0, g));
+                hi = _mm512_or_si512(low2_16(b3, g), third16(h0, 4 + g));
+            } else {
+                const __m512i raw = _mm512_loadu_si512((const void *)(p + 4 * lw * g));
+                lo = _mm512_and_si512(raw, low);
+                hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
             if (KIND == K_Q5 || KIND == K_Q51) {
                 lo = _mm512_or_si512(lo, high5_16(h0, g));
                 hi = _mm512_or_si512(hi, high5_16(h0, 4 + g));
@@ -280,16 +354,16 @@ static inline __attribute__((always_inline)) void k_wide_rows(
             for (int r = 0; r < R; r++) {
                 const int8_t *x = xq + (int64_t)r * K + QK * b;
                 isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast4_16(x + 4 * g));
-                if (KIND == K_Q6) isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, bcast4_16(x + 16 + 4 * g));
+                if (halves(KIND)) isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, bcast4_16(x + 16 + 4 * g));
                 else isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcast4_16(x + 16 + 4 * g));
             }
         }
-        if (KIND == K_Q6) {
+        if (halves(KIND)) {
             const __m512 d = _mm512_loadu_ps(ds + 16 * 2 * j), d2 = _mm512_loadu_ps(ds + 16 * (2 * j + 1));
             for (int r = 0; r < R; r++) {
                 const int32_t *s = s16 + (int64_t)r * (K / 16) + 2 * b;
-                isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * s[0]));
-                isum2[r] = _mm512_sub_epi32(isum2[r], _mm512_set1_epi32(32 * s[1]));
+                isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(offset(KIND) * s[0]));
+                isum2[r] = _mm512_sub_epi32(isum2[r], _mm512_set1_epi32(offset(KIND) * s[1]));
                 const __m512 xd = _mm512_set1_ps(dx[(int64_t)r * nb + b]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, xd), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r]), _mm512_mul_ps(d2, xd), acc[r]);
@@ -319,7 +393,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
     kind = kind >= K_WIDE ? kind - (K_WIDE - K_Q4) : kind;
     const int nb = K / QK, nsb = K / QK_K, bb = block_bytes(kind);
     /* an output's float16 scales and sub-scale bytes */
-    const int64_t d_count = kind == K_Q51 ? nb : (int64_t)nsb * (kind == K_Q6 ? 1 : 2);
+    const int64_t d_count = kind == K_Q51 ? nb : (int64_t)nsb * d_fields(kind);
     const int64_t m_bytes = kind == K_Q51 ? 2 * nb : (int64_t)nsb * scale_fields(kind);
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < (N + lw - 1) / lw; t++) {
@@ -338,6 +412,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                     case K_Q4: BY_ROWS(WIDE_ROWS, K_Q4); break;
                     case K_Q5: BY_ROWS(WIDE_ROWS, K_Q5); break;
                     case K_Q51: BY_ROWS(WIDE_ROWS, K_Q51); break;
+                    case K_Q3: BY_ROWS(WIDE_ROWS, K_Q3); break;
                     default: BY_ROWS(WIDE_ROWS, K_Q6); break;
                 }
 #undef WIDE_ROWS
@@ -357,6 +432,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                     case K_Q4: BY_ROWS(TILE_ROWS, K_Q4); break;
                     case K_Q5: BY_ROWS(TILE_ROWS, K_Q5); break;
                     case K_Q51: BY_ROWS(TILE_ROWS, K_Q51); break;
+                    case K_Q3: BY_ROWS(TILE_ROWS, K_Q3); break;
                     default: BY_ROWS(TILE_ROWS, K_Q6); break;
                 }
 #undef TILE_ROWS
@@ -371,7 +447,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
     const int lw = kind >= K_WIDE ? 16 : 8;
     kind = kind >= K_WIDE ? kind - (K_WIDE - K_Q4) : kind;
     const int nb = K / QK, nsb = K / QK_K, bb = block_bytes(kind);
-    const int64_t d_count = kind == K_Q51 ? nb : (int64_t)nsb * (kind == K_Q6 ? 1 : 2);
+    const int64_t d_count = kind == K_Q51 ? nb : (int64_t)nsb * d_fields(kind);
     const int64_t m_bytes = kind == K_Q51 ? 2 * nb : (int64_t)nsb * scale_fields(kind);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -394,7 +470,11 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                 for (int i = 0; i < 16; i++) {
                     const uint8_t byte = p[4 * lw * (i / 4) + i % 4];
                     int lo = byte & 15, hi = byte >> 4;
-                    if (kind == K_Q5 || kind == K_Q51) {
+                    if (kind == K_Q3) {  /* weights i and 16 + i: bit pairs in groups 0 and 1, third bits in 2 */
+                        const uint8_t h = p[8 * lw + i % 4];
+                        lo = ((p[i % 4] >> (2 * (i / 4))) & 3) | (((h >> (i / 4)) & 1) << 2);
+                        hi = ((p[4 * lw + i % 4] >> (2 * (i / 4))) & 3) | (((h >> (4 + i / 4)) & 1) << 2);
+                    } else if (kind == K_Q5 || kind == K_Q51) {
                         const uint8_t h = p[16 * lw + i % 4];
                         lo |= ((h >> (i / 4)) & 1) << 4;
                         hi |= ((h >> (4 + i / 4)) & 1) << 4;
@@ -409,8 +489,8 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                 const float xd = dx[(int64_t)r * nb + b];
                 const int j = b % SUBS;
                 if (halves(kind)) {
-                    s -= 32 * s16[(int64_t)r * (K / 16) + 2 * b];
-                    s2 -= 32 * s16[(int64_t)r * (K / 16) + 2 * b + 1];
+                    s -= offset(kind) * s16[(int64_t)r * (K / 16) + 2 * b];
+                    s2 -= offset(kind) * s16[(int64_t)r * (K / 16) + 2 * b + 1];
                     total += (float)s * (ds[2 * j] * xd);
                     total += (float)s2 * (ds[2 * j + 1] * xd);
                 } else {

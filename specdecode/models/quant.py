@@ -36,12 +36,14 @@ GGUF_BLOCKS = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int8", 22),
 QK_K = 256  # weights per K-quant super-block
 # K-quants: kind, bytes per super-block; loaded at their size, run with int8 activations (else dequantized)
 # (Q5_1 rides along: Q5_K's 5-bit blocks with float16 d and m per block of 32, as int4's)
-K_QUANTS = {"Q4_K": ("q4k", 144), "Q5_K": ("q5k", 176), "Q6_K": ("q6k", 210), "Q5_1": ("q5_1", 24)}
-K_KINDS = ("q4k", "q5k", "q6k", "q5_1")  # in the kernel's order (kinds 11-14)
+K_QUANTS = {"Q4_K": ("q4k", 144), "Q5_K": ("q5k", 176), "Q6_K": ("q6k", 210), "Q5_1": ("q5_1", 24),
+            "Q3_K": ("q3k", 110)}
+K_KINDS = ("q4k", "q5k", "q6k", "q5_1", "q3k")  # in the kernel's order (kinds 11-15; 21-25 in tiles of 16)
 KINDS = ("int4", "int8", *K_KINDS)
-BLOCK_BYTES = {"int4": 16, "int8": 32, "q4k": 16, "q5k": 20, "q6k": 24, "q5_1": 20}  # an output's bytes a block
+BLOCK_BYTES = {"int4": 16, "int8": 32, "q4k": 16, "q5k": 20, "q6k": 24, "q5_1": 20, "q3k": 12}  # an output's a block
 # a K-kind's float16 super-block scales (d, and dmin) and sub-scale bytes (packed 6-bit scales and mins, or int8)
-K_FIELDS = {"q4k": (2, 12), "q5k": (2, 12), "q6k": (1, 16)}
+K_FIELDS = {"q4k": (2, 12), "q5k": (2, 12), "q6k": (1, 16), "q3k": (1, 12)}
+K_OFFSETS = {"q6k": 32, "q3k": 4}  # kinds with a scale each 16 weights: stored u = q + offset
 
 
 class QuantLinear(nn.Module):
@@ -141,7 +143,7 @@ class QuantLinear(nn.Module):
         any build reads either width)."""
         self.tile(kernels.tile_width())
         if self.kind in K_KINDS:
-            return 11 + K_KINDS.index(self.kind) + (4 if self.tiled == 16 else 0), self.qs, self.d, self.m
+            return 11 + K_KINDS.index(self.kind) + (10 if self.tiled == 16 else 0), self.qs, self.d, self.m
         kind = (3 if self.kind == "int4" else 4) + 2 * self.exact_scales
         return kind + (4 if self.tiled == 16 else 0), self.qs, self.d, self.m
 
@@ -344,8 +346,8 @@ def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
     if kind in K_KINDS:
         values = k_values(kind, qs, k).float()
         ds, ms = k_scales(kind, d, m, k)
-        if kind == "q6k":
-            return ((values - 32).reshape(n, -1, 16) * ds.reshape(n, -1, 1)).reshape(n, k)
+        if kind in K_OFFSETS:
+            return ((values - K_OFFSETS[kind]).reshape(n, -1, 16) * ds.reshape(n, -1, 1)).reshape(n, k)
         return (values.reshape(n, -1, QK) * ds.reshape(n, -1, 1) + ms.reshape(n, -1, 1)).reshape(n, k)
     d = scale_floats(d).reshape(n, scales, 1)
     if kind == "int4":
@@ -382,6 +384,12 @@ def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch
         if ggml_type == "Q5_K":  # block 2c + h's weight l: bit 2c + h of byte l
             fifth = blocks[..., 16:48].reshape(n, -1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
             values |= (fifth & 1) << 4
+    elif ggml_type == "Q3_K":  # 32 bytes of third bits, 64 of low bit pairs, 12 of 16 6-bit scales, d (float16)
+        pairs = blocks[..., 32:96].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+        third = blocks[..., 0:32].reshape(n, -1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)
+        values = (pairs & 3) | ((third & 1) << 2)  # weight 128 h + 32 j + l: [h][j][l]
+        d = blocks[..., 108:110].copy().view(np.int16).reshape(n, -1)
+        scales = blocks[..., 96:108].reshape(n, -1)
     else:  # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one each 16 weights), d (float16)
         low = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half of 128 weights][first or second 32 bytes][32]
         h = blocks[..., 128:192].reshape(n, -1, 2, 32)
@@ -391,6 +399,14 @@ def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch
         d = blocks[..., 208:210].copy().view(np.int16).reshape(n, -1)
         scales = blocks[..., 192:208].reshape(n, -1).view(np.int8)
     values = values.reshape(n, -1, QK)  # [n, blocks, 32]: weights 0..255 of each super-block in order, unsigned
+    if ggml_type == "Q3_K":  # words 0, 1: byte i's bits 2f, 2f + 1 (weight 16 half + 4 f + i); word 2 as Q5_K's
+        split = values.reshape(n, -1, 2, 4, 4)
+        pairs = ((split & 3) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)
+        third = (((split >> 2) & 1) << np.array([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=np.uint8)[..., None]).sum(
+            (-3, -2), dtype=np.uint8)
+        qs = np.concatenate((pairs.reshape(n, -1, 8), third), axis=-1).reshape(n, -1)
+        return torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(d)), \
+            torch.from_numpy(np.ascontiguousarray(scales))
     parts = [(values[..., :16] & 0x0F) | ((values[..., 16:] & 0x0F) << 4)]  # byte i: weights i and i + 16
     top = (values >> 4).reshape(n, -1, 2, 4, 4)  # [half][group f][byte i]: weight 16 half + 4 f + i's high bits
     if ggml_type in ("Q5_K", "Q5_1"):  # byte i's bit 4 half + f
@@ -409,6 +425,12 @@ def k_values(kind: str, qs: torch.Tensor, k: int) -> torch.Tensor:
     its blocks in row order."""
     n = qs.shape[0]
     blocks = qs.reshape(n, k // QK, BLOCK_BYTES[kind])
+    if kind == "q3k":  # words 0, 1: byte i's bits 2f, 2f + 1; word 2: byte i's bit 4 half + f
+        pairs = (blocks[..., 0:8].reshape(n, -1, 2, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8,
+                                                                           device=qs.device)[:, None]) & 3
+        shifts = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.uint8, device=qs.device)[..., None]
+        third = (blocks[..., 8:12].reshape(n, -1, 1, 1, 4) >> shifts) & 1
+        return (pairs | (third << 2)).reshape(n, k)
     nib = blocks[..., :16]
     values = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(n, -1, 2, 4, 4)  # [block][half][f][i]
     if kind in ("q5k", "q5_1"):  # byte i, bit 4 half + f
@@ -426,6 +448,12 @@ def k_scales(kind: str, d: torch.Tensor, m: torch.Tensor, k: int) -> tuple[torch
     (llama.cpp's get_scale_min_k4 unpacks the 6-bit ones)."""
     n = d.shape[0]
     halves = d.view(torch.float16).float().reshape(n, k // QK_K, -1)
+    if kind == "q3k":  # scale j: low 4 bits in byte j % 8 (j >= 8: its high nibble), high 2 in byte 8 + j % 4
+        q = m.reshape(n, -1, 12).to(torch.int32)
+        low = torch.cat((q[..., 0:8] & 15, q[..., 0:8] >> 4), -1)
+        high = torch.cat([(q[..., 8:12] >> (2 * i)) & 3 for i in range(4)], -1)
+        ds = halves * ((low | (high << 4)) - 32).float()
+        return ds.reshape(n, -1), torch.zeros(n, 0)
     if kind == "q6k":
         ds = halves * m.view(torch.int8).reshape(n, k // QK_K, 16).float()
         return ds.reshape(n, -1), torch.zeros(n, 0)
