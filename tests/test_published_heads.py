@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specdecode.drafting import Drafting
+from specdecode.cli import main as cli_main
+from specdecode.drafting import SHIPPED_EAGLE, Drafting
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
@@ -433,3 +434,17 @@ def test_explicit_layer_ids_name_outputs_in_eagle_config_and_layers_entered_at_t
         == [1, 3, 5]  # SpecForge / SGLang: outputs, captured in layer order
     assert load_eagle_head(write_eagle3(tmp_path / "b", target, top_level_ids=[2, 4, 6]), target).config \
         .target_layers == [1, 3, 5]  # vLLM: the layers entered
+
+
+def test_cli_export_head(tmp_path, capsys) -> None:
+    shipped = SHIPPED_EAGLE["smollm2-135m-instruct"]
+    assert cli_main(["export-head", str(shipped), "--out", str(tmp_path / "e3")]) == 2
+    assert "cannot be written in the EAGLE-3 layout" in capsys.readouterr().err
+    target = tiny_model(0, vocab_size=VOCAB, num_layers=2)
+    MedusaHeads.from_target(target, 2, torch.arange(VOCAB)).save(tmp_path / "ours")
+    assert cli_main(["export-head", str(tmp_path / "ours"), "--out", str(tmp_path / "m"), "--dtype", "bfloat16"]) == 0
+    assert "Medusa heads to" in capsys.readouterr().out
+    written = load_file(str(tmp_path / "m" / "medusa_lm_head.safetensors"))
+    assert sorted(written) == ["0.0.linear.bias", "0.0.linear.weight", "0.1.weight", "1.0.linear.bias",
+                               "1.0.linear.weight", "1.1.weight"]
+    assert written["0.1.weight"].dtype == torch.bfloat16
