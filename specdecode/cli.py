@@ -49,7 +49,8 @@ COMMANDS = {"generate": "generate text for one prompt",
             "tune": "measure and cache what the adaptive policy and layer-skip use",
             "train": "train a draft on the target's own answers: eagle, medusa or draft",
             "serve": "OpenAI-compatible HTTP server with continuous batching and speculation",
-            "bench": "Spec-Bench: speedup and tau per category, with transformers as peers"}
+            "bench": "Spec-Bench: speedup and tau per category, with transformers as peers",
+            "export-head": "write a draft head in its published layout (Medusa's, EAGLE-3)"}
 
 
 def command_of(argv: list[str]) -> str | None:
@@ -86,6 +87,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_serve_parser(sub)
     if wanted("bench"):
         add_bench_parser(sub)
+    if wanted("export-head"):
+        from .cli_export import add_export_parser
+
+        add_export_parser(sub)
     return parser
 
 
@@ -214,6 +219,10 @@ def run_command(args: argparse.Namespace) -> int:
         return cmd_tune(args)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "export-head":
+        from .cli_export import cmd_export
+
+        return cmd_export(args)
     if args.command == "train":
         from .training.cli import cmd_train
 
