@@ -189,6 +189,45 @@ def test_gguf_file_logits_equal_transformers(checkpoint, kind: str, tmp_path: Pa
     assert cfg.tie_word_embeddings == (arch in ("qwen3", "llama3-tied")) and cfg.qk_norm == (arch == "qwen3")
 
 
+def test_k_quant_mix_file_loads_at_its_types(tmp_path: Path) -> None:
+    """A Q4_K_M-like mix (Q4_K matrices, Q6_K v and down projections and output, K-quants written by
+    models/kquantize.py) of a Qwen3 whose rows hold 256-weight super-blocks: the dequantized file gives transformers'
+    logits on the same dequantized weights; as stored (the K-quant kernels, int8 activations) the same greedy
+    tokens nearly everywhere."""
+    from specdecode.models.gguf_file import tensors
+
+    model = _qwen3(hidden_size=256, intermediate_size=256, head_dim=64, tie_word_embeddings=False)
+    with torch.no_grad():
+        randomize_(model, seed=4)
+
+    def mix(name: str) -> str:
+        return "Q6_K" if name == "output.weight" or ".attn_v." in name or ".ffn_down." in name else "Q4_K"
+
+    file = write_gguf(tmp_path / "qwen3-q4_k_m.gguf", model.config.to_dict(), model.state_dict(), mix)
+    stored = {t.tensor_type.name for _, t, _, _ in tensors(file)}
+    assert stored == {"Q4_K", "Q6_K", "F32"}
+    six = ("v_proj", "down_proj", "lm_head")
+    reference = copy_with(model, {name: round_trip(p, "Q6_K" if any(part in name for part in six) else "Q4_K")
+                                  for name, p in model.named_parameters() if p.dim() == 2})
+    expected = transformers_logits(reference, sequences())
+    dequantized, _ = load_model(file, quantization=None)
+    close(our_logits(dequantized, sequences()), expected)
+    as_stored, _ = load_model(file)
+    agree = (our_logits(as_stored, sequences()).argmax(-1) == expected.argmax(-1)).float().mean()
+    assert agree > 0.9, agree  # int8 activations
+
+
+def copy_with(model, weights: dict[str, torch.Tensor]):
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if name in weights:
+                p.copy_(weights[name])
+    return out
+
+
 def test_rope_freqs_read_back_as_the_scaling_they_were_made_from() -> None:
     """Llama 3.1's own parameters, and others solved from the blended frequencies: the rebuilt factors are the file's;
     factors no Llama 3 scaling makes are refused."""

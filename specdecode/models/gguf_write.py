@@ -139,18 +139,24 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], types: Types) -> str:
 
 
 def stored(data: np.ndarray, kind: str):
-    """(array to write, raw type or None) of float32 `data` stored as `kind` (F32, F16, BF16 or a quantized type)."""
+    """(array to write, raw type or None) of float32 `data` stored as `kind`: F32, F16, BF16, a type the gguf
+    package quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or a K-quant models/kquantize.py writes (Q4_K, Q5_K, Q6_K)."""
     import gguf
 
     if kind == "F32":
         return data.astype(np.float32), None
     if kind == "F16":
         return data.astype(np.float16), None
+    from .kquantize import K_TYPES, quantize_k
+
     qtype = gguf.GGMLQuantizationType[kind]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if data.shape[-1] % block:
         raise ValueError(f"{kind} stores rows in blocks of {block}; a row of {data.shape[-1]} does not divide")
-    return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if kind in K_TYPES:  # the gguf package writes the 32-blocks only
+        return quantize_k(data.reshape(-1, data.shape[-1]), kind).reshape(*data.shape[:-1], -1), qtype
+    return gguf.quants.quantize(data, qtype), qtype
 
 
 def round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
