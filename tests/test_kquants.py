@@ -25,7 +25,7 @@ from .helpers import tiny_model
 
 gguf = pytest.importorskip("gguf")
 
-TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q3_K"]  # Q5_1: Q5_K's blocks with a float16 d and m each 32 weights
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q3_K", "IQ4_XS"]  # Q5_1: Q5_K's blocks with a float16 d and m each 32 weights
 BUILDS = ["", "portable", "emulate-vnni"]  # this CPU's, plain C, AVX2 with the VNNI code path
 
 

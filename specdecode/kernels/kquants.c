@@ -1,4 +1,5 @@
-/* GGUF's K-quants (Q4_K, Q5_K, Q6_K, Q3_K) and Q5_1 at the file's own bytes per weight, with int8 activations.
+/* GGUF's K-quants (Q4_K, Q5_K, Q6_K, Q3_K), IQ4_XS and Q5_1 at the file's own bytes per weight, with int8
+   activations.
 
    A super-block of 256 weights is 8 blocks of 32 (the activations' blocks: a8matmul.c rounds each row per block
    of 32). QuantLinear repacks a tensor once at load, to exactly the file's size, into tiles of 8 or 16 outputs
@@ -13,7 +14,8 @@
    So a block is 16, 20, 24 or 12 bytes an output (4, 5, 6, 3 bits a weight). The scales stay as the file packs them,
    transposed into the tile ([super-block][field][output]): Q4_K and Q5_K: float16 d and dmin, and 12 bytes of
    6-bit scales and mins (get_scale_min_k4 in llama.cpp's ggml-quants.c); Q6_K: float16 d and 16 int8 scales;
-   Q3_K: float16 d and 12 bytes of 16 6-bit scales (less 32; dequantize_row_q3_K's unpacking).
+   Q3_K: float16 d and 12 bytes of 16 6-bit scales (less 32; dequantize_row_q3_K's unpacking); IQ4_XS: float16
+   d and 6 bytes of 8 6-bit scales (less 32), its nibbles indices into IQ4_NL's 16 int8 values (a shuffle).
    Per super-block and tile they are decoded once into float32: d * scale and -(dmin * min), products of a
    float16 and a 6- or 8-bit integer, exact in float32 (the `gguf` package's dequantization rounds the same way).
    Q5_1 (blocks of 32: float16 d and m, 5-bit weights) is Q5_K's blocks with a8matmul.c's int4 scales: float16 d
@@ -38,11 +40,14 @@
 
 #define SUBS (QK_K / QK) /* blocks of 32 per super-block */
 
-static inline int block_bytes(int kind) { return kind == K_Q4 ? 16 : kind == K_Q6 ? 24 : kind == K_Q3 ? 12 : 20; }
-static inline int scale_fields(int kind) { return kind == K_Q6 ? 16 : 12; } /* sub-scale bytes a super-block */
+static inline int block_bytes(int kind) {  /* an output's bytes a block of 32 */
+    return kind == K_Q4 || kind == K_IQ4 ? 16 : kind == K_Q6 ? 24 : kind == K_Q3 ? 12 : 20;
+}
+static inline int scale_fields(int kind) { return kind == K_Q6 ? 16 : kind == K_IQ4 ? 6 : 12; } /* sub-scale bytes */
 static inline int halves(int kind) { return kind == K_Q6 || kind == K_Q3; } /* a scale for each 16 weights */
 static inline int offset(int kind) { return kind == K_Q3 ? 4 : 32; }       /* stored u = q + offset (halves) */
-static inline int d_fields(int kind) { return halves(kind) ? 1 : 2; }     /* float16 scales a super-block */
+static inline int d_fields(int kind) { return halves(kind) || kind == K_IQ4 ? 1 : 2; } /* float16 scales an sb */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Super-block s of outputs c0..c0 + cols - 1 of a tile of lw: ds[j * cols + c] (block j's scale; Q6_K: [16]
    half blocks), ms[j * cols + c] (block j's min, Q4_K and Q5_K). dt: the tile's float16 d (and dmin), mt: its
@@ -51,6 +56,17 @@ static inline __attribute__((always_inline)) void decode_scales(const int kind, 
                                                                  const uint8_t *mt, int lw, int s, int c0,
                                                                  const int cols, float *ds, float *ms) {
     float d[16], dmin[16];
+    if (kind == K_IQ4) {  /* block j: low 4 bits in byte 2 + j / 2 (odd j: its high nibble), high 2 in the bytes 0-1 */
+        for (int c = 0; c < cols; c++) d[c] = half_to_float(dt[(int64_t)s * lw + c0 + c]);
+        const uint8_t *q = mt + (int64_t)6 * s * lw + c0;
+        for (int j = 0; j < 8; j++)
+            for (int c = 0; c < cols; c++) {
+                const int sc = ((q[(2 + j / 2) * lw + c] >> (4 * (j % 2))) & 15) |
+                               (((q[(j / 4) * lw + c] >> (2 * (j % 4))) & 3) << 4);
+                ds[j * cols + c] = d[c] * (float)(sc - 32);
+            }
+        return;
+    }
     if (kind == K_Q3) {  /* scale j: low 4 bits in byte j % 8 (j >= 8: its high nibble), high 2 in byte 8 + j % 4 */
         for (int c = 0; c < cols; c++) d[c] = half_to_float(dt[(int64_t)s * lw + c0 + c]);
         const uint8_t *q = mt + (int64_t)12 * s * lw + c0;
@@ -97,6 +113,19 @@ static inline __attribute__((always_inline)) void decode_scales(const int kind, 
    (-dmin) * m, equal in IEEE arithmetic (rounding is symmetric in sign) */
 static inline void decode_scales8(const int kind, const uint16_t *dt, const uint8_t *mt, int lw, int s, int c0,
                                   float *ds, float *ms) {
+    if (kind == K_IQ4) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)s * lw + c0)));
+        const uint8_t *q = mt + (int64_t)6 * s * lw + c0;
+        __m256i b[6];
+        for (int j = 0; j < 6; j++) b[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j * lw)));
+        for (int j = 0; j < 8; j++) {
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(b[2 + j / 2], 4 * (j % 2)), _mm256_set1_epi32(15));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(b[j / 4], 2 * (j % 4)), _mm256_set1_epi32(3));
+            const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+            _mm256_storeu_ps(ds + 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+        }
+        return;
+    }
     if (kind == K_Q3) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)s * lw + c0)));
         const uint8_t *q = mt + (int64_t)12 * s * lw + c0;
@@ -209,6 +238,17 @@ static inline __attribute__((always_inline)) void k_tile_rows(
                 lo = _mm256_or_si256(lo, high6(h0, g));
                 hi = _mm256_or_si256(hi, high6(h1, g));
             }
+            if (KIND == K_IQ4) {  /* the values (signed): |w| times x with w's sign, as a8matmul.c's int8 */
+                const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+                const __m256i wl = _mm256_shuffle_epi8(table, lo), wh = _mm256_shuffle_epi8(table, hi);
+                const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq + (int64_t)r * K + QK * b;
+                    isum[r] = dp(isum[r], al, _mm256_sign_epi8(bcast4(x + 4 * g), wl));
+                    isum[r] = dp(isum[r], ah, _mm256_sign_epi8(bcast4(x + 16 + 4 * g), wh));
+                }
+                continue;
+            }
             for (int r = 0; r < R; r++) {
                 const int8_t *x = xq + (int64_t)r * K + QK * b;
                 isum[r] = dp(isum[r], lo, bcast4(x + 4 * g));
@@ -225,6 +265,12 @@ static inline __attribute__((always_inline)) void k_tile_rows(
                 const __m256 xd = _mm256_set1_ps(dx[(int64_t)r * nb + b]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum2[r]), _mm256_mul_ps(d2, xd), acc[r]);
+            }
+        } else if (KIND == K_IQ4) {
+            const __m256 d = _mm256_loadu_ps(ds + COLS * j);
+            for (int r = 0; r < R; r++) {
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(int64_t)r * nb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
             }
         } else {
             const __m256 d = KIND == K_Q51 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + (int64_t)lw * b + c0)))
@@ -265,6 +311,19 @@ static inline __m512i high6_16(__m512i h, int g) {
 static inline void decode_scales16(const int kind, const uint16_t *dt, const uint8_t *mt, int s, float *ds,
                                    float *ms) {
     const int lw = 16;
+    if (kind == K_IQ4) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)s * lw)));
+        const uint8_t *q = mt + (int64_t)6 * s * lw;
+        __m512i b[6];
+        for (int j = 0; j < 6; j++) b[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * lw)));
+        for (int j = 0; j < 8; j++) {
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(b[2 + j / 2], 4 * (j % 2)), _mm512_set1_epi32(15));
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(b[j / 4], 2 * (j % 4)), _mm512_set1_epi32(3));
+            const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+            _mm512_storeu_ps(ds + 16 * j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        }
+        return;
+    }
     if (kind == K_Q3) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)s * lw)));
         const uint8_t *q = mt + (int64_t)12 * s * lw;
@@ -351,6 +410,17 @@ static inline __attribute__((always_inline)) void k_wide_rows(
                 lo = _mm512_or_si512(lo, high6_16(h0, g));
                 hi = _mm512_or_si512(hi, high6_16(h1, g));
             }
+            if (KIND == K_IQ4) {  /* the values + 128 (unsigned) times x; 128 * sum(x) taken off after the block */
+                const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(
+                    _mm_loadu_si128((const __m128i *)IQ4_VALUES), _mm_set1_epi8((char)0x80)));
+                const __m512i ul = _mm512_shuffle_epi8(table, lo), uh = _mm512_shuffle_epi8(table, hi);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq + (int64_t)r * K + QK * b;
+                    isum[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r], ul, bcast4_16(x + 4 * g)), uh,
+                                                  bcast4_16(x + 16 + 4 * g));
+                }
+                continue;
+            }
             for (int r = 0; r < R; r++) {
                 const int8_t *x = xq + (int64_t)r * K + QK * b;
                 isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast4_16(x + 4 * g));
@@ -367,6 +437,14 @@ static inline __attribute__((always_inline)) void k_wide_rows(
                 const __m512 xd = _mm512_set1_ps(dx[(int64_t)r * nb + b]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, xd), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2[r]), _mm512_mul_ps(d2, xd), acc[r]);
+            }
+        } else if (KIND == K_IQ4) {
+            const __m512 d = _mm512_loadu_ps(ds + 16 * j);
+            for (int r = 0; r < R; r++) {
+                const int32_t *s = s16 + (int64_t)r * (K / 16) + 2 * b;
+                isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * (s[0] + s[1])));
+                const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[(int64_t)r * nb + b]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
             }
         } else {
             const __m512 d = KIND == K_Q51 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + (int64_t)lw * b)))
@@ -413,6 +491,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                     case K_Q5: BY_ROWS(WIDE_ROWS, K_Q5); break;
                     case K_Q51: BY_ROWS(WIDE_ROWS, K_Q51); break;
                     case K_Q3: BY_ROWS(WIDE_ROWS, K_Q3); break;
+                    case K_IQ4: BY_ROWS(WIDE_ROWS, K_IQ4); break;
                     default: BY_ROWS(WIDE_ROWS, K_Q6); break;
                 }
 #undef WIDE_ROWS
@@ -433,6 +512,7 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                     case K_Q5: BY_ROWS(TILE_ROWS, K_Q5); break;
                     case K_Q51: BY_ROWS(TILE_ROWS, K_Q51); break;
                     case K_Q3: BY_ROWS(TILE_ROWS, K_Q3); break;
+                    case K_IQ4: BY_ROWS(TILE_ROWS, K_IQ4); break;
                     default: BY_ROWS(TILE_ROWS, K_Q6); break;
                 }
 #undef TILE_ROWS
@@ -470,7 +550,10 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                 for (int i = 0; i < 16; i++) {
                     const uint8_t byte = p[4 * lw * (i / 4) + i % 4];
                     int lo = byte & 15, hi = byte >> 4;
-                    if (kind == K_Q3) {  /* weights i and 16 + i: bit pairs in groups 0 and 1, third bits in 2 */
+                    if (kind == K_IQ4) {
+                        lo = IQ4_VALUES[lo];
+                        hi = IQ4_VALUES[hi];
+                    } else if (kind == K_Q3) {  /* weights i and 16 + i: bit pairs in groups 0 and 1, third bits in 2 */
                         const uint8_t h = p[8 * lw + i % 4];
                         lo = ((p[i % 4] >> (2 * (i / 4))) & 3) | (((h >> (i / 4)) & 1) << 2);
                         hi = ((p[4 * lw + i % 4] >> (2 * (i / 4))) & 3) | (((h >> (4 + i / 4)) & 1) << 2);
@@ -493,6 +576,8 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
                     s2 -= offset(kind) * s16[(int64_t)r * (K / 16) + 2 * b + 1];
                     total += (float)s * (ds[2 * j] * xd);
                     total += (float)s2 * (ds[2 * j + 1] * xd);
+                } else if (kind == K_IQ4) {
+                    total += (float)s * (ds[j] * xd);
                 } else {
                     total += (float)s * (ds[j] * xd);
                     total += ms[j] * sx[(int64_t)r * nb + b];

@@ -37,12 +37,14 @@ QK_K = 256  # weights per K-quant super-block
 # K-quants: kind, bytes per super-block; loaded at their size, run with int8 activations (else dequantized)
 # (Q5_1 rides along: Q5_K's 5-bit blocks with float16 d and m per block of 32, as int4's)
 K_QUANTS = {"Q4_K": ("q4k", 144), "Q5_K": ("q5k", 176), "Q6_K": ("q6k", 210), "Q5_1": ("q5_1", 24),
-            "Q3_K": ("q3k", 110)}
-K_KINDS = ("q4k", "q5k", "q6k", "q5_1", "q3k")  # in the kernel's order (kinds 11-15; 21-25 in tiles of 16)
+            "Q3_K": ("q3k", 110), "IQ4_XS": ("iq4xs", 136)}
+K_KINDS = ("q4k", "q5k", "q6k", "q5_1", "q3k", "iq4xs")  # in the kernel's order (kinds 11-16; 21-26 in tiles of 16)
 KINDS = ("int4", "int8", *K_KINDS)
-BLOCK_BYTES = {"int4": 16, "int8": 32, "q4k": 16, "q5k": 20, "q6k": 24, "q5_1": 20, "q3k": 12}  # an output's a block
+BLOCK_BYTES = {"int4": 16, "int8": 32, "q4k": 16, "q5k": 20, "q6k": 24, "q5_1": 20, "q3k": 12,
+               "iq4xs": 16}  # an output's bytes a block of 32
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's (ggml-common.h)
 # a K-kind's float16 super-block scales (d, and dmin) and sub-scale bytes (packed 6-bit scales and mins, or int8)
-K_FIELDS = {"q4k": (2, 12), "q5k": (2, 12), "q6k": (1, 16), "q3k": (1, 12)}
+K_FIELDS = {"q4k": (2, 12), "q5k": (2, 12), "q6k": (1, 16), "q3k": (1, 12), "iq4xs": (1, 6)}
 K_OFFSETS = {"q6k": 32, "q3k": 4}  # kinds with a scale each 16 weights: stored u = q + offset
 
 
@@ -348,6 +350,9 @@ def dequantize(kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | N
         ds, ms = k_scales(kind, d, m, k)
         if kind in K_OFFSETS:
             return ((values - K_OFFSETS[kind]).reshape(n, -1, 16) * ds.reshape(n, -1, 1)).reshape(n, k)
+        if kind == "iq4xs":
+            values = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=qs.device)[values.long()]
+            return (values.reshape(n, -1, QK) * ds.reshape(n, -1, 1)).reshape(n, k)
         return (values.reshape(n, -1, QK) * ds.reshape(n, -1, 1) + ms.reshape(n, -1, 1)).reshape(n, k)
     d = scale_floats(d).reshape(n, scales, 1)
     if kind == "int4":
@@ -365,11 +370,16 @@ def scale_floats(bits: torch.Tensor) -> torch.Tensor:
 
 
 def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(qs, d, m) of a Q4_K, Q5_K, Q6_K or Q5_1 tensor's bytes [out, blocks * bytes] (ggml-common.h's block_q4_K,
-    block_q5_K, block_q6_K, block_q5_1) in QuantLinear's K layout, as many bytes as the file's (kernels/kquants.c)."""
+    """(qs, d, m) of a Q4_K, Q5_K, Q6_K, Q3_K, IQ4_XS or Q5_1 tensor's bytes [out, blocks * bytes] (ggml-common.h's
+    block_q4_K ... block_q5_1) in QuantLinear's K layout, as many bytes as the file's (kernels/kquants.c)."""
     size = K_QUANTS[ggml_type][1]
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, size)
+    if ggml_type == "IQ4_XS":  # d (float16), 2 + 4 bytes of 8 6-bit scales, 128 bytes of nibbles in int4's order
+        qs = blocks[..., 8:].reshape(n, -1)
+        return (torch.from_numpy(np.ascontiguousarray(qs)),
+                torch.from_numpy(blocks[..., 0:2].copy().view(np.int16).reshape(n, -1)),
+                torch.from_numpy(np.ascontiguousarray(blocks[..., 2:8]).reshape(n, -1)))
     if ggml_type == "Q5_1":  # d, m (float16), 32 fifth bits (bit j: weight j's), 16 bytes of nibbles (j, j + 16)
         d = blocks[..., 0:2].copy().view(np.int16)[..., 0]
         scales = blocks[..., 2:4].copy().view(np.int16)[..., 0]
@@ -421,8 +431,8 @@ def k_quant_blocks(raw: np.ndarray, ggml_type: str) -> tuple[torch.Tensor, torch
 
 
 def k_values(kind: str, qs: torch.Tensor, k: int) -> torch.Tensor:
-    """A K kind's unsigned weights [n, k] (uint8: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, less 32 for its value) from
-    its blocks in row order."""
+    """A K kind's unsigned weights [n, k] (uint8: Q4_K 0..15, Q5_K and Q5_1 0..31, Q6_K 0..63 and Q3_K 0..7, less
+    K_OFFSETS for their values; IQ4_XS 0..15, indices into IQ4_VALUES) from its blocks in row order."""
     n = qs.shape[0]
     blocks = qs.reshape(n, k // QK, BLOCK_BYTES[kind])
     if kind == "q3k":  # words 0, 1: byte i's bits 2f, 2f + 1; word 2: byte i's bit 4 half + f
@@ -448,6 +458,12 @@ def k_scales(kind: str, d: torch.Tensor, m: torch.Tensor, k: int) -> tuple[torch
     (llama.cpp's get_scale_min_k4 unpacks the 6-bit ones)."""
     n = d.shape[0]
     halves = d.view(torch.float16).float().reshape(n, k // QK_K, -1)
+    if kind == "iq4xs":  # block j: low 4 bits in byte 2 + j // 2 (odd j: its high nibble), high 2 in bytes 0-1
+        q = m.reshape(n, -1, 6).to(torch.int32)
+        low = torch.stack((q[..., 2:6] & 15, q[..., 2:6] >> 4), -1).reshape(n, -1, 8)
+        high = ((q[..., 0:1] | (q[..., 1:2] << 8)) >> (2 * torch.arange(8, device=m.device))) & 3
+        ds = halves * ((low | (high << 4)) - 32).float()
+        return ds.reshape(n, -1), torch.zeros(n, 0)
     if kind == "q3k":  # scale j: low 4 bits in byte j % 8 (j >= 8: its high nibble), high 2 in byte 8 + j % 4
         q = m.reshape(n, -1, 12).to(torch.int32)
         low = torch.cat((q[..., 0:8] & 15, q[..., 0:8] >> 4), -1)
