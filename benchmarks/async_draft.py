@@ -38,19 +38,19 @@ class Recorded(Proposer):
     """A synchronous proposer that records when the engine's thread drafted and when the target verified."""
 
     def __init__(self, inner: Proposer) -> None:
-        self.inner, self.capabilities, self.name = inner, inner.capabilities, inner.name
+        self.inner, self.needs, self.guessing, self.name = inner, inner.needs, inner.guessing, inner.name
         self.spans: list[tuple[str, float, float]] = []
         self.handed = 0.0
 
-    def begin(self, prompt, max_len) -> None:
-        self.inner.begin(prompt, max_len)
+    def begin(self, request) -> None:
+        self.inner.begin(request)
         self.handed = 0.0
 
-    def propose(self, tokens, k, params, generator):
+    def propose(self, context):
         start = time.perf_counter()
         if self.handed:
             self.spans.append(("target", self.handed, start))
-        tree = self.inner.propose(tokens, k, params, generator)
+        tree = self.inner.propose(context)
         self.handed = time.perf_counter()
         self.spans.append(("draft", start, self.handed))
         return tree

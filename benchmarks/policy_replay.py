@@ -34,6 +34,7 @@ from specdecode.cost import CostModel
 from specdecode.paths import default_cache_dir
 from specdecode.policy import AdaptiveK, FixedK, Policy, StepRecord
 from specdecode.proposers import PromptLookupProposer, SuffixCache, SuffixProposer
+from specdecode.proposers.base import ProposalContext, RequestInfo, StepOutput
 from specdecode.proposers.suffix import MAX_DEPTH
 from specdecode.tree import DraftTree
 from specdecode.verify import Verdict
@@ -77,12 +78,13 @@ def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], 
     """Commit `output`: table-priced forward seconds, measured proposing seconds, steps and tokens; policy None: the
     oracle. The policy learns that proposing costs `propose_seconds` a step (None: as measured)."""
     tokens, pos, row = list(prompt), 0, defaultdict(float)
-    proposer.begin(tokens, len(tokens) + len(output) + 64)
+    proposer.begin(RequestInfo(tokens, len(tokens) + len(output) + 64))
     while pos < len(output):
         context, remaining, truth = len(tokens) - 1, len(output) - pos, output[pos:]
         started = time.perf_counter()
         k = min(16, remaining - 1) if policy is None else policy.depth_to_propose(context, remaining - 1)
-        proposal = proposer.propose(tokens, k, None, None) if k > 0 else DraftTree.root_only(tokens[-1])
+        asked = ProposalContext(tokens, k, None, None)  # type: ignore[arg-type]  # n-gram proposers read no params
+        proposal = proposer.propose(asked) if k > 0 else DraftTree.root_only(tokens[-1])
         if policy is None:
             m, sizes = matched(proposal, truth), proposal.forward_sizes()
             tree = proposal.cut(max(range(len(sizes)),
@@ -92,18 +94,18 @@ def replay(policy: Policy | None, proposer, cost: CostModel, prompt: list[int], 
         proposing = time.perf_counter() - started
         path = accepted_path(tree, truth)
         new = truth[: len(path)]
-        proposer.observe(tree, Verdict(path, new[-1]), None)
         row["forward"] += cost.forward_seconds(len(tree.tokens), context)
         row["propose"] += proposing
         row["steps"] += 1
         row["tokens"] += len(new)
         start, tokens, pos = len(tokens), tokens + new, pos + len(new)
+        proposer.observe(tree, Verdict(path, new[-1]), StepOutput(tokens, context))
         if policy is not None:
             policy.observe(StepRecord(proposal, tree, start, tokens, context,
                                       proposing if propose_seconds is None else propose_seconds))
     if policy is not None:
         policy.finish(tokens)
-    proposer.finish(tokens)
+    proposer.finish()
     return row
 
 

@@ -13,12 +13,13 @@ from .batch_cost import BatchCost
 from .cost import CostModel
 from .detokenize import RequestText
 from .drafting import AUTO_BRANCHES, METHODS, SHIPPED_EAGLE, Drafting, check_same_tokenizer
-from .engine import Engine, Generation, policy_for
+from .engine import Engine, Generation
 from .grammar import GrammarTokenizer, StructuredOutput
 from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.loading import DTYPES, load_model
 from .names import DEFAULT_METHOD
+from .policy import Pricing
 from .prefix_cache import PrefixCache
 from .request import GenerationStats, Request, TokenLogprob
 from .sampling import SAMPLING_OPTIONS, SamplingParams
@@ -254,13 +255,13 @@ class LLM(Drafting):
         proposer = self.proposer(method, draft, k=k, **proposer_options)
         ids = self.encode(prompt, chat=chat)
         if engine is None:
-            priced = k == "auto" and proposer.capabilities.guesses
+            priced = k == "auto" and not proposer.guessing.plain
             engine = Engine(self.model, BatchCost.single(self.cost_model() if priced else CostModel.flat()),
                             self.prefix_cache)
         key = f"{method}|{draft}|{sorted(proposer_options.items())}"
-        policy = policy_for(k, proposer, engine.view, self.acceptance(key))
         request = Request(self.model.config.max_position_embeddings, proposer, ids, max_new_tokens=max_new_tokens,
-                          params=params, k=policy, stop_token_ids=self.stop_token_ids, seed=seed, logprobs=logprobs,
+                          params=params, k=k, pricing=Pricing(engine.view, self.acceptance(key)),
+                          stop_token_ids=self.stop_token_ids, seed=seed, logprobs=logprobs,
                           constraint=None if structured is None else self.grammar().constraint(structured))
         return engine, request
 

@@ -15,19 +15,19 @@ costs real time in a full batch, so speculation backs off as the batch grows and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Generator, Iterator
+from collections.abc import Collection, Generator, Iterator
 
 import torch
 
 from . import threads
-from .acceptance import AcceptanceStats
 from .batch_cost import BatchCost, RowCost
 from .cost import CostModel, ForwardCost
 from .models import BatchKVCache, Transformer
 from .models.llama import BatchForwardOutput
-from .policy import AdaptiveK, FixedK, Policy, joint_cut
+from .policy import AdaptiveK, Policy, joint_cut
 from .prefix_cache import PrefixCache
 from .proposers import NoProposer, Proposer
+from .proposers.base import StepOutput
 from .request import MAX_DRAFT_NODES, GenerationStats, Request
 from .sampling import SamplingParams
 from .tree import DraftTree
@@ -74,14 +74,14 @@ class Engine:
         request.begin(len(prompt) + request.max_new_tokens + MAX_DRAFT_NODES)
         self.cache.reserve(row + 1, len(prompt) + MAX_DRAFT_NODES)
         self.cache.lengths[row] = 0
-        if like is not None and not request.hidden_layers and like.tokens[: len(prompt)] == prompt and len(prompt) > 1:
+        needs = request.needs
+        if like is not None and not needs.hidden_layers and like.tokens[: len(prompt)] == prompt and len(prompt) > 1:
             # its prompt's entries were written by its prefill and never after
             self.cache.copy(self.rows.index(like), row, len(prompt) - 1)
         elif self.prefix_cache is not None:
             reusable = len(prompt) - 1
-            if request.hidden_layers:  # the positions whose hidden states its proposer reads are prefilled
-                context = request.proposer.capabilities.hidden_context
-                reusable = 0 if context is None else reusable - context
+            if needs.hidden_layers:  # the positions whose hidden states its proposer reads are prefilled
+                reusable = 0 if needs.hidden_context is None else reusable - needs.hidden_context
             hit = self.prefix_cache.lookup(prompt[:reusable]) if reusable > 0 else None
             if hit is not None:
                 self.cache.kv[:, :, row, :, : hit.tokens] = hit.kv
@@ -101,10 +101,11 @@ class Engine:
         end = min(len(prompt) - 1, done + min(max(tokens, 1), PREFILL_CHUNK))
         if self.threads is not None:
             self.threads.update()
+        layers = request.needs.hidden_layers
         out = model.forward(torch.tensor([prompt[done:end]], device=model.device), self.cache.row(row),
-                            logits_at=None, hidden_layers=request.hidden_layers)
-        if request.hidden_layers:
-            request.proposer.observe_hidden(done, [h[0] for h in out.hidden])
+                            logits_at=None, hidden_layers=layers)
+        if layers:
+            request.proposer.observe(None, None, StepOutput(request.tokens, done, [h[0] for h in out.hidden]))
         if end == len(prompt) - 1:
             self._join()
         return end - done
@@ -177,8 +178,8 @@ class Engine:
         if drafting_ahead and self.threads is not None:
             self.cost.use_threads(self.threads.update())
         proposals = [planned[id(row)] for row in self.rows]
-        reads = [row.hidden_layers for row in self.rows]  # asked once a step, after the proposals (a property)
-        layers = list(dict.fromkeys(layer for wanted in reads for layer in wanted))
+        needs = [row.needs for row in self.rows]  # asked once a step, after the proposals
+        layers = list(dict.fromkeys(layer for wanted in needs for layer in wanted.hidden_layers))
         pending = self.pending if prefill else None
         learn = not drafting_ahead
         lengths = self.cache.lengths[: b + 1]  # the pending prompt's row included (a chunk may ride along)
@@ -208,14 +209,14 @@ class Engine:
                 greedy = out.greedy[i][: len(tree)] if out.greedy is not None and target is nodes else None
                 verdict = verify(tree, target, row.params, row.generator, row.constraint, greedy)
                 self.cache.keep(i, contexts[i], verdict.path)
-                if reads[i]:  # a chain's kept prefix is a slice (most steps): no gather
+                outputs = StepOutput(row.tokens, contexts[i], extra_logits=logits[len(tree) :])
+                if needs[i].hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
                     kept = verdict.path
                     path = slice(len(kept)) if kept[-1] == len(kept) - 1 else torch.tensor(kept, device=logits.device)
-                    row.proposer.observe_hidden(contexts[i], [out.hidden[i][layers.index(layer)][path]
-                                                              for layer in reads[i]])
-                if row.proposer.reads_teacher():  # the target's distributions, to learn from (online EAGLE)
-                    row.proposer.observe_teacher(contexts[i], logits[verdict.path])
-                new = row.commit(tree, verdict, logits[len(tree) :], contexts[i], seconds, plain)
+                    outputs.hidden = [out.hidden[i][layers.index(layer)][path] for layer in needs[i].hidden_layers]
+                if needs[i].teacher:  # the target's distributions, to learn from (online EAGLE)
+                    outputs.teacher = logits[verdict.path]
+                new = row.commit(tree, verdict, outputs, contexts[i], seconds, plain)
                 if row.logprobs is not None:  # token j was predicted at the path's node j
                     row.record_logprobs(logits[verdict.path], new)
                 results.append((row, new))
@@ -260,7 +261,8 @@ class Engine:
                     positions[i, :m] = pos
                     positions[i, m:] = contexts[i] + torch.arange(m, n)
         chunk = None
-        carry = pending is not None and not pending.hidden_layers and self.model.carries_prefill(tokens, self.cache)
+        carry = pending is not None and not pending.needs.hidden_layers and \
+            self.model.carries_prefill(tokens, self.cache)
         if pending is not None and carry:  # the prompt's next tokens ride along in the batch's forward: one pass
             done = self.cache.lengths[b]   # over the weights for both
             chunk = pending.tokens[done : min(len(pending.tokens) - 1, done + min(prefill, PREFILL_CHUNK))]
@@ -359,23 +361,6 @@ class Generation:
                 engine.remove(request)
             else:
                 request.finish()
-
-
-def policy_for(k: int | str, proposer: Proposer, cost: RowCost,
-               acceptance: Callable[[str], AcceptanceStats]) -> Policy:
-    """The policy of a request: k = "auto", the cost model decides each step; an int, always guess k tokens.
-    acceptance(part): the long-run acceptance statistics the request starts from ("" for the proposer itself)."""
-    proposer.bind(cost, acceptance)
-    if k != "auto":
-        if isinstance(k, str) and not k.isdigit():
-            raise ValueError(f"k must be 'auto' or an integer >= 0 (tokens guessed per step), got {k!r}")
-        return FixedK(int(k))
-    caps = proposer.capabilities
-    if not caps.guesses or not caps.pays:
-        return FixedK(0)
-    if caps.sizes_itself:  # sizes each step from the cost model (which every step keeps correcting)
-        return FixedK(caps.max_depth)
-    return AdaptiveK(cost, acceptance(""), cheap=caps.cheap)
 
 
 def start(target: Transformer, prompt: list[int], *, proposer: Proposer | None = None, max_new_tokens: int = 64,

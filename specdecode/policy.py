@@ -108,6 +108,45 @@ class Rest:
         self.left = self.backoff if self.value is not None and self.value < 1 + MARGIN else 0
 
 
+# ------------------------------------------------------------------------------ what a policy reads
+@dataclass(frozen=True)
+class Guessing:
+    """How a proposer's guesses are paid for: the one thing k="auto" reads of a proposer (`policy_for`)."""
+
+    plain: bool = False  # it never guesses (plain decoding): no policy needed
+    # proposing costs next to nothing (no model forward): the policy asks for a deep tree and cuts it afterwards;
+    # else each guess costs a draft forward, and the depth is chosen before drafting from its measured cost
+    cheap: bool = False
+    # it sizes each step's guesses itself from the cost it is given (RequestInfo.cost); k="auto" caps the depth
+    sizes_itself: bool = False
+    max_depth: int = 0  # that cap
+    # False where a measurement found that drafting cannot beat plain steps on this model and machine (layer
+    # skipping whose search found no set that pays): k="auto" then runs plain steps without probing
+    pays: bool = True
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What k="auto" prices a request's guesses with: its engine's forward cost (a `batch_cost.RowCost`), and the
+    long-run acceptance statistics it starts from and hands back to, by part ("" for the proposer itself)."""
+
+    cost: ForwardCost
+    acceptance: Callable[[str], AcceptanceStats]
+
+
+def policy_for(k: int | str, guessing: Guessing, pricing: Pricing) -> Policy:
+    """The policy of a request: k = "auto", the cost model decides each step; an int, always guess k tokens."""
+    if k != "auto":
+        if isinstance(k, str) and not k.isdigit():
+            raise ValueError(f"k must be 'auto' or an integer >= 0 (tokens guessed per step), got {k!r}")
+        return FixedK(int(k))
+    if guessing.plain or not guessing.pays:
+        return FixedK(0)
+    if guessing.sizes_itself:  # sizes each step from the cost model (which every step keeps correcting)
+        return FixedK(guessing.max_depth)
+    return AdaptiveK(pricing.cost, pricing.acceptance(""), cheap=guessing.cheap)
+
+
 # -------------------------------------------------------------------------------------- policies
 class Policy(ABC):
     """Decides each step's speculation: how deep to ask the proposer, and how much of its tree to verify."""
@@ -136,7 +175,7 @@ class StepRecord:
     tokens: list[int]  # all tokens committed after the step
     context: int  # cached tokens before the step's forward
     draft_seconds: float
-    seconds_per_guess: float | None = None  # the proposer's own measure (see Proposer.seconds_per_guess)
+    seconds_per_guess: float | None = None  # the proposer's own measure (ProposalContext.seconds_per_guess)
 
 
 class FixedK(Policy):

@@ -8,7 +8,7 @@ a prefix with a kept text copies those entries into its cache row and prefills o
 Lossless: a token's keys and values depend only on the tokens before it, and the native kernels compute them bit
 for bit the same whatever else is in the forward (a prefill chunk, a verified tree, a batch), so copied entries are
 the ones a prefill would write. The cache keeps no hidden states: a request whose proposer reads them (EAGLE, Medusa)
-prefills at least the prompt's last positions it reads (`Capabilities.hidden_context`), and drafts as after a full
+prefills at least the prompt's last positions it reads (`Needs.hidden_context`), and drafts as after a full
 prefill.
 """
 

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .grammar import Constraint
-from .policy import FixedK, Policy, StepRecord
+from .policy import FixedK, Policy, Pricing, StepRecord, policy_for
 from .processing import process
 from .proposers import Proposer
+from .proposers.base import Needs, ProposalContext, RequestInfo, StepOutput
 from .sampling import SamplingParams
 from .tree import DraftTree
 from .verify import Verdict
@@ -91,15 +92,18 @@ class Request:
         *,
         max_new_tokens: int,
         params: SamplingParams,
-        k: int | Policy,
+        k: int | str | Policy,
+        pricing: Pricing | None = None,
         stop_token_ids: Collection[int] = (),
         seed: int | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
     ) -> None:
-        """context: the target's context length; k: a fixed number of tokens to guess per step, or a Policy that
-        decides each step (AdaptiveK); logprobs: None, or record each token's log-probability and this many
-        most likely alternatives (`token_logprobs`); constraint: the grammar of a structured output (grammar.py)."""
+        """context: the target's context length; k: a fixed number of tokens to guess per step, "auto" (the cost
+        model decides each step: `pricing` needed), or a Policy that decides each step (AdaptiveK); pricing: what
+        k="auto" prices guesses with (the proposer is given it too, as it begins); logprobs: None, or record each
+        token's log-probability and this many most likely alternatives (`token_logprobs`); constraint: the grammar of
+        a structured output (grammar.py)."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if max_new_tokens < 1:
@@ -111,9 +115,15 @@ class Request:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
                 f"of {context} tokens: shorten the prompt or lower max_new_tokens"
             )
-        self.policy = k if isinstance(k, Policy) else FixedK(k)
-        self.proposer, self.params = proposer, params
-        self.reads = proposer.capabilities.hidden_layers  # target layers its proposer may read
+        if isinstance(k, Policy):
+            self.policy = k
+        elif pricing is not None:
+            self.policy = policy_for(k, proposer.guessing, pricing)
+        elif k == "auto":
+            raise ValueError("k='auto' prices guesses: give the request a Pricing (or a Policy as k)")
+        else:
+            self.policy = FixedK(int(k))
+        self.proposer, self.params, self.pricing = proposer, params, pricing
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tokens = list(prompt)
@@ -125,6 +135,7 @@ class Request:
         else:
             self.generator.seed()
         self.proposal: DraftTree | None = None
+        self.asked: ProposalContext | None = None  # the last proposal's question and the proposer's report
         self.draft_seconds = 0.0
         self.started = time.perf_counter()  # reset when the request joins an engine
         self.finished = False
@@ -133,12 +144,10 @@ class Request:
         self.token_logprobs: list[TokenLogprob] = []
 
     @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """Target layers whose hidden states the next forward returns for this request (none while its proposer
-        does not read them, e.g. a resting EAGLE head)."""
-        if not self.reads:
-            return ()
-        return self.reads if self.proposer.reads_hidden(self.max_new_tokens - self.stats.new_tokens) else ()
+    def needs(self) -> Needs:
+        """What the next forward returns for this request's proposer (asked anew: a resting EAGLE head reads
+        nothing)."""
+        return self.proposer.needs
 
     @property
     def new_tokens(self) -> list[int]:
@@ -147,16 +156,21 @@ class Request:
     def begin(self, max_len: int) -> None:
         """The request joins an engine (its prefill follows): the clock starts, the proposer sees the prompt."""
         self.started = time.perf_counter()
-        self.proposer.begin(list(self.tokens), max_len)
+        pricing = self.pricing
+        self.proposer.begin(RequestInfo(list(self.tokens), max_len, self.max_new_tokens,
+                                        pricing.cost if pricing else None, pricing.acceptance if pricing else None))
 
     def plan(self, context: int) -> DraftTree:
         """Ask the proposer for this step's guesses (`context`: tokens cached before the step)."""
         remaining = self.max_new_tokens - self.stats.new_tokens
         k = self.policy.depth_to_propose(context, remaining - 1)  # the target adds one token of its own
         started = time.perf_counter()
-        proposal = self.proposer.propose(self.tokens, k, self.params, self.generator) if k > 0 else \
-            DraftTree.root_only(self.tokens[-1])
+        self.asked = asked = ProposalContext(self.tokens, k, self.params, self.generator) if k > 0 else None
+        proposal = self.proposer.propose(asked) if asked is not None else DraftTree.root_only(self.tokens[-1])
         self.draft_seconds = time.perf_counter() - started
+        if asked is not None and asked.drafted_ahead is not None:
+            self.stats.ahead_steps += 1
+            self.stats.ahead_hits += asked.drafted_ahead
         nodes = proposal.num_drafted + (len(proposal.extra.tokens) if proposal.extra is not None else 0)
         if nodes > MAX_DRAFT_NODES:
             raise ValueError(f"{self.proposer.name} sent {nodes} tokens besides the root; at most {MAX_DRAFT_NODES}")
@@ -168,12 +182,12 @@ class Request:
         history holds (bias, min_tokens, penalties; processing.py), the logits themselves when nothing is asked."""
         return process(logits, tree, self.tokens, self.stats.prompt_tokens, self.params, self.stop_token_ids)
 
-    def commit(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor, context: int,
+    def commit(self, tree: DraftTree, verdict: Verdict, outputs: StepOutput, context: int,
                forward_seconds: float, plain_seconds: float = 0.0) -> list[int]:
-        """Count a verified step and commit its tokens, cut exactly at a stop token or max_new_tokens.
-        forward_seconds: the step's forward (in a batch, shared with the other rows: the engine, not the policy,
-        learns costs from it); plain_seconds: what a plain step of the same batch costs now (0: not priced)."""
-        self.proposer.observe(tree, verdict, extra_logits)
+        """Count a verified step and commit its tokens, cut exactly at a stop token or max_new_tokens, then show the
+        proposer the verdict and `outputs` (the engine's, for it). forward_seconds: the step's forward (in a batch,
+        shared with the other rows: the engine, not the policy, learns costs from it); plain_seconds: what a plain
+        step of the same batch costs now (0: not priced)."""
         stats, remaining = self.stats, self.max_new_tokens - self.stats.new_tokens
         stats.draft_seconds += self.draft_seconds
         stats.target_seconds += forward_seconds
@@ -192,8 +206,9 @@ class Request:
         stats.accepted += min(verdict.num_accepted, len(new))  # guesses cut by a stop were not used
         start = len(self.tokens)
         self.tokens.extend(new)
+        self.proposer.observe(tree, verdict, outputs)
         proposal = self.proposal or tree
-        per_guess = self.proposer.seconds_per_guess if proposal.num_drafted else None
+        per_guess = self.asked.seconds_per_guess if proposal.num_drafted and self.asked is not None else None
         self.policy.observe(StepRecord(proposal, tree, start, self.tokens, context, self.draft_seconds, per_guess))
         stats.new_tokens += len(new)
         stats.plain_seconds_estimate += len(new) * plain_seconds
@@ -220,5 +235,4 @@ class Request:
             self.finished = True
             self.stats.seconds = time.perf_counter() - self.started
             self.policy.finish(self.tokens)
-            self.proposer.finish(self.tokens)
-            self.stats.ahead_hits, self.stats.ahead_steps = self.proposer.ahead() or (0, 0)
+            self.proposer.finish()

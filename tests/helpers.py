@@ -19,7 +19,9 @@ import torch
 
 from specdecode.cost import CostModel
 from specdecode.models import ModelConfig, Transformer
-from specdecode.proposers.base import Capabilities, Proposer
+from specdecode.policy import Guessing
+from specdecode.proposers.base import ProposalContext, Proposer, StepOutput
+from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree
 
 # where the lossless and distribution suites run their tiny models: the CPU, or a GPU when one is lent
@@ -216,12 +218,13 @@ class Oracle(Proposer):
     """Knows the answer: guesses the target's own next tokens (right=True) or always a different token (right=False);
     free to ask, as a lookup."""
 
-    capabilities = Capabilities(cheap=True)
+    guessing = Guessing(cheap=True)
 
     def __init__(self, full: list[int], right: bool, vocab: int) -> None:
         self.full, self.right, self.vocab = full, right, vocab
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens, k = context.tokens, context.k
         truth = self.full[len(tokens) : len(tokens) + k]
         return DraftTree.chain(tokens[-1], truth if self.right else [(t + 1) % self.vocab for t in truth])
 
@@ -238,3 +241,15 @@ def guessing_pays() -> FrozenCost:
     """A made-up cost (a forward takes a second, 64 tokens 1.5 s) next to which the tiny drafts' real milliseconds
     are free: k="auto" always guesses, so a test never depends on this machine's timings."""
     return FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
+
+
+def end_request(proposer: Proposer, tokens: list[int]) -> None:
+    """A request driven by hand ends: its last step committed `tokens` (everything, prompt first)."""
+    proposer.observe(None, None, StepOutput(tokens, len(tokens) - 1))
+    proposer.finish()
+
+
+def ask(tokens: list[int], k: int, params: SamplingParams | None = None,
+        generator: torch.Generator | None = None) -> ProposalContext:
+    """A proposal's question asked by hand (greedy unless `params` says otherwise)."""
+    return ProposalContext(tokens, k, params or SamplingParams(), generator)

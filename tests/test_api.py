@@ -15,8 +15,8 @@ from specdecode.api import check_same_tokenizer, stop_token_ids
 from specdecode.batch_cost import BatchCost, RowCost
 from specdecode.cli import main as cli_main
 from specdecode.cost import TABLE_VERSION, CostModel
-from specdecode.engine import policy_for
 from specdecode.models import loading
+from specdecode.proposers.base import RequestInfo
 
 from .helpers import make_tokenizer, own_cache_dir, write_checkpoint
 
@@ -119,7 +119,8 @@ def test_layer_skip_that_cannot_pay_never_drafts_under_auto(checkpoint, tmp_path
     fixed = llm.generate(PROMPT, max_new_tokens=40, method="layer-skip", k=2)
     assert fixed.token_ids == plain.token_ids and fixed.stats.drafted > 0
     hybrid = llm.proposer("hybrid")
-    policy_for("auto", hybrid, RowCost(BatchCost.single(CostModel.flat())), llm.acceptance("hybrid"))
+    hybrid.begin(RequestInfo([1], 8, cost=RowCost(BatchCost.single(CostModel.flat())),
+                             acceptance=llm.acceptance("hybrid")))
     assert hybrid.draft.skipped == [1] and hybrid.draft_policy.depth_to_propose(10, 8) == 0  # lookup alone
 
 

@@ -20,11 +20,11 @@ from specdecode.proposers import (
     DraftModelProposer,
     PromptLookupProposer,
 )
-from specdecode.proposers.base import Capabilities
+from specdecode.proposers.base import Needs, RequestInfo
 from specdecode.sampling import SamplingParams
 from specdecode.threads import usable_cores
 
-from .helpers import noisy_copy, tiny_model
+from .helpers import ask, noisy_copy, tiny_model
 from .test_lossless import PROMPTS, VOCAB, naive_greedy
 
 NEW = 40
@@ -117,7 +117,7 @@ def test_only_token_state_drafts_may_draft_ahead(drafter) -> None:
         AsyncDraftProposer(PromptLookupProposer(), drafter)  # type: ignore[arg-type]
 
     class Head(DraftModelProposer):
-        capabilities = Capabilities(hidden_layers=(1,))
+        needs = Needs(hidden_layers=(1,))
 
     with pytest.raises(ValueError, match="depends on the tokens alone"):
         AsyncDraftProposer(Head(tiny_model(0), VOCAB), drafter)
@@ -137,8 +137,8 @@ def test_the_cascade_drafts_the_drafts_own_chain_in_fewer_forwards(target) -> No
         calls = []
         feed = proposer._logits
         proposer._logits = lambda new, last=1, feed=feed, calls=calls: (calls.append(len(new)), feed(new, last))[1]
-        proposer.begin(prompt, 256)
-        chains = [proposer.propose(prompt[:n], 8, SamplingParams(), None).tokens for n in range(start, start + 16)]
+        proposer.begin(RequestInfo(prompt, 256))
+        chains = [proposer.propose(ask(prompt[:n], 8)).tokens for n in range(start, start + 16)]
         forwards[name] = (chains, len(calls))
     assert forwards["cascade"][0] == forwards["plain"][0]
     assert forwards["cascade"][1] < forwards["plain"][1]

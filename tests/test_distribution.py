@@ -161,7 +161,7 @@ def sample_counts(target: Transformer, draft: Transformer, case: Case, samples: 
     totals = Counter()
     shared = AcceptanceStats()
     for seed in range(samples):
-        k = AdaptiveK(STEEP, shared, cheap=proposer.capabilities.cheap) if case.adaptive else 4
+        k = AdaptiveK(STEEP, shared, cheap=proposer.guessing.cheap) if case.adaptive else 4
         out, stats = generate_ids(target, PROMPT, proposer=proposer, k=k, max_new_tokens=case.tokens,
                                   params=case.params, seed=seed)
         assert len(out) == case.tokens

@@ -131,7 +131,7 @@ def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk
     proposer = EagleProposer(head, target, topk=topk, nodes=nodes, cost=cost)
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        depth = proposer.capabilities.max_depth if k == "auto" else k
+        depth = proposer.guessing.max_depth if k == "auto" else k
         out, stats = generate_ids(target, prompt, proposer=proposer, k=depth, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         drafted += stats.drafted
@@ -213,7 +213,7 @@ def test_head_rests_while_its_steps_do_not_pay(target, head, reference, monkeypa
         proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
         calls = []
         monkeypatch.setattr(proposer, "_run", lambda *a, _run=proposer._run, calls=calls: calls.append(1) or _run(*a))
-        out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth,
+        out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.guessing.max_depth,
                                   max_new_tokens=NEW)
         assert out == expected
         runs.append(len(calls))
@@ -233,7 +233,7 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
     for prompt, expected in zip(PROMPTS, reference, strict=True):
         proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
         seen: list[tuple[int, int, int]] = []  # (first position, positions, rest) of each reading
-        observe = proposer.observe_hidden
+        observe = proposer._take_hidden
 
         def spy(start, hidden, observe=observe, seen=seen, proposer=proposer):
             seen.append((start, hidden[0].shape[0], proposer.resting.left))
@@ -244,9 +244,9 @@ def test_resting_head_skips_hidden_states_until_its_probe_and_restarts_after_the
             restarts += proposer.offset == proposer.known_from > 0
             return _run(*a)
 
-        monkeypatch.setattr(proposer, "observe_hidden", spy)
+        monkeypatch.setattr(proposer, "_take_hidden", spy)
         monkeypatch.setattr(proposer, "_run", probe)
-        out, _ = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth, max_new_tokens=NEW)
+        out, _ = generate_ids(target, prompt, proposer=proposer, k=proposer.guessing.max_depth, max_new_tokens=NEW)
         assert out == expected
         assert all(rest < 2 for _, _, rest in seen)  # read only within HIDDEN_LEAD steps of a probe
         gaps += sum(b > a + n for (a, n, _), (b, _, _) in zip(seen, seen[1:], strict=False))
@@ -267,10 +267,10 @@ def test_resting_head_reads_no_hidden_states_when_its_probe_falls_after_the_requ
     monkeypatch.setattr(head, "rest_state", (0.5, rest, (1.0, 2.0, 8)), raising=False)  # resting when the last ended
     proposer = EagleProposer(head, target, topk=3, nodes=16, cost=steep)
     reads, runs = [], []
-    monkeypatch.setattr(proposer, "observe_hidden", lambda start, hidden, observe=proposer.observe_hidden:
+    monkeypatch.setattr(proposer, "_take_hidden", lambda start, hidden, observe=proposer._take_hidden:
                         reads.append(start) or observe(start, hidden))
     monkeypatch.setattr(proposer, "_run", lambda *a, _run=proposer._run: runs.append(1) or _run(*a))
-    out, _ = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth, max_new_tokens=NEW)
+    out, _ = generate_ids(target, prompt, proposer=proposer, k=proposer.guessing.max_depth, max_new_tokens=NEW)
     assert out == expected
     assert (len(reads) > 0 and len(runs) > 0) if reachable else (reads == [] and runs == [])
 
@@ -319,7 +319,7 @@ def test_cost_sizes_the_tree(target, head, reference, greedy: bool, monkeypatch)
         proposer = EagleProposer(head, target, topk=3, nodes=16, cost=cost)
         drafted = forwards = 0
         for prompt, expected in zip(PROMPTS, reference, strict=True):
-            out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.capabilities.max_depth,
+            out, stats = generate_ids(target, prompt, proposer=proposer, k=proposer.guessing.max_depth,
                                       max_new_tokens=NEW, params=params, seed=0)
             if greedy:
                 assert out == expected, f"{name}: prompt {prompt}"

@@ -372,7 +372,7 @@ def test_greedy_speculative_equals_plain_on_gemma(target, reference, method: str
     drafted = accepted = 0
     shared = AcceptanceStats()
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        policy = AdaptiveK(COST, shared, cheap=proposer.capabilities.cheap) if k == "auto" else k
+        policy = AdaptiveK(COST, shared, cheap=proposer.guessing.cheap) if k == "auto" else k
         out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=40)
         assert out == expected, f"{method}: prompt {prompt}"
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted

@@ -106,7 +106,7 @@ def test_bad_skip_sets(target: Transformer, skipped: list[int], match: str) -> N
 @pytest.mark.parametrize("skipped", [[1], [2], [1, 2], [0, 3]])
 def test_greedy_layer_skip_equals_plain(target, reference, skipped: list[int], k: int) -> None:
     proposer = LayerSkipProposer(target, skipped)
-    assert proposer.name == "layer-skip" and not proposer.capabilities.cheap
+    assert proposer.name == "layer-skip" and not proposer.guessing.cheap
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, reference, strict=False):
         out, stats = generate_ids(target, prompt, proposer=proposer, k=k, max_new_tokens=NEW)
@@ -119,7 +119,7 @@ def test_greedy_layer_skip_with_adaptive_k(target, reference) -> None:
     cost, shared = CostModel.measure(target, repeats=1), AcceptanceStats()
     proposer = LayerSkipProposer(target, [2])
     for prompt, expected in zip(PROMPTS[:3], reference, strict=False):
-        policy = AdaptiveK(cost, shared, cheap=proposer.capabilities.cheap)
+        policy = AdaptiveK(cost, shared, cheap=proposer.guessing.cheap)
         assert generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)[0] == expected
 
 

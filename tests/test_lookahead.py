@@ -13,11 +13,12 @@ from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.policy import AdaptiveK
 from specdecode.proposers import LookaheadProposer
+from specdecode.proposers.base import RequestInfo, StepOutput
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree
 from specdecode.verify import Verdict
 
-from .helpers import tiny_model
+from .helpers import ask, tiny_model
 from .test_distribution import ALPHA, PROMPT, STEEP, V, chi_square, exact_joint
 from .test_lossless import NEW, PROMPTS, VOCAB, naive_greedy
 
@@ -48,9 +49,10 @@ def fill_window(proposer: LookaheadProposer, tokens: list[int], steps: int, seed
     """Advance the window through observe with made-up logits, so its levels hold arbitrary tokens."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        tree = proposer.propose(tokens, 3, GREEDY, None)
+        tree = proposer.propose(ask(tokens, 3))
         assert tree.extra is not None
-        proposer.observe(tree, Verdict([0], 0), torch.randn(len(tree.extra.tokens), VOCAB, generator=gen))
+        proposer.observe(tree, Verdict([0], 0), StepOutput(tokens, len(tokens) - 1,
+                         extra_logits=torch.randn(len(tree.extra.tokens), VOCAB, generator=gen)))
 
 
 # ---------------------------------------------------------------------------------- mask / positions
@@ -61,9 +63,9 @@ def test_window_mask_and_positions(target: Transformer, window: int, ngram: int)
     """Each node's logits in the one tree forward equal a plain forward over exactly what it should see."""
     prompt = PROMPTS[6]
     proposer = LookaheadProposer(window, ngram, guesses=3)
-    proposer.begin(prompt, 10_000)
+    proposer.begin(RequestInfo(prompt, 10_000))
     fill_window(proposer, prompt, ngram, seed=window * 10 + ngram)  # all levels filled, then one slide
-    tree = proposer.propose(prompt, 3, GREEDY, None)
+    tree = proposer.propose(ask(prompt, 3))
     extra = tree.extra
     assert extra is not None and len(extra.tokens) == (ngram - 1) * window
     assert tree.num_drafted > 0  # prompt n-grams give guesses for the root: both branches are checked
@@ -92,7 +94,7 @@ def test_window_mask_and_positions(target: Transformer, window: int, ngram: int)
                 top.append(int(expected.argmax()))
 
     # observe: the target's argmax after the top level is the new top level, and each column plus it an n-gram
-    proposer.observe(tree, Verdict([0], 0), logits[n:])
+    proposer.observe(tree, Verdict([0], 0), StepOutput(prompt, len(prompt) - 1, extra_logits=logits[n:]))
     assert proposer.levels[-1] == top
     assert proposer.levels[:-1] == levels[1:]
     for c in range(window):
@@ -141,9 +143,9 @@ class CountingLookahead(LookaheadProposer):
         super().__init__()
         self.steps = [0, 0]  # [with window, without]
 
-    def observe(self, tree, verdict, extra_logits) -> None:
+    def observe(self, tree, verdict, outputs) -> None:
         self.steps[tree.extra is None] += 1
-        super().observe(tree, verdict, extra_logits)
+        super().observe(tree, verdict, outputs)
 
 
 @pytest.mark.parametrize("cost", ["measured", "steep"])
@@ -163,17 +165,18 @@ def test_dropped_window_stays_usable() -> None:
     """A root-only tree (the policy dropped the window) leaves the window as it was."""
     proposer = LookaheadProposer(window=3, ngram=3)
     prompt = [5, 6, 7, 5, 6]
-    proposer.begin(prompt, 1000)
+    proposer.begin(RequestInfo(prompt, 1000))
     fill_window(proposer, prompt, 1, seed=0)
     levels = [list(level) for level in proposer.levels]
-    stale = proposer.propose(prompt, 2, GREEDY, None)
-    proposer.observe(DraftTree.root_only(prompt[-1]), Verdict([0], 1), torch.empty(0, VOCAB))
+    stale = proposer.propose(ask(prompt, 2))
+    proposer.observe(DraftTree.root_only(prompt[-1]), Verdict([0], 1), StepOutput(prompt, len(prompt) - 1))
     assert proposer.levels == levels
-    fresh = proposer.propose(prompt, 2, GREEDY, None)
+    fresh = proposer.propose(ask(prompt, 2))
     logits = torch.randn(len(fresh.extra.tokens), VOCAB, generator=torch.Generator().manual_seed(0))
-    proposer.observe(stale, Verdict([0], 1), logits)  # not the tree of the last proposal: ignored
+    # not the tree of the last proposal: ignored
+    proposer.observe(stale, Verdict([0], 1), StepOutput(prompt, len(prompt) - 1, extra_logits=logits))
     assert proposer.levels == levels
-    proposer.observe(fresh, Verdict([0], 1), logits)
+    proposer.observe(fresh, Verdict([0], 1), StepOutput(prompt, len(prompt) - 1, extra_logits=logits))
     assert proposer.levels == [levels[1], logits[-3:].argmax(-1).tolist()]
 
 # -------------------------------------------------------------------------------------- distribution

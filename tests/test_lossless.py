@@ -28,9 +28,10 @@ from specdecode.proposers import (
     PromptLookupProposer,
     Proposer,
 )
+from specdecode.proposers.base import RequestInfo
 from specdecode.sampling import SamplingParams
 
-from .helpers import TEST_DEVICE, guessing_pays, noisy_copy, prefix_layers, resize_vocab, tiny_model
+from .helpers import TEST_DEVICE, ask, guessing_pays, noisy_copy, prefix_layers, resize_vocab, tiny_model
 
 VOCAB = 56
 NEW = 40
@@ -135,7 +136,7 @@ def test_greedy_speculative_equals_plain(target, draft, reference, cost, monkeyp
     drafted = accepted = 0
     shared = AcceptanceStats()  # what the adaptive policy learns carries over from prompt to prompt
     for prompt, expected in zip(PROMPTS, reference, strict=True):
-        policy = AdaptiveK(cost, shared, cheap=proposer.capabilities.cheap) if k == "auto" else k
+        policy = AdaptiveK(cost, shared, cheap=proposer.guessing.cheap) if k == "auto" else k
         out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
         assert stats.new_tokens == NEW and stats.accepted + stats.target_forwards >= NEW
@@ -160,12 +161,14 @@ def test_draft_times_its_guesses_apart_from_catching_up(draft, monkeypatch) -> N
     feed = proposer._logits
     monkeypatch.setattr(proposer, "_logits", lambda new: (time.sleep(0.01 * len(new)), feed(new))[1])
     prompt = [t % VOCAB for t in range(40)]
-    proposer.begin(prompt, 128)
-    proposer.propose(prompt, 1, SamplingParams(), None)
-    assert proposer.seconds_per_guess is None  # one guess: only the catch-up forward, nothing to time apart
-    proposer.begin(prompt, 128)
-    proposer.propose(prompt, 3, SamplingParams(), None)  # feeds 40 tokens (0.4 s), then 2 x 1 token
-    assert 0.01 <= proposer.seconds_per_guess < 0.1
+    proposer.begin(RequestInfo(prompt, 128))
+    asked = ask(prompt, 1)
+    proposer.propose(asked)
+    assert asked.seconds_per_guess is None  # one guess: only the catch-up forward, nothing to time apart
+    proposer.begin(RequestInfo(prompt, 128))
+    asked = ask(prompt, 3)
+    proposer.propose(asked)  # feeds 40 tokens (0.4 s), then 2 x 1 token
+    assert asked.seconds_per_guess is not None and 0.01 <= asked.seconds_per_guess < 0.1
 
 
 # ----------------------------------------------------------------------------------- stop conditions

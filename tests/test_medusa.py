@@ -18,11 +18,12 @@ from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.medusa import MedusaHeads
 from specdecode.policy import AdaptiveK
+from specdecode.proposers.base import ProposalContext, RequestInfo, StepOutput
 from specdecode.proposers.medusa import PROBE_EVERY, RANKS, REQUEST_TRIALS, MedusaProposer, RankAccuracy, medusa_tree
 from specdecode.sampling import SamplingParams
 from specdecode.training.medusa import frequent_tokens
 
-from .helpers import FrozenCost, make_tokenizer, tiny_model, write_checkpoint
+from .helpers import FrozenCost, ask, make_tokenizer, tiny_model, write_checkpoint
 from .test_distill import train_args, write_train_data
 from .test_distribution import ALPHA, PROMPT, Case, V, chi_square, exact_joint, sample_counts
 from .test_lossless import PROMPTS, VOCAB
@@ -81,7 +82,7 @@ def test_greedy_medusa_equals_plain(target, reference, variant: str, k) -> None:
     for prompt, expected in zip(GREEDY_PROMPTS, reference, strict=True):
         policy = k
         if k == "auto":  # as the api: a proposer sizing itself gets its depth cap, others AdaptiveK
-            caps = proposer.capabilities
+            caps = proposer.guessing
             policy = caps.max_depth if caps.sizes_itself else AdaptiveK(MILD, shared, cheap=caps.cheap)
         out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW)
         assert out == expected, f"prompt {prompt}"
@@ -93,12 +94,12 @@ def test_greedy_medusa_equals_plain(target, reference, variant: str, k) -> None:
 def test_no_hidden_state_no_guess(target) -> None:
     """A 1-token prompt has no prefill, so the first step has nothing to draft from: a plain step."""
     proposer = MedusaProposer(random_heads(target, 2, seed=1), VOCAB, max_nodes=8)
-    proposer.begin([5], 100)
-    tree = proposer.propose([5], 4, SamplingParams(), None)
+    proposer.begin(RequestInfo([5], 100))
+    tree = proposer.propose(ask([5], 4))
     assert tree.num_drafted == 0
-    proposer.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
-    assert proposer.propose([1, 2, 3, 4], 4, SamplingParams(), None).num_drafted > 0  # hidden of position 2
-    assert proposer.propose([1, 2, 3, 4, 5], 4, SamplingParams(), None).num_drafted == 0  # stale: not position 3
+    proposer.observe(None, None, StepOutput([], 0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)]))
+    assert proposer.propose(ask([1, 2, 3, 4], 4)).num_drafted > 0  # hidden of position 2
+    assert proposer.propose(ask([1, 2, 3, 4, 5], 4)).num_drafted == 0  # stale: not position 3
 
 
 # ------------------------------------------------------------------------------------------------ the tree
@@ -125,37 +126,37 @@ def sized(target: Transformer, cost: CostModel, accuracy: RankAccuracy | None = 
     """Two heads claiming 60% / 40% per rank, sized by `cost`, holding a hidden state for 4-token texts."""
     heads = random_heads(target, 2, seed=1, vocab=vocab, accuracy=[[0.6] * 10, [0.4] * 10])
     proposer = MedusaProposer(heads, VOCAB, cost=cost, max_nodes=30, accuracy=accuracy)
-    proposer.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
+    proposer.observe(None, None, StepOutput([], 0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)]))
     return proposer
 
 
 def test_tree_size_from_cost(target) -> None:
     tokens = [1, 2, 3, 4]
-    assert sized(target, FLAT).propose(tokens, 4, GREEDY, None).num_drafted == 30  # verifying is free: all
+    assert sized(target, FLAT).propose(ask(tokens, 4)).num_drafted == 30  # verifying is free: all
     # +0.3 per node: the 10 first-head guesses (0.6 each) pay, the second head's (0.24) do not
-    tree = sized(target, STEEP).propose(tokens, 4, GREEDY, None)
+    tree = sized(target, STEEP).propose(ask(tokens, 4))
     assert tree.num_drafted == 10 and tree.depth == 1
-    assert sized(target, STEEP).propose(tokens, 1, GREEDY, None).num_drafted == 10  # k caps the depth
+    assert sized(target, STEEP).propose(ask(tokens, 1)).num_drafted == 10  # k caps the depth
     few = MedusaProposer(random_heads(target, 2, seed=1, vocab=3), VOCAB, max_nodes=64)  # a 3-token draft vocab
-    few.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
-    assert few.propose(tokens, 4, GREEDY, None).num_drafted == 3 + 3 * 3  # no more distinct guesses than that
+    few.observe(None, None, StepOutput([], 0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)]))
+    assert few.propose(ask(tokens, 4)).num_drafted == 3 + 3 * 3  # no more distinct guesses than that
 
 
 def test_heads_do_not_run_while_they_cannot_pay(target) -> None:
     linear = FrozenCost(sizes=[1, 64], contexts=[0, 1024], seconds=[[1.0, 64.0], [1.0, 64.0]])
     proposer = sized(target, linear)  # each node costs a whole forward: guessing never pays
     for _ in range(PROBE_EVERY):
-        assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
+        assert proposer.propose(ask([1, 2, 3, 4], 4)).num_drafted == 0
     assert proposer.head_seconds is None  # the heads were skipped: those steps cost nothing extra
-    assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
+    assert proposer.propose(ask([1, 2, 3, 4], 4)).num_drafted == 0
     assert proposer.head_seconds is not None  # a probe ran the first head, to keep learning
     assert [len(top) for _, top in proposer.pending] == [1]
     costly = sized(target, STEEP)  # guesses would pay, but not heads costing 4 plain steps each
     costly.head_seconds = 4.0
-    drafted = [costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted for _ in range(PROBE_EVERY + 1)]
+    drafted = [costly.propose(ask([1, 2, 3, 4], 4)).num_drafted for _ in range(PROBE_EVERY + 1)]
     assert drafted == [0] * PROBE_EVERY + [10]  # the probe's heads are spent: what pays is sent
     costly.head_seconds = 0.1
-    assert costly.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 10  # cheap heads: every step
+    assert costly.propose(ask([1, 2, 3, 4], 4)).num_drafted == 10  # cheap heads: every step
 
 
 def run_text(proposer: MedusaProposer, next_token, steps: int) -> list[int]:
@@ -164,9 +165,9 @@ def run_text(proposer: MedusaProposer, next_token, steps: int) -> list[int]:
     top = proposer.heads.vocab_ids[proposer.heads(hidden[0]).topk(RANKS, dim=-1).indices].tolist()
     drafted = []
     for _ in range(steps):
-        drafted.append(proposer.propose(tokens, 4, GREEDY, None).num_drafted)
+        drafted.append(proposer.propose(ask(tokens, 4)).num_drafted)
         tokens.append(next_token(top))
-        proposer.observe_hidden(len(tokens) - 2, [hidden])
+        proposer.observe(None, None, StepOutput([], len(tokens) - 2, [hidden]))
     return drafted
 
 
@@ -177,9 +178,9 @@ def test_accuracy_follows_the_text_and_carries_to_the_next_request(target) -> No
     drafted = run_text(proposer, lambda top: never_guessed, 40)  # the heads claim 60%; the text never agrees
     assert drafted[0] == 10 and drafted[-1] == 0
     assert proposer.accuracy.rates()[0].max() < 0.3 and shared.rates()[0].max() < 0.3  # a guess costs 0.3
-    proposer.begin([1, 2, 3, 4], 100)  # the next request starts from what this one found
-    proposer.observe_hidden(0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)])
-    assert proposer.propose([1, 2, 3, 4], 4, GREEDY, None).num_drafted == 0
+    proposer.begin(RequestInfo([1, 2, 3, 4], 100))  # the next request starts from what this one found
+    proposer.observe(None, None, StepOutput([], 0, [torch.zeros(3, target.config.hidden_size, dtype=torch.float64)]))
+    assert proposer.propose(ask([1, 2, 3, 4], 4)).num_drafted == 0
     assert proposer.accuracy.trials.max() <= REQUEST_TRIALS  # but worth a few trials: it can change its mind
     # a text that takes the first head's 4th guess every time: that guess comes to lead the tree
     fresh = sized(target, FLAT)
@@ -232,9 +233,9 @@ def test_sampled_siblings_are_drawn_from_the_heads(small_target) -> None:
     heads = small_heads(small_target, V)
     proposer = MedusaProposer(heads, V, max_nodes=8)
     hidden = torch.randn(4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    proposer.observe_hidden(0, [hidden])
+    proposer.observe(None, None, StepOutput([], 0, [hidden]))
     params = SamplingParams(temperature=1.0)
-    tree = proposer.propose(list(range(5)), 4, params, torch.Generator().manual_seed(1))
+    tree = proposer.propose(ProposalContext(list(range(5)), 4, params, torch.Generator().manual_seed(1)))
     q = params.probs(heads.target_logits(hidden[-1]))
     for node in range(1, len(tree)):
         depth = int(tree.depths()[node])

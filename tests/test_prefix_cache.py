@@ -10,7 +10,7 @@ import torch
 from specdecode.engine import generate_ids
 from specdecode.prefix_cache import PrefixCache, common_prefix
 from specdecode.proposers import NoProposer, PromptLookupProposer
-from specdecode.proposers.base import Capabilities
+from specdecode.proposers.base import Needs
 from specdecode.sampling import SamplingParams
 
 from .helpers import Oracle, guessing_pays, tiny_model
@@ -145,14 +145,12 @@ class ReadsHidden(NoProposer):
     """A proposer that drafts from the hidden states of the last `context` positions (None: all)."""
 
     def __init__(self, context: int | None) -> None:
-        self.capabilities = Capabilities(hidden_layers=(0,), hidden_context=context)
+        self.needs = Needs(hidden_layers=(0,), hidden_context=context)
         self.first = None  # the first position whose hidden state it got
 
-    def reads_hidden(self, tokens_left: int) -> bool:
-        return True
-
-    def observe_hidden(self, start, hidden) -> None:
-        self.first = start if self.first is None else self.first
+    def observe(self, tree, verdict, outputs) -> None:
+        assert outputs.hidden is not None
+        self.first = outputs.start if self.first is None else self.first
 
 
 @pytest.mark.parametrize("context", [None, 5])
@@ -193,9 +191,7 @@ def test_an_eagle_request_drafts_as_after_a_full_prefill():
 
 def test_a_failed_request_keeps_nothing():
     class Fails(NoProposer):
-        capabilities = Capabilities(cheap=True)
-
-        def propose(self, tokens, k, params, generator):
+        def propose(self, context):
             raise RuntimeError("proposer broke")
 
     model = tiny_model(3, vocab_size=24)
@@ -221,7 +217,7 @@ def test_a_hybrid_request_reads_the_cache_but_its_heads_catch_up_window_and_stay
     hybrid = SuffixEagleProposer(SuffixProposer(cost=guessing_pays()),
                                  EagleProposer(random_head(target, 6, seed=4), target, cost=guessing_pays()))
     stats: list = []
-    out, cached = run(target, prompt + [1, 2], cache, proposer=hybrid, k=hybrid.capabilities.max_depth, max_new=40,
+    out, cached = run(target, prompt + [1, 2], cache, proposer=hybrid, k=hybrid.guessing.max_depth, max_new=40,
                       stats=stats)
     assert cached == len(prompt) + 1 - HIDDEN_LEAD
     assert out == run(target, prompt + [1, 2], None, max_new=40)[0] and stats[0].accepted > 0

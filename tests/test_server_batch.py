@@ -166,11 +166,11 @@ class Exploding(PromptLookupProposer):
         super().__init__()
         self.calls, self.after = 0, after
 
-    def propose(self, tokens, k, params, generator):
+    def propose(self, context):
         self.calls += 1
         if self.calls > self.after:
             raise RuntimeError("proposer bug")
-        return super().propose(tokens, k, params, generator)
+        return super().propose(context)
 
 
 def test_a_failing_row_leaves_alone():

@@ -16,11 +16,12 @@ from specdecode.cost import CostModel
 from specdecode.engine import generate_ids
 from specdecode.policy import FixedK
 from specdecode.proposers import SuffixCache, SuffixProposer
+from specdecode.proposers.base import ProposalContext, RequestInfo, StepOutput
 from specdecode.proposers.suffix import GLOBAL_BUCKET, MAX_DEPTH
 from specdecode.sampling import SamplingParams
 from specdecode.suffix_index import SEPARATOR, SuffixIndex, TextIndex
 
-from .helpers import FrozenCost, guessing_pays, tiny_model
+from .helpers import FrozenCost, ask, end_request, guessing_pays, tiny_model
 from .test_distribution import ALPHA, chi_square, exact_joint
 from .test_lossless import NEW, PROMPTS, VOCAB
 
@@ -175,9 +176,9 @@ def test_concurrent_updates_from_threads_leave_the_cache_whole() -> None:
             for i in range(per_thread):
                 seq = [seed * 1000 + i] + [rng.randrange(50) for _ in range(rng.randrange(5, 60))] + [seed * 1000 + i]
                 proposer = SuffixProposer(cache)
-                proposer.begin(seq[:3], 1000)
-                proposer.propose(seq[:3], 8, GREEDY, None)
-                proposer.finish(seq[:3] + seq)
+                proposer.begin(RequestInfo(seq[:3], 1000))
+                proposer.propose(ask(seq[:3], 8))
+                end_request(proposer, seq[:3] + seq)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
@@ -203,10 +204,10 @@ def test_the_requests_own_text_comes_before_the_global_cache() -> None:
     cache.index.add_sequence([1, 2, 3, 30, 31, 32])  # earlier outputs continue "1 2 3" with 30 ...
     prompt = [1, 2, 3, 10, 11, 12, 7, 1, 2, 3]  # ... this request's own text with 10
     proposer = SuffixProposer(cache)
-    proposer.begin(prompt, 100)
-    one = proposer.propose(prompt, 1, GREEDY, None)
+    proposer.begin(RequestInfo(prompt, 100))
+    one = proposer.propose(ask(prompt, 1))
     assert one.tokens == [3, 10]
-    both = proposer.propose(prompt, 3, GREEDY, None)  # a deeper budget: own path first, global one beside it
+    both = proposer.propose(ask(prompt, 3))  # a deeper budget: own path first, global one beside it
     assert both.paths()[0] == [10, 11] and [30] in both.paths() or [30, 31] in both.paths()
     assert cache.hits == 2
 
@@ -221,19 +222,19 @@ def test_global_searches_rest_while_they_add_nothing_and_resume_on_a_hit() -> No
     cache.index.add_sequence([1, 2, 3, 30, 31])
     proposer = SuffixProposer(cache)
     text = [9, 8, 1, 2, 3]
-    proposer.begin(text, 100)
+    proposer.begin(RequestInfo(text, 100))
     searched = []
     for _ in range(40):  # the global guess 30 is never accepted
-        tree = proposer.propose(text, 2, GREEDY, None)
+        tree = proposer.propose(ask(text, 2))
         searched.append(proposer.searched_global)
-        proposer.observe(tree, Verdict([0], 5), None)
+        proposer.observe(tree, Verdict([0], 5), StepOutput(text, len(text) - 1))
     rests = [len(run) for run in "".join("x" if s else "." for s in searched).split("x")[1:-1]]
     assert rests[:5] == [0, 1, 2, 4, 8] and max(rests) <= GLOBAL_MAX_REST
     while not proposer.searched_global:
-        tree = proposer.propose(text, 2, GREEDY, None)
-    proposer.observe(tree, Verdict([0, 1], 31), None)  # node 1 (30, global only) accepted
+        tree = proposer.propose(ask(text, 2))
+    proposer.observe(tree, Verdict([0, 1], 31), StepOutput(text, len(text) - 1))  # node 1 (30, global only) accepted
     assert proposer.global_rest == 0 and proposer.global_backoff == 0 and cache.accepted == 1
-    assert proposer.propose(text, 2, GREEDY, None) and proposer.searched_global
+    assert proposer.propose(ask(text, 2)) and proposer.searched_global
 
 
 def test_the_global_cache_is_searched_only_where_it_may_hold_the_texts_last_3_tokens() -> None:
@@ -255,15 +256,15 @@ def test_the_global_cache_is_searched_only_where_it_may_hold_the_texts_last_3_to
     cache.index.add_sequence([1, 2, 30, 31])  # "1 2" continues with 30, but no 3 tokens of the text are there
     proposer = SuffixProposer(cache)
     text = [9, 8, 1, 2]
-    proposer.begin(text, 100)
+    proposer.begin(RequestInfo(text, 100))
     for _ in range(5):
-        tree = proposer.propose(text, 2, GREEDY, None)
+        tree = proposer.propose(ask(text, 2))
         assert not proposer.searched_global and 30 not in tree.tokens and proposer.global_rest == 0
-        proposer.observe(tree, Verdict([0], 5), None)
+        proposer.observe(tree, Verdict([0], 5), StepOutput(text, len(text) - 1))
     assert (cache.lookups, cache.hits) == (5, 0)
     text = [9, 1, 2, 30]  # now its last 3 tokens are there: searched
-    proposer.begin(text, 100)
-    assert proposer.propose(text, 2, GREEDY, None).tokens[1:] == [31] and proposer.searched_global
+    proposer.begin(RequestInfo(text, 100))
+    assert proposer.propose(ask(text, 2)).tokens[1:] == [31] and proposer.searched_global
 
 
 def test_held_outputs_join_the_cache_after_the_block_each_distinct_once() -> None:
@@ -301,8 +302,8 @@ def test_frequencies_rank_the_branches() -> None:
         cache.index.add_sequence([3, 4, 5, 6, 7])
     cache.index.add_sequence([3, 4, 5, 8, 9])
     proposer = SuffixProposer(cache)
-    proposer.begin([0, 3, 4, 5], 100)
-    tree = proposer.propose([0, 3, 4, 5], 3, GREEDY, None)
+    proposer.begin(RequestInfo([0, 3, 4, 5], 100))
+    tree = proposer.propose(ask([0, 3, 4, 5], 3))
     assert tree.tokens == [5, 6, 7, 8]  # 6 (3 of 4), 7 after it (3 of 4), then 8 (1 of 4)
     assert tree.parents == [-1, 0, 1, 0]
 
@@ -316,12 +317,12 @@ def test_the_cost_model_sizes_the_tree() -> None:
     for name, cost in (("cheap", cheap), ("dear", dear)):
         proposer = SuffixProposer(None, cost=cost)
         for _ in range(3):  # copying holds: what the reach learns
-            proposer.begin(text[:14], 100)
+            proposer.begin(RequestInfo(text[:14], 100))
             for n in range(14, len(text)):
-                proposer.propose(text[:n], 16, GREEDY, None)
-            proposer.finish(text)
-        proposer.begin(text[:14], 100)
-        sizes[name] = proposer.propose(text[:14], 16, GREEDY, None).num_drafted
+                proposer.propose(ask(text[:n], 16))
+            end_request(proposer, text)
+        proposer.begin(RequestInfo(text[:14], 100))
+        sizes[name] = proposer.propose(ask(text[:14], 16)).num_drafted
     assert sizes["cheap"] >= 8 and sizes["dear"] == 0
 
 
@@ -361,7 +362,7 @@ def test_greedy_suffix_equals_plain(target, reference, k, nodes) -> None:
     for _ in range(2):
         for prompt, expected in zip(PROMPTS, reference, strict=True):
             proposer = SuffixProposer(cache, nodes=nodes, cost=CHEAP if k == "auto" else None)
-            policy = FixedK(proposer.capabilities.max_depth) if k == "auto" else k
+            policy = FixedK(proposer.guessing.max_depth) if k == "auto" else k
             out, stats = generate_ids(target, prompt, proposer=proposer, k=policy, max_new_tokens=NEW, cost=CHEAP)
             assert out == expected, f"prompt {prompt}"
             drafted += stats.drafted
@@ -387,7 +388,7 @@ def test_sampled_suffix_matches_the_target_distribution(sized: bool) -> None:
         cache = SuffixCache()  # the same cache every time: outputs of other samples must not leak in
         cache.index.add_sequence([7, 6, 0, 1, 2, 7, 6, 0, 3, 4, 0, 1])
         proposer = SuffixProposer(cache, cost=CHEAP if sized else None)
-        k = FixedK(proposer.capabilities.max_depth) if sized else 4
+        k = FixedK(proposer.guessing.max_depth) if sized else 4
         out, stats = generate_ids(target, PROMPT, proposer=proposer, k=k, max_new_tokens=tokens, params=params,
                                   seed=seed, cost=CHEAP)
         counts[tuple(out)] += 1
@@ -404,8 +405,8 @@ def test_sampled_tree_offers_several_branches() -> None:
     cache = SuffixCache()
     cache.index.add_sequence([7, 6, 0, 1, 2, 7, 6, 0, 3, 4, 0, 1])
     proposer = SuffixProposer(cache, nodes=8)
-    proposer.begin(PROMPT, 100)
-    tree = proposer.propose(PROMPT, 8, SamplingParams(temperature=1.0), None)
+    proposer.begin(RequestInfo(PROMPT, 100))
+    tree = proposer.propose(ProposalContext(PROMPT, 8, SamplingParams(temperature=1.0), None))
     first = sorted(tree.tokens[c] for c in tree.children(0))
     assert len(first) >= 3 and np.isin([1, 7], first).all()
 
@@ -421,8 +422,8 @@ def test_server_metrics_report_the_shared_cache() -> None:
     holder.append(cache)
     cache.index.add_sequence([1, 2, 3, 4])
     proposer = SuffixProposer(cache)
-    proposer.begin([9, 1, 2, 3], 10)
-    proposer.propose([9, 1, 2, 3], 2, GREEDY, None)
+    proposer.begin(RequestInfo([9, 1, 2, 3], 10))
+    proposer.propose(ask([9, 1, 2, 3], 2))
     text = metrics.render().decode()
     assert "specdecode_suffix_cache_tokens 4.0" in text and "specdecode_suffix_cache_hit_rate 1.0" in text
     assert "specdecode_suffix_cache_sequences 1.0" in text
@@ -456,7 +457,7 @@ def test_greedy_hybrid_equals_plain_and_uses_both_sources(target, reference) -> 
     for _ in range(2):
         for prompt, expected in zip(PROMPTS, reference, strict=True):
             proposer = hybrid(target, cache)
-            depth = FixedK(proposer.capabilities.max_depth)
+            depth = FixedK(proposer.guessing.max_depth)
             out, stats = generate_ids(target, prompt, proposer=proposer, k=depth, cost=CHEAP, max_new_tokens=NEW)
             assert out == expected, f"prompt {prompt}"
             drafted += stats.drafted
@@ -503,7 +504,7 @@ def test_the_head_costs_at_most_its_share_of_decoding_time_beyond_what_it_saves(
     proposer = SuffixEagleProposer(SuffixProposer(None, cost=dear), eagle_for(target))
     for carried, starts in ((0.01, 0.0), (-0.01, -0.01)):  # a request inherits the head's debts, not its savings
         proposer.eagle.head.head_budget = carried
-        proposer.begin(PROMPTS[0], 100)
+        proposer.begin(RequestInfo(PROMPTS[0], 100))
         assert proposer.budget == starts
 
 
@@ -517,7 +518,7 @@ def test_sampled_hybrid_matches_the_target_distribution() -> None:
     proposer = hybrid(target, SuffixCache())
     proposer.suffix.cache = None  # the request's own text only: samples must not teach each other
     for seed in range(samples):
-        depth = FixedK(proposer.capabilities.max_depth)
+        depth = FixedK(proposer.guessing.max_depth)
         out, stats = generate_ids(target, PROMPT, proposer=proposer, k=depth, cost=CHEAP, max_new_tokens=tokens,
                                   params=params, seed=seed)
         counts[tuple(out)] += 1

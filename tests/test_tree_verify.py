@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
+from specdecode.proposers.base import ProposalContext, RequestInfo
 from specdecode.sampling import SamplingParams, greedy_token, greedy_tokens
 from specdecode.tree import DraftTree, ExtraNodes
 from specdecode.verify import residual, verify
 
-from .helpers import tiny_model
+from .helpers import ask, tiny_model
 
 V = 10
 SAMPLED = SamplingParams(temperature=1.0)
@@ -247,7 +248,7 @@ def test_prompt_lookup_continuations() -> None:
     assert PromptLookupProposer().continuations([1, 2, 3], 4) == []  # nothing repeats
     assert PromptLookupProposer().continuations([1], 4) == []
     assert PromptLookupProposer(min_ngram=2).continuations([4, 1, 9, 4], 2) == []  # 1-gram matches off
-    tree = PromptLookupProposer(branches=2).propose(seq, 3, SamplingParams(), None)
+    tree = PromptLookupProposer(branches=2).propose(ask(seq, 3))
     assert tree.tokens == [3, 7, 1, 2, 9, 1, 2] and tree.parents == [-1, 0, 1, 2, 0, 4, 5]
 
 
@@ -262,7 +263,7 @@ def test_draft_model_proposer_follows_the_committed_sequence() -> None:
     draft = tiny_model(8, vocab_size=V)
     proposer = DraftModelProposer(draft, V)
     with pytest.raises(RuntimeError, match="begin"):
-        proposer.propose([1, 2], 3, SamplingParams(), None)
+        proposer.propose(ask([1, 2], 3))
 
     def own_greedy(tokens: list[int], n: int) -> list[int]:
         ids = list(tokens)
@@ -271,10 +272,10 @@ def test_draft_model_proposer_follows_the_committed_sequence() -> None:
             ids.append(int(out.logits[0, -1].argmax()))
         return ids[len(tokens):]
 
-    proposer.begin([1, 2, 3], 64)
+    proposer.begin(RequestInfo([1, 2, 3], 64))
     tokens = [1, 2, 3]
     for step, k in enumerate([3, 1, 4, 2, 4]):
-        tree = proposer.propose(tokens, k, SamplingParams(), None)
+        tree = proposer.propose(ask(tokens, k))
         assert tree.is_chain and tree.tokens[0] == tokens[-1]
         assert tree.tokens[1:] == own_greedy(tokens, k) and tree.draft_probs == [None] * (k + 1)
         # commit a mix: sometimes the first guess, sometimes a token the draft did not guess
@@ -284,9 +285,9 @@ def test_draft_model_proposer_follows_the_committed_sequence() -> None:
 def test_draft_model_proposer_sampled_reports_q() -> None:
     draft = tiny_model(8, vocab_size=V)
     proposer = DraftModelProposer(draft, V)
-    proposer.begin([1, 2], 64)
+    proposer.begin(RequestInfo([1, 2], 64))
     params = SamplingParams(temperature=1.0, top_k=3)
-    tree = proposer.propose([1, 2], 3, params, torch.Generator().manual_seed(0))
+    tree = proposer.propose(ProposalContext([1, 2], 3, params, torch.Generator().manual_seed(0)))
     assert len(tree) == 4
     for node in range(1, 4):
         q = tree.draft_probs[node]

@@ -11,7 +11,7 @@ draft's speed; if it is drafting the outcome that came true, the engine waits fo
 
 Lossless by construction: verification is unchanged, and a chain drafted ahead is drawn from the draft's q given
 exactly the tokens then committed, with a generator of its own (never the draws that accept or reject).
-Only proposers whose drafts depend on the tokens alone can draft ahead (`Capabilities.token_state`: draft models,
+Only proposers whose drafts depend on the tokens alone can draft ahead (`DraftModelProposer`: draft models,
 the quantized self-draft, layer skipping): EAGLE and Medusa heads draft from the target's hidden states of the very
 tokens being verified, which exist only once verification has run.
 
@@ -36,7 +36,8 @@ import torch
 from ..sampling import SamplingParams
 from ..threads import usable_cores
 from ..tree import DraftTree
-from .base import Proposer
+from ..verify import Verdict
+from .base import ProposalContext, Proposer, RequestInfo, StepOutput
 from .draft_model import DraftModelProposer
 
 log = logging.getLogger("specdecode")
@@ -125,14 +126,14 @@ class AsyncDraftProposer(Proposer):
                  patient: bool = False, timeline: bool = False) -> None:
         """max_outcomes: 0 drafts nothing ahead (every step a miss); patient: wait for every outcome each step
         (deterministic hits: tests); timeline: record when the engine waited, drafted and verified."""
-        if not isinstance(inner, DraftModelProposer) or not inner.capabilities.token_state:
+        if not isinstance(inner, DraftModelProposer) or inner.needs.hidden_layers:
             raise ValueError(f"asynchronous drafting needs a model draft that depends on the tokens alone (draft, "
                              f"quantized, layer-skip), not {inner.name!r}: EAGLE and Medusa heads draft from the "
                              "target's hidden states of the tokens being verified, which exist only after "
                              "verification; n-gram methods cost nothing to hide")
         self.inner, self.drafter = inner, drafter
         self.name = f"{inner.name}+async"
-        self.capabilities = inner.capabilities
+        self.needs, self.guessing = inner.needs, inner.guessing
         self.max_outcomes, self.patient = max_outcomes, patient
         self.stats = AsyncStats(spans=[] if timeline else None)
         self._job: Future | None = None
@@ -144,26 +145,20 @@ class AsyncDraftProposer(Proposer):
         self._waited = 0.0  # seconds observe() waited for the drafter to finish that chain
         self._generator: torch.Generator | None = None
         self._handed = 0.0  # when the last proposal went to the target
-        self._since = (0, 0)
 
-    def bind(self, cost, acceptance) -> None:
-        self.inner.bind(cost, acceptance)
-
-    def begin(self, prompt: list[int], max_len: int) -> None:
+    def begin(self, request: RequestInfo) -> None:
         self._halt()
-        self.inner.begin(prompt, max_len)
+        self.inner.begin(request)
         self._taken, self._generator, self._handed = None, None, 0.0
-        self._since = (self.stats.hits, self.stats.steps)  # the request's counts start here
 
-    def ahead(self) -> tuple[int, int]:
-        return self.stats.hits - self._since[0], self.stats.steps - self._since[1]
-
-    def finish(self, tokens: list[int]) -> None:
+    def finish(self) -> None:
         self._halt()
-        self.inner.finish(tokens)
+        self.inner.finish()
 
-    def observe(self, tree, verdict, extra_logits) -> None:
+    def observe(self, tree: DraftTree | None, verdict: Verdict | None, outputs: StepOutput) -> None:
         """The verification is over: stop the drafter (it may finish the chain for the outcome that came true)."""
+        if tree is None or verdict is None:
+            return  # a prefill chunk (a model draft reads no hidden states: never asked)
         started = time.perf_counter()
         if self._handed:
             self.stats.span("target", self._handed, started)
@@ -174,9 +169,10 @@ class AsyncDraftProposer(Proposer):
             self._taken = (self._committed + list(suffix), *found) if found is not None else None
             self._waited = time.perf_counter() - started
             self.stats.span("wait", started)
-        self.inner.observe(tree, verdict, extra_logits)  # token-state drafts keep no drafting state there
+        self.inner.observe(tree, verdict, outputs)  # token-state drafts keep no drafting state there
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens, k, params, generator = context.tokens, context.k, context.params, context.generator
         started = time.perf_counter()
         if self._generator is None:  # the drafts' own draws, seeded from the request's
             self._generator = torch.Generator()
@@ -207,8 +203,9 @@ class AsyncDraftProposer(Proposer):
         self.stats.span("hit" if hit else "miss", started)
         # what a guess cost the engine: on a hit the waits; on a miss the draft's own steady cost (its first forward
         # also caught up on text committed while it did not draft, which the next steps will not pay again)
-        self.seconds_per_guess = (waited / tree.num_drafted if tree.num_drafted else None) if hit \
+        context.seconds_per_guess = (waited / tree.num_drafted if tree.num_drafted else None) if hit \
             else self.inner.seconds_per_guess
+        context.drafted_ahead = hit
         if tree.num_drafted and self.max_outcomes:
             self._ahead(list(tokens), tree.tokens[1:], logits, k, params)
         self._handed = time.perf_counter()

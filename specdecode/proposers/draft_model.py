@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..models import KVCache, Transformer
 from ..sampling import SamplingParams, greedy_token, sample
 from ..tree import DraftTree
-from .base import Capabilities, Proposer
+from .base import ProposalContext, Proposer, RequestInfo
 from .prompt_lookup import PromptLookupProposer
 
 CASCADE_GUESSES = 4  # most lookup guesses the draft model checks in one forward
 
 
 class DraftModelProposer(Proposer):
+    """A model's chain of guesses. Its proposals depend on the token sequence alone (its cache resynchronizes itself
+    from the tokens), so it may draft ahead for a sequence the target has not verified yet (async_draft)."""
+
     name = "draft"
-    capabilities = Capabilities(token_state=True)
 
     def __init__(self, model: Transformer, vocab_size: int, lookup: PromptLookupProposer | None = None) -> None:
         self.model = model
@@ -38,15 +42,20 @@ class DraftModelProposer(Proposer):
         self.cached: list[int] = []
         self.max_len: int | None = None
         self.last_logits: list[torch.Tensor] = []  # the draft's logits at each drafted token of the last proposal
+        # the steady cost of a guess in the last proposal (the first forward also caught up on the committed text:
+        # not counted); None: fewer than two guesses
+        self.seconds_per_guess: float | None = None
 
-    def begin(self, prompt: list[int], max_len: int) -> None:
+    def begin(self, request: RequestInfo) -> None:
         # the cache waits for a first guess: many requests never draft (the policy finds it does not pay)
-        self.cache, self.cached, self.max_len = None, [], max_len
+        self.cache, self.cached, self.max_len = None, [], request.max_len
         if self.lookup is not None:
-            self.lookup.begin(prompt, max_len)
+            self.lookup.begin(request)
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
-        return self.draft(tokens, k, params, generator)
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tree = self.draft(context.tokens, context.k, context.params, context.generator)
+        context.seconds_per_guess = self.seconds_per_guess
+        return tree
 
     def draft(self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None,
               stop: Callable[[list[int]], bool] | None = None) -> DraftTree:
@@ -93,7 +102,6 @@ class DraftModelProposer(Proposer):
             if len(drafted) == k or (stop is not None and stop(drafted)):
                 break
             logits = self._logits(drafted[-1:])[-1]
-        # the steady cost of a guess (the first forward also caught up on the committed text: not counted)
         self.seconds_per_guess = (time.perf_counter() - started) / (len(drafted) - 1) if len(drafted) > 1 else None
         self.cached = tokens + drafted[:-1]
         return DraftTree.chain(tokens[-1], drafted, probs)
@@ -145,3 +153,18 @@ class DraftModelProposer(Proposer):
         if logits.shape[-1] >= vocab:  # padded embedding rows are never real tokens
             return logits[:, :vocab]
         return torch.cat((logits, logits.new_full((last, vocab - logits.shape[-1]), float("-inf"))), -1)
+
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """A model draft takes no options besides `draft` (the model)."""
+
+
+def build(assets: Assets, options: DraftOptions, draft: Draft, k: int | str) -> DraftModelProposer:
+    if draft is None:
+        raise ValueError("method 'draft' needs a draft model: pass draft=<registry name, HF dir or .gguf>")
+    return DraftModelProposer(assets.draft_model(draft).model, assets.model.config.vocab_size)

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,10 +45,12 @@ from ..cost import ForwardCost
 from ..models import Transformer
 from ..models.eagle import EagleHead
 from ..online import OnlineHead
-from ..policy import Rest, best_count, smoothed
+from ..policy import Guessing, Rest, best_count, smoothed
 from ..sampling import sample
 from ..tree import DraftTree
-from .base import Capabilities, Proposer
+from ..verify import Verdict
+from .assets import is_path
+from .base import NOTHING, Needs, ProposalContext, Proposer, RequestInfo, StepOutput
 
 
 def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
@@ -107,17 +111,19 @@ class EagleProposer(Proposer):
         self.resting = Rest(MAX_REST, MIN_EVIDENCE)
         self.step_head = (0.0, 0)  # the last proposal's head seconds and context
         self.node_chances: list[float] = []  # the last tree's guessed nodes' calibrated chances, in tree order
+        # made with a cost it sizes its trees itself (by the request's cost, RequestInfo.cost, where k="auto" gives one)
+        self.guessing = Guessing(sizes_itself=cost is not None, max_depth=self.MAX_DEPTH)
+        self.tokens: list[int] = []  # the request's committed tokens, as last seen
+        self.max_new: int | None = None  # the request's max_new_tokens (None: unbounded)
+        self.prompt_len = 0
 
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        return Capabilities(sizes_itself=self.cost is not None, max_depth=self.MAX_DEPTH,
-                            hidden_layers=self.hidden_layers, hidden_context=HEAD_CONTEXT)
-
-    def bind(self, cost, acceptance) -> None:
-        self.cost = cost
-
-    def begin(self, prompt: list[int], max_len: int) -> None:
+    def begin(self, request: RequestInfo) -> None:
+        if self.cost is not None and request.cost is not None:
+            self.cost = request.cost
+        prompt, max_len = request.prompt, request.max_len
         self.max_len = max_len
+        self.tokens, self.max_new = prompt, request.max_new_tokens
+        self.prompt_len = len(prompt)
         self.features = self.raw = None  # made when the first hidden states come: a head resting through a request
         # (most of Spec-Bench's, on a CPU) never zeroes ~5 MB for them (1% of a short request's prefill)
         self.known = self.known_from = self.cached = self.fused = self.offset = 0
@@ -136,25 +142,35 @@ class EagleProposer(Proposer):
         if carried is not None:
             self.resting.resume(carried)
 
-    def reads_hidden(self, tokens_left: int) -> bool:
-        """Learning online, always; resting, within HIDDEN_LEAD steps of its probe, and only where the request lasts
-        until it: the last steps of a short request read nothing for nothing. Asked after this step's proposal, with
-        `left` steps of rest to go, the probe is the (left + 1)-th step after this one; at most tokens_left - 1 follow
-        this one (each commits a token or more), and a probe guesses only where two tokens or more are left (the last
-        step's token is its own). (`left < tokens_left` read the last 31 steps of every 128-token Spec-Bench request
-        of a head resting 128 steps, for a probe past the request's end.)"""
-        return self.online is not None or self.resting.left < min(HIDDEN_LEAD, tokens_left - 2)
+    @property
+    def needs(self) -> Needs:  # type: ignore[override]
+        """The hidden states of its target layers: learning online, always; resting, within HIDDEN_LEAD steps of its
+        probe, and only where the request lasts until it (the last steps of a short request read nothing for
+        nothing). Asked after this step's proposal, with `left` steps of rest to go, the probe is the (left + 1)-th
+        step after this one; at most tokens_left - 1 follow this one (each commits a token or more), and a probe
+        guesses only where two tokens or more are left (the last step's token is its own)."""
+        return Needs(self.hidden_layers, HEAD_CONTEXT, self.soft) if self._reads_hidden() else NOTHING
 
-    def reads_teacher(self) -> bool:
+    def _reads_hidden(self) -> bool:
+        if self.online is not None:
+            return True
+        if self.max_new is None:
+            return self.resting.left < HIDDEN_LEAD
+        tokens_left = self.max_new - (len(self.tokens) - self.prompt_len)
+        return self.resting.left < min(HIDDEN_LEAD, tokens_left - 2)
+
+    @property
+    def soft(self) -> bool:
+        """Learning online from the target's distributions (its teacher logits), not only its tokens."""
         return self.online is not None and self.online.cfg.soft
 
-    def observe_teacher(self, start: int, logits: torch.Tensor) -> None:
+    def _take_teacher(self, start: int, logits: torch.Tensor) -> None:
         """Keep the target's top TEACHER_TOPK probabilities at the committed positions: the learner distils them."""
         probs, top = logits.float().softmax(-1).topk(TEACHER_TOPK, dim=-1)
         self.teacher_ids[start : start + len(top)] = top.to("cpu", torch.int32)
         self.teacher_probs[start : start + len(top)] = probs.to("cpu", torch.float16)
 
-    def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
+    def _take_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
         """Keep the target's hidden states; they are fused into features when the head next runs (a resting
         head costs nothing per step)."""
         if self.raw is None:
@@ -189,7 +205,9 @@ class EagleProposer(Proposer):
                                    torch.tensor(positions, device=self.head.device), mask, logits_at)
         return logits[0], hidden[0]
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens, k, params, generator = context.tokens, context.k, context.params, context.generator
+        self.tokens = tokens
         root = len(tokens) - 1  # entry t reads (feature t, token t + 1): the last one is entry root - 1
         if self.online is not None:  # between steps: the only place the head changes
             self._learn_online(tokens)
@@ -236,7 +254,7 @@ class EagleProposer(Proposer):
         """Positions a..a+chunk-1 go to the learner (those before `new_from`, recorded already, as context only)."""
         online, chunk = self.online, self.online.cfg.chunk
         teacher = None
-        if self.reads_teacher():
+        if self.soft:
             ids = self.teacher_ids[a : a + chunk]
             if new_from > a:  # a copy (record copies the rest): these rows stay taught where first recorded
                 ids = ids.clone()
@@ -246,10 +264,11 @@ class EagleProposer(Proposer):
                 return  # the prompt alone: nothing the target answered to learn from
         online.record(self.raw[a : a + chunk], tokens[a : a + chunk + 1], self.rejected[a : a + chunk], teacher)
 
-    def finish(self, tokens: list[int]) -> None:
+    def finish(self) -> None:
         """The positions after the last whole chunk (most of a short answer) go to the learner too, in a chunk that
         ends at the last committed token; its positions recorded already are context only."""
-        if self.online is None or not self.reads_teacher() or not self.online.cfg.answers_only:
+        tokens = self.tokens
+        if self.online is None or not self.soft or not self.online.cfg.answers_only:
             return
         end = min(self.known, len(tokens) - 1)  # position end - 1's next token is the last committed one
         start = max(end - self.online.cfg.chunk, self.known_from)
@@ -257,7 +276,15 @@ class EagleProposer(Proposer):
             self._record(start, tokens, new_from=self.recorded)
         self.recorded = end
 
-    def observe(self, tree, verdict, extra_logits) -> None:
+    def observe(self, tree: DraftTree | None, verdict: Verdict | None, outputs: StepOutput) -> None:
+        """Keep the hidden states and teacher logits it reads, then calibrate (and judge) on the verdict."""
+        if outputs.hidden is not None:
+            self._take_hidden(outputs.start, outputs.hidden)
+        if outputs.teacher is not None:
+            self._take_teacher(outputs.start, outputs.teacher)
+        self.tokens = outputs.tokens
+        if tree is None or verdict is None:
+            return
         if self.online is not None and len(tree) > 1:
             self.online.report(self.version, verdict.num_accepted)
             last = verdict.path[-1]  # its guessed children were all rejected (the target chose another token)
@@ -409,3 +436,22 @@ class EagleProposer(Proposer):
         tree = DraftTree([root_token] + [tokens[n] for n in keep],
                          [-1] + [0 if parents[n] < 0 else index[parents[n]] for n in keep])
         return tree, sum(math.exp(scores[n]) for n in keep)
+
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    topk: int = 4  # children per expanded tree node
+    nodes: int = 24  # most guesses a step (the cost model sizes the tree within them and the depth k)
+    online_draft: bool = False  # the head keeps learning from what the target verifies (`Assets.online_head`)
+
+
+def build(assets: Assets, options: EagleOptions, draft: Draft, k: int | str) -> EagleProposer:
+    """draft: a trained head's folder (None: the one shipped for this model)."""
+    if not is_path(draft):
+        raise ValueError("method 'eagle' drafts with trained heads: pass draft=<their folder>, not a model")
+    return EagleProposer(assets.eagle_head(draft), assets.model, topk=options.topk, nodes=options.nodes,
+                         cost=assets.cost_model(), online=assets.online_head(draft) if options.online_draft else None)

@@ -18,43 +18,56 @@ ones before it, whatever distribution each sibling came from.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from ..policy import AdaptiveK, FixedK, Policy, StepRecord
+from ..policy import AdaptiveK, FixedK, Guessing, Policy, StepRecord
 from ..tree import DraftTree
-from .base import Capabilities, Proposer
+from ..verify import Verdict
+from . import draft_model, layer_skip
+from .base import ProposalContext, Proposer, RequestInfo, StepOutput
+from .eagle import EagleProposer
 from .prompt_lookup import PromptLookupProposer
+from .suffix import SuffixProposer
+from .suffix_eagle import SuffixEagleProposer
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
 
 DRAFTED = 10  # added to the bucket when the model draft contributed: such trees are accepted differently
 
 
 class HybridProposer(Proposer):
     name = "hybrid"
-    capabilities = Capabilities(cheap=True)
+    guessing = Guessing(cheap=True)
 
     def __init__(self, lookup: PromptLookupProposer, draft: Proposer, draft_policy: Policy | None = None) -> None:
         self.lookup, self.draft, self.draft_policy = lookup, draft, draft_policy
-        self._last: tuple[DraftTree, list[int], float] | None = None  # the draft's chain, tokens before, seconds
+        # the draft's chain, tokens before, seconds, its measure of a guess
+        self._last: tuple[DraftTree, list[int], float, float | None] | None = None
 
-    def bind(self, cost, acceptance) -> None:
-        """The model draft's depth gets a cost-aware policy of its own (no guesses where it cannot pay)."""
-        self.draft.bind(cost, acceptance)
-        self.draft_policy = AdaptiveK(cost, acceptance("draft"), cheap=False) if self.draft.capabilities.pays \
-            else FixedK(0)
-
-    def begin(self, prompt: list[int], max_len: int) -> None:
-        self.lookup.begin(prompt, max_len)
-        self.draft.begin(prompt, max_len)
+    def begin(self, request: RequestInfo) -> None:
+        """Under k="auto" the model draft's depth gets a cost-aware policy of its own (no guesses where it cannot
+        pay)."""
+        if request.cost is not None and request.acceptance is not None:
+            self.draft_policy = AdaptiveK(request.cost, request.acceptance("draft"), cheap=False) \
+                if self.draft.guessing.pays else FixedK(0)
+        self.lookup.begin(request)
+        self.draft.begin(request)
         self._last = None
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens, k, params = context.tokens, context.k, context.params
         paths, n = self.lookup.match(tokens, k)
         policy = self.draft_policy
         depth = k if policy is None else policy.depth_to_propose(len(tokens), k)
         if depth == 0:
             return DraftTree.from_paths(tokens[-1], paths, bucket=n)
         started = time.perf_counter()
-        chain = self.draft.propose(tokens, depth, params, generator)
-        self._last = (chain, list(tokens), time.perf_counter() - started)
+        asked = replace(context, k=depth, seconds_per_guess=None, drafted_ahead=None)
+        chain = self.draft.propose(asked)
+        self._last = (chain, list(tokens), time.perf_counter() - started, asked.seconds_per_guess)
         drafted = chain.tokens[1:]
         if params.greedy:
             return DraftTree.from_paths(tokens[-1], [*paths, drafted], bucket=n + DRAFTED)
@@ -64,12 +77,40 @@ class HybridProposer(Proposer):
         return DraftTree(lookup.tokens + drafted, lookup.parents + parents,
                          lookup.draft_probs + chain.draft_probs[1:], bucket=n + DRAFTED)
 
-    def observe(self, tree, verdict, extra_logits) -> None:
-        if self._last is None or self.draft_policy is None:
+    def observe(self, tree: DraftTree | None, verdict: Verdict | None, outputs: StepOutput) -> None:
+        if tree is None or verdict is None or self._last is None or self.draft_policy is None:
             return
-        chain, before, seconds = self._last
+        chain, before, seconds, per_guess = self._last
         self._last = None
         committed = before + [tree.tokens[i] for i in verdict.path[1:]] + [verdict.next_token]
         self.draft_policy.observe(StepRecord(chain, chain, len(before), committed, len(before) - 1, seconds,
-                                             self.draft.seconds_per_guess))
+                                             per_guess))
         self.draft_policy.remember()
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    max_ngram: int = 3  # prompt lookup beside a model draft: longest n-gram matched
+    min_ngram: int = 1  # ... shortest
+    branches: int | None = None  # ... continuations merged (None: 1)
+    skip_layers: Sequence[int] | None = None  # the layer-skipped target as the model draft: layers left out
+    topk: int = 4  # the EAGLE head beside suffix decoding: children per expanded node
+    nodes: int = 24  # ... and suffix decoding: most guesses a step
+    online_draft: bool = False  # the EAGLE head keeps learning from what the target verifies
+
+
+def build(assets: Assets, options: HybridOptions, draft: Draft, k: int | str) -> Proposer:
+    """Suffix decoding and the EAGLE head in one tree where a head ships for the model (and no draft is given); else
+    prompt lookup and a model draft: the given one, else the layer-skipped target."""
+    if draft is None and assets.has_eagle_head():
+        cost = assets.cost_model()
+        online = assets.online_head() if options.online_draft else None
+        return SuffixEagleProposer(SuffixProposer(assets.suffix_cache(), nodes=options.nodes, cost=cost),
+                                   EagleProposer(assets.eagle_head(), assets.model, topk=options.topk,
+                                                 nodes=options.nodes, cost=cost, online=online))
+    if draft is not None:
+        model_draft: Proposer = draft_model.build(assets, draft_model.DraftOptions(), draft, "auto")
+    else:
+        model_draft = layer_skip.build(assets, layer_skip.LayerSkipOptions(options.skip_layers), None, "auto")
+    return HybridProposer(PromptLookupProposer(options.max_ngram, options.min_ngram, options.branches or 1),
+                          model_draft)

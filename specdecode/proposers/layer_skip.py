@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from ..cost import CostModel
 from ..data import CALIBRATION
 from ..models import Transformer
 from ..paths import default_cache_dir
-from .base import Capabilities
+from ..policy import Guessing
 from .draft_model import DraftModelProposer
 
 MAX_K = 8  # draft depths the search considers
@@ -72,7 +73,7 @@ class LayerSkipProposer(DraftModelProposer):
     def __init__(self, target: Transformer, skipped: Sequence[int], *, pays: bool = True) -> None:
         """pays=False: the search found no set that beats plain decoding (k="auto" then never drafts)."""
         self.skipped = check_skipped(skipped, target.config.num_layers)
-        self.capabilities = Capabilities(pays=pays, token_state=True)
+        self.guessing = Guessing(pays=pays)
         super().__init__(skip_layers(target, self.skipped), target.config.vocab_size)
 
 
@@ -264,3 +265,19 @@ def calibration_tokens(
         raise ValueError(f"{path} holds {len(out)} exchanges of at least {min(32, max_tokens)} tokens; "
                          f"ask for at most that many calibration texts (--texts)")
     return out
+
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions:
+    skip_layers: Sequence[int] | None = None  # layers left out (None: searched once per model and machine, cached)
+
+
+def build(assets: Assets, options: LayerSkipOptions, draft: Draft, k: int | str) -> LayerSkipProposer:
+    if options.skip_layers is not None:
+        return LayerSkipProposer(assets.model, options.skip_layers)
+    search = assets.skip_search()
+    return LayerSkipProposer(assets.model, search.draft_layers, pays=search.pays)

@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import functools
 import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..policy import Guessing
 from ..sampling import greedy_tokens
 from ..tree import DraftTree, ExtraNodes
 from ..verify import Verdict
-from .base import Capabilities, Proposer
+from .base import ProposalContext, Proposer, RequestInfo, StepOutput
 
 
 class LookaheadProposer(Proposer):
     name = "lookahead"
-    capabilities = Capabilities(cheap=True)
+    guessing = Guessing(cheap=True)
 
     def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 4, text_ngrams: bool = True) -> None:
         if window < 1:
@@ -39,9 +42,12 @@ class LookaheadProposer(Proposer):
             raise ValueError(f"guesses (pool continuations verified per step) must be >= 1, got {guesses}")
         self.window, self.ngram, self.guesses, self.text_ngrams = window, ngram, guesses, text_ngrams
         self.cap = 4 * guesses  # continuations kept per first token
-        self.begin([0], None)
+        self._begin([0], None)
 
-    def begin(self, prompt: list[int], max_len: int | None) -> None:
+    def begin(self, request: RequestInfo) -> None:
+        self._begin(request.prompt, request.max_len)
+
+    def _begin(self, prompt: list[int], max_len: int | None) -> None:
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self.seen_in_text: set[tuple[int, ...]] = set()  # n-grams the committed text contains
         self.max_len = max_len
@@ -54,7 +60,8 @@ class LookaheadProposer(Proposer):
         if self.text_ngrams:
             self._ingest_text(prompt)
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens, k = context.tokens, context.k
         if self.text_ngrams:
             self._ingest_text(tokens)
         paths = [list(cont[:k]) for cont in self.pool.get(tokens[-1], [])[: self.guesses]] if k > 0 else []
@@ -68,12 +75,13 @@ class LookaheadProposer(Proposer):
             tree.extra = self._extra = extra
         return tree
 
-    def observe(self, tree: DraftTree, verdict: Verdict, extra_logits: torch.Tensor) -> None:
-        if tree.extra is None or tree.extra is not self._extra:
+    def observe(self, tree: DraftTree | None, verdict: Verdict | None, outputs: StepOutput) -> None:
+        if tree is None or tree.extra is None or tree.extra is not self._extra:
             return  # the policy dropped the window this step: keep it as it is
         self._extra = None
         w = self.window
-        new = greedy_tokens(extra_logits[-w:])  # the target's next token after each top-level node
+        assert outputs.extra_logits is not None  # the window rode along: the engine returns its logits
+        new = greedy_tokens(outputs.extra_logits[-w:])  # the target's next token after each top-level node
         if len(self.levels) < self.ngram - 1:  # still filling the window
             self.levels.append(new)
             return
@@ -113,3 +121,18 @@ def window_layout(window: int, levels: int) -> tuple[list[int], torch.Tensor]:
             mask[i, :c] = True  # level 0, earlier columns
             mask[i, c : i : window] = True  # own column, lower levels (level 0 included)
     return offsets, mask
+
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
+
+
+@dataclass(frozen=True)
+class LookaheadOptions:
+    window: int = 4  # Jacobi window columns
+    ngram: int = 3  # n-gram size (levels = ngram - 1)
+    guesses: int = 4  # pool n-grams verified per step
+
+
+def build(assets: Assets, options: LookaheadOptions, draft: Draft, k: int | str) -> Proposer:
+    return LookaheadProposer(window=options.window, ngram=options.ngram, guesses=options.guesses)

@@ -34,15 +34,18 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..cost import ForwardCost
 from ..models.medusa import MedusaHeads
-from ..policy import best_count, rate_to_beat, smoothed
+from ..policy import Guessing, best_count, rate_to_beat, smoothed
 from ..tree import DraftTree
-from .base import Capabilities, Proposer
+from ..verify import Verdict
+from .assets import is_path
+from .base import Needs, ProposalContext, Proposer, RequestInfo, StepOutput
 
 RANKS = 10  # guesses per head a tree may use
 PROBE_EVERY = 16  # skipped steps between runs of the first head that only learn (~2% of a step)
@@ -128,6 +131,7 @@ class RankAccuracy:
 
 class MedusaProposer(Proposer):
     name = "medusa"
+    needs = Needs(hidden_layers=(-1,), hidden_context=1)  # the last layer's state at the position before the root
 
     def __init__(self, heads: MedusaHeads, vocab_size: int, *, cost: ForwardCost | None = None,
                  max_nodes: int = 64, accuracy: RankAccuracy | None = None) -> None:
@@ -152,26 +156,25 @@ class MedusaProposer(Proposer):
         for i, path in enumerate(shape.ranks):
             self.path_cells[i, : len(path)] = [j * columns + r for j, r in enumerate(path)]
         self.head_seconds: float | None = None  # one head's forward, smoothed
-        self.begin([0], 0)
+        # made with a cost it sizes its trees itself (by the request's cost, RequestInfo.cost, where k="auto" gives
+        # one); cheap: without a cost, ask deep and an adaptive policy cuts the tree by depth
+        self.guessing = Guessing(cheap=True, sizes_itself=cost is not None, max_depth=self.max_depth)
+        self.begin(RequestInfo([0], 0))
 
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        # cheap: without a cost model, ask deep and an adaptive policy cuts the tree by depth
-        return Capabilities(cheap=True, sizes_itself=self.cost is not None, max_depth=self.max_depth,
-                            hidden_layers=(-1,), hidden_context=1)
-
-    def bind(self, cost, acceptance) -> None:
-        self.cost = cost
-
-    def begin(self, prompt: list[int], max_len: int) -> None:
+    def begin(self, request: RequestInfo) -> None:
+        if self.cost is not None and request.cost is not None:
+            self.cost = request.cost
         self.hidden: torch.Tensor | None = None
         self.position = -1  # of the hidden state held
         self.accuracy = self.shared.fork(REQUEST_TRIALS)
         self.pending: list[tuple[int, list[list[int]]]] = []  # (index of depth 1, heads' guesses) per run
         self.skipped = 0  # steps since the heads last ran
 
-    def observe_hidden(self, start: int, hidden: list[torch.Tensor]) -> None:
-        states = hidden[0]
+    def observe(self, tree: DraftTree | None, verdict: Verdict | None, outputs: StepOutput) -> None:
+        """Keep the last committed position's hidden state: the heads draft from it."""
+        if outputs.hidden is None:
+            return
+        start, states = outputs.start, outputs.hidden[0]
         self.hidden, self.position = states[-1], start + states.shape[0] - 1
 
     def chances(self) -> np.ndarray:
@@ -187,7 +190,8 @@ class MedusaProposer(Proposer):
         return order[self.node_head[order] < depth]
 
     @torch.inference_mode()
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens, k, params, generator = context.tokens, context.k, context.params, context.generator
         root = tokens[-1]
         depth = min(k, self.max_depth)
         if self.hidden is None or self.position != len(tokens) - 2 or depth < 1:
@@ -253,3 +257,20 @@ class MedusaProposer(Proposer):
             else:
                 still.append((start, top))
         self.pending = still
+
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """Medusa takes no options besides `draft` (the trained heads' folder); the cost model sizes its trees."""
+
+
+def build(assets: Assets, options: MedusaOptions, draft: Draft, k: int | str) -> MedusaProposer:
+    if not is_path(draft):
+        raise ValueError("method 'medusa' drafts with trained heads: pass draft=<their folder>, not a model")
+    heads = assets.medusa_heads(draft)
+    return MedusaProposer(heads, assets.model.config.vocab_size, cost=assets.cost_model(),
+                          accuracy=assets.rank_accuracy(heads))

@@ -11,13 +11,17 @@ of a 4.5 ms step on an int4 target).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..policy import Guessing
 from ..tree import DraftTree
-from .base import Capabilities, Proposer
+from .base import ProposalContext, Proposer, RequestInfo
 
 
 class PromptLookupProposer(Proposer):
     name = "prompt-lookup"
-    capabilities = Capabilities(cheap=True)
+    guessing = Guessing(cheap=True)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -28,11 +32,12 @@ class PromptLookupProposer(Proposer):
         self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of its last token, ascending
         self._indexed: list[int] = []  # the tokens indexed so far
 
-    def begin(self, prompt: list[int], max_len: int) -> None:
+    def begin(self, request: RequestInfo) -> None:
         self._ends, self._indexed = {}, []
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
-        paths, n = self.match(tokens, k)
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens = context.tokens
+        paths, n = self.match(tokens, context.k)
         return DraftTree.from_paths(tokens[-1], paths, bucket=n)  # longer matches are accepted more often
 
     def continuations(self, tokens: list[int], k: int) -> list[list[int]]:
@@ -69,3 +74,22 @@ class PromptLookupProposer(Proposer):
         for end in range(done, len(text)):
             for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
                 ends.setdefault(tuple(text[end - n + 1 : end + 1]), []).append(end)
+
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
+
+
+@dataclass(frozen=True)
+class PromptLookupOptions:
+    max_ngram: int = 3  # longest n-gram matched
+    min_ngram: int = 1  # shortest n-gram matched
+    # continuations merged into a tree (None: `Assets.auto_branches` under k="auto", else 1)
+    branches: int | None = None
+
+
+def build(assets: Assets, options: PromptLookupOptions, draft: Draft, k: int | str) -> Proposer:
+    branches = options.branches
+    if branches is None:
+        branches = assets.auto_branches() if k == "auto" else 1
+    return PromptLookupProposer(max_ngram=options.max_ngram, min_ngram=options.min_ngram, branches=branches)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -19,6 +21,9 @@ from ..models import Transformer
 from ..models.quant import QUANTIZATIONS, QuantLinear
 from .draft_model import DraftModelProposer
 from .layer_skip import skip_layers
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
 
 
 def _quantized(layer: nn.Module, kind: str) -> QuantLinear:
@@ -67,3 +72,14 @@ class QuantizedSelfProposer(DraftModelProposer):
         draft = low_bit if low_bit is not None else low_bit_copy(target, kind)
         super().__init__(skip_layers(draft, skipped) if skipped else draft, target.config.vocab_size)
         self.kind, self.skipped = kind, list(skipped)
+
+
+@dataclass(frozen=True)
+class QuantizedOptions:
+    low_bit: str = "int4-a8"  # the precision of the target's copy that drafts
+    skip_layers: Sequence[int] | None = None  # layers the copy also leaves out
+
+
+def build(assets: Assets, options: QuantizedOptions, draft: Draft, k: int | str) -> QuantizedSelfProposer:
+    return QuantizedSelfProposer(assets.model, assets.low_bit(options.low_bit), options.low_bit,
+                                 options.skip_layers or ())

@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..cost import ForwardCost
 from ..holding import HoldsBack
-from ..policy import best_count
+from ..policy import Guessing, best_count
 from ..suffix_index import SEPARATOR, SuffixIndex, TextIndex
 from ..tree import DraftTree
-from .base import Capabilities, Proposer
+from ..verify import Verdict
+from .base import ProposalContext, Proposer, RequestInfo, StepOutput
 
 MAX_DEPTH = 32  # deepest guess
 MATCH_CLASSES = (2, 3, 4, 6, 10, 16)  # match lengths that start a new acceptance class (1 token: class 0)
@@ -221,18 +224,15 @@ class SuffixProposer(Proposer):
         self.last: tuple[DraftTree, list[int]] | None = None  # the tree sent and each node's sources
         self.global_rest = self.global_backoff = 0  # steps left without a global search; the next rest
         self.searched_global = False  # this step's candidates searched the global cache
+        self.tokens: list[int] = []  # the request's committed tokens, as last seen
+        self.guessing = Guessing(cheap=True, sizes_itself=cost is not None, max_depth=MAX_DEPTH)
 
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        return Capabilities(cheap=True, sizes_itself=self.cost is not None, max_depth=MAX_DEPTH)
-
-    def bind(self, cost, acceptance) -> None:
-        """The request's engine prices its trees, where the proposer sizes them (made with a cost: k="auto"); made
-        without one (a fixed k) it sends k nodes a step and never rests."""
-        if self.cost is not None:
-            self.cost = cost
-
-    def begin(self, prompt: list[int], max_len: int) -> None:
+    def begin(self, request: RequestInfo) -> None:
+        """The request's engine prices its trees (RequestInfo.cost), where the proposer sizes them (made with a cost:
+        k="auto"); made without one (a fixed k) it sends k nodes a step and never rests."""
+        if self.cost is not None and request.cost is not None:
+            self.cost = request.cost
+        prompt = self.tokens = request.prompt
         self.local = TextIndex(max_match=self.max_match)
         self.local.extend(prompt)
         self.indexed = self.prompt_len = len(prompt)
@@ -242,7 +242,9 @@ class SuffixProposer(Proposer):
         self.finished = False
         self.global_rest = self.global_backoff = 0
 
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens = self.tokens = context.tokens
+        k = context.k
         found = self.candidates(tokens, k)
         if len(found.tokens) == 1:  # nothing matched (most steps of chat text): no tree to rank, size or build
             tree = DraftTree.root_only(tokens[-1])
@@ -305,8 +307,9 @@ class SuffixProposer(Proposer):
         nothing kept guesses 2 deep for a dozen steps of a copy)."""
         return self.stats.reach(bucket, bucket - 1 if bucket % GLOBAL_BUCKET else None, until)
 
-    def observe(self, tree, verdict, extra_logits) -> None:
-        if self.last is None or self.last[0] is not tree:
+    def observe(self, tree: DraftTree | None, verdict: Verdict | None, outputs: StepOutput) -> None:
+        self.tokens = outputs.tokens
+        if tree is None or verdict is None or self.last is None or self.last[0] is not tree:
             return
         sources = self.last[1]
         self.last = None
@@ -324,10 +327,25 @@ class SuffixProposer(Proposer):
                                                                              GLOBAL_MAX_REST)
         self.searched_global = False
 
-    def finish(self, tokens: list[int]) -> None:
+    def finish(self) -> None:
         if self.finished:
             return
+        tokens = self.tokens
         self.finished = True
         self.scorer.update(tokens, final=True)
         if self.cache is not None:
             self.cache.finish(tokens[self.prompt_len :], self.stats)
+
+
+if TYPE_CHECKING:
+    from .assets import Assets, Draft
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    nodes: int = 24  # most guesses a step (sized by the cost model under k="auto")
+
+
+def build(assets: Assets, options: SuffixOptions, draft: Draft, k: int | str) -> SuffixProposer:
+    """Matches the request's own text and the model's cache of earlier outputs (`Assets.suffix_cache`)."""
+    return SuffixProposer(assets.suffix_cache(), nodes=options.nodes, cost=assets.cost_model() if k == "auto" else None)

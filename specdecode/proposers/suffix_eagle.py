@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import time
 
+from ..policy import Guessing
 from ..tree import DraftTree
 from ..verify import Verdict
-from .base import Capabilities, Proposer
+from .base import Needs, ProposalContext, Proposer, RequestInfo, StepOutput
 from .eagle import HIDDEN_LEAD, EagleProposer
 from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer
 
@@ -43,6 +44,7 @@ HEAD_SAVINGS = 0.02
 
 class SuffixEagleProposer(Proposer):
     name = "hybrid"
+    guessing = Guessing(sizes_itself=True, max_depth=MAX_DEPTH)
 
     def __init__(self, suffix: SuffixProposer, eagle: EagleProposer) -> None:
         if suffix.cost is None or eagle.cost is None:
@@ -56,20 +58,19 @@ class SuffixEagleProposer(Proposer):
         # each node's sources, and the context
 
     @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        # a prompt found in the prefix cache: the head's catch-up window after a rest (HIDDEN_LEAD), not its full one;
-        # behind suffix's trees it mostly rests, and 128 prefilled positions made hybrid 5% slower than suffix on
-        # conversations whose earlier turn the cache held
-        return Capabilities(sizes_itself=True, max_depth=MAX_DEPTH, hidden_layers=self.hidden_layers,
-                            hidden_context=HIDDEN_LEAD)
+    def needs(self) -> Needs:  # type: ignore[override]
+        """The head's; a prompt found in the prefix cache prefills the head's catch-up window after a rest
+        (HIDDEN_LEAD), not its full one: behind suffix's trees the head mostly rests."""
+        needs = self.eagle.needs
+        return Needs(needs.hidden_layers, HIDDEN_LEAD, needs.teacher) if needs.hidden_layers else needs
 
-    def bind(self, cost, acceptance) -> None:  # a request's engine prices its trees: both parts by the same cost
-        self.suffix.cost = self.eagle.cost = cost
-
-    def begin(self, prompt: list[int], max_len: int) -> None:
-        self.suffix.begin(prompt, max_len)
-        self.eagle.begin(prompt, max_len)  # resting when the last request ended: this one starts resting
+    def begin(self, request: RequestInfo) -> None:
+        if request.cost is not None:  # a request's engine prices its trees: both parts by the same cost
+            self.suffix.cost = self.eagle.cost = request.cost
+        self.suffix.begin(request)
+        self.eagle.begin(request)  # resting when the last request ended: this one starts resting
         self.last = None
+        prompt = request.prompt
         # debts carry over, savings do not: what the head saved on one text (code it continues well) must not pay
         # for its runs on the next (chat it does not): in Spec-Bench they cost the hybrid 1% in qa after summarization
         self.budget = min(getattr(self.eagle.head, "head_budget", 0.0), 0.0)
@@ -83,19 +84,9 @@ class SuffixEagleProposer(Proposer):
             resting = self.eagle.resting
             resting.left = max(resting.left, math.ceil(-self.budget / max(HEAD_SHARE * self.plain, 1e-12)))
 
-    def reads_hidden(self, tokens_left: int) -> bool:
-        return self.eagle.reads_hidden(tokens_left)
-
-    def observe_hidden(self, start, hidden) -> None:
-        self.eagle.observe_hidden(start, hidden)
-
-    def reads_teacher(self) -> bool:
-        return self.eagle.reads_teacher()
-
-    def observe_teacher(self, start, logits) -> None:
-        self.eagle.observe_teacher(start, logits)
-
-    def propose(self, tokens, k, params, generator) -> DraftTree:
+    def propose(self, context: ProposalContext) -> DraftTree:
+        tokens, k, params = context.tokens, context.k, context.params
+        self.suffix.tokens = tokens
         found = self.suffix.candidates(tokens, k)
         ranked, n, expected = [], 0, 0.0
         if len(found.tokens) > 1:  # something matched (in chat text, under half the steps)
@@ -110,7 +101,7 @@ class SuffixEagleProposer(Proposer):
                 self._defer()
             else:
                 started = time.perf_counter()
-                head = eagle.propose(tokens, min(k, eagle.MAX_DEPTH), params, generator)
+                head = eagle.propose(ProposalContext(tokens, min(k, eagle.MAX_DEPTH), params, context.generator))
                 self.budget -= time.perf_counter() - started  # all of it (see HEAD_SHARE)
                 if head.num_drafted and len(eagle.node_chances) == head.num_drafted:
                     self.head_expects = 0.9 * self.head_expects + 0.1 * sum(eagle.node_chances)
@@ -133,16 +124,20 @@ class SuffixEagleProposer(Proposer):
         self.last = (tree, head, sources, len(tokens))
         return tree
 
-    def observe(self, tree, verdict, extra_logits) -> None:
-        """The head calibrates on (and judges) its own part of the tree: the accepted path as it ran through it."""
-        if self.last is None or self.last[0] is not tree:
-            self.last = None
+    def observe(self, tree: DraftTree | None, verdict: Verdict | None, outputs: StepOutput) -> None:
+        """The head keeps what the forward gave it, and calibrates on (and judges) its own part of the tree: the
+        accepted path as it ran through it."""
+        self.suffix.tokens = outputs.tokens
+        if tree is None or verdict is None or self.last is None or self.last[0] is not tree:
+            self.last = None if tree is not None else self.last
+            self.eagle.observe(None, None, outputs)
             return
         _, head, sources, context = self.last
         self.last = None
         if self.suffix.cache is not None:
             self.suffix.judge_global(sum(sources[i] == GLOBAL for i in verdict.path[1:]))
         if head is None:
+            self.eagle.observe(None, None, outputs)
             return
         self._settle(tree, verdict, sources, context)
         path, node = [0], 0
@@ -152,7 +147,7 @@ class SuffixEagleProposer(Proposer):
                 break
             path.append(child)
             node = child
-        self.eagle.observe(head, Verdict(path, verdict.next_token), extra_logits)
+        self.eagle.observe(head, Verdict(path, verdict.next_token), outputs)
 
     def _settle(self, tree: DraftTree, verdict: Verdict, sources: list[int], context: int) -> None:
         """The head's budget after a step it ran: charged the forward seconds of the nodes only it offered, credited
@@ -162,7 +157,7 @@ class SuffixEagleProposer(Proposer):
         verified = cost.forward_seconds(len(tree), context) - cost.forward_seconds(len(tree) - own, context)
         self.budget = min(self.budget + saved - verified, HEAD_SAVINGS)
 
-    def finish(self, tokens: list[int]) -> None:
-        self.suffix.finish(tokens)
-        self.eagle.finish(tokens)
+    def finish(self) -> None:
+        self.suffix.finish()
+        self.eagle.finish()
         self.eagle.head.head_budget = self.budget  # the next request (any that shares the head) starts from it

@@ -36,8 +36,9 @@ from ..acceptance import AcceptanceStats
 from ..api import LLM
 from ..batch_cost import BatchCost
 from ..drafting import ASYNC_DRAFTS
-from ..engine import Engine, policy_for
+from ..engine import Engine
 from ..grammar import Constraint
+from ..policy import Pricing
 from ..sampling import SamplingParams
 from . import schemas
 from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES, parse_json, read_body
@@ -178,7 +179,7 @@ class Server:
                                                                  AcceptanceStats())
             return method, engine_request.Request(
                 self.context, proposer, prompt, max_new_tokens=limit, params=params,
-                k=policy_for(k, proposer, self.engine.view, acceptance),
+                k=k, pricing=Pricing(self.engine.view, acceptance),
                 stop_token_ids={*stop_ids, *(() if req.ignore_eos else self.llm.stop_token_ids)},
                 seed=choice_seed(req.seed, choice), logprobs=req.logprob_count, constraint=self.constraint(req))
         except ValueError as e:
