@@ -9,7 +9,9 @@ every third between), the output layer in Q6_K, the embedding in Q4_K. Weights a
 that keep activations O(1) (speed does not depend on the values). Both layouts fuse q|k|v as one stack of parts.
 
 A token's bytes: every matrix a decode step reads (the blocks' and the output layer's; the embedding's one row
-aside). The bound: those bytes / the read bandwidth measured here (a large array summed by torch on all threads).
+aside). The bound: those bytes / the read bandwidth measured here (a large array summed by torch on all threads,
+between the rounds). Then one matrix of each K type alone (Q5_K, Q3_K, IQ4_XS have no widened layout: they were
+dequantized to float32 before).
 Runs alternate (ours, widened, ours, ...), each a plain greedy decode of --tokens tokens after a short prompt;
 the report gives medians and min-max.
 
@@ -120,15 +122,56 @@ def step_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def read_bandwidth(repeats: int = 5) -> float:
-    """Bytes a second summing a 1 GiB array (all threads), the best of `repeats`."""
-    a = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+def read_bandwidth(a: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes a second summing `a` (a large array: all threads), the best of `repeats`."""
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()
         a.sum()
-        best = max(best, a.numel() * 4 / (time.perf_counter() - start))
+        best = max(best, a.numel() * a.element_size() / (time.perf_counter() - start))
     return best
+
+
+def layer_bytes(layer: QuantLinear) -> int:
+    return sum(t.numel() * t.element_size() for t in (layer.qs, layer.d, layer.m) if t is not None)
+
+
+def kernel_rows(rounds: int, rows: int = 1) -> list[str]:
+    """One matrix per type at the 1.7B shape's largest (8192 x 2048; Q6_K as ffn_down, 2048 x 8192): ms per
+    matmul of `rows` rows and the bytes streamed a second, the file's bytes vs the widened layout, interleaved."""
+    rng = np.random.default_rng(1)
+    out = ["| type | layout | MB | ms per matmul, median (min-max) | GB/s streamed | widened time / this |",
+           "|---|---|---:|---:|---:|---:|"]
+    for name, (n, k) in (("Q4_K", (8192, 2048)), ("Q6_K", (2048, 8192)), ("Q5_K", (8192, 2048)),
+                         ("Q3_K", (8192, 2048)), ("IQ4_XS", (8192, 2048))):
+        if name in ("Q4_K", "Q5_K", "Q6_K"):
+            raw = random_blocks(rng, name, n, k)
+        else:  # random valid blocks, their float16 d (Q3_K's last, IQ4_XS's first) realistic
+            size = K_QUANTS[name][1]
+            blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+            at = size - 2 if name == "Q3_K" else 0
+            blocks[..., at:at + 2] = np.full((n, k // 256, 1), 1e-4, np.float16).view(np.uint8)
+            raw = blocks.reshape(n, -1)
+        layers = {OURS: QuantLinear.from_gguf(raw, name)}
+        if name in ("Q4_K", "Q6_K"):
+            layers[WIDENED] = QuantLinear.from_gguf(raw, name).widened()
+        x = torch.randn(rows, k)
+        for layer in layers.values():
+            layer(x)  # tiled, warm
+        times: dict[str, list[float]] = {key: [] for key in layers}
+        for _ in range(rounds):
+            for key, layer in layers.items():
+                start = time.perf_counter()
+                for _ in range(5):
+                    layer(x)
+                times[key].append((time.perf_counter() - start) / 5)
+        for key, layer in layers.items():
+            med = statistics.median(times[key])
+            ratio = f"{statistics.median(times[WIDENED]) / med:.2f}x" if WIDENED in layers else "-"
+            out.append(f"| {name} | {key} | {layer_bytes(layer) / 1e6:.1f} | {med * 1e3:.2f} "
+                       f"({min(times[key]) * 1e3:.2f}-{max(times[key]) * 1e3:.2f}) | "
+                       f"{layer_bytes(layer) / med / 1e9:.1f} | {ratio} |")
+    return out
 
 
 def decode_seconds(model, prompt: list[int], tokens: int) -> float:
@@ -170,7 +213,8 @@ def main() -> None:
         models[WIDENED] = widen_(load_gguf(file, Path(tmp), torch.float32, act8=True))
     gc.collect()
     sizes = {name: step_bytes(model) for name, model in models.items()}
-    bandwidth = read_bandwidth()
+    big = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB: the bandwidth probe, read each round
+    bandwidths = [read_bandwidth(big)]
     prompt = list(range(1, 9))
     times: dict[str, list[float]] = {name: [] for name in models}
     for model in models.values():  # warm: kernels built, weights tiled, caches made
@@ -178,7 +222,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, model in models.items():
             times[name].append(decode_seconds(model, prompt, args.tokens))
-    bandwidth = max(bandwidth, read_bandwidth())
+        bandwidths.append(read_bandwidth(big))
+    del big
+    bandwidth = statistics.median(bandwidths)
+    kernels_table = kernel_rows(args.rounds)
     lines = [
         f"# K-quant decode: the file's bytes vs the widened layout ({date.today()})",
         "",
@@ -192,8 +239,9 @@ def main() -> None:
         f"CPU flags: `{kernels.cpu_flags()}`",
         "",
         f"Synthetic Q4_K_M-like file ({file_mb:.0f} MiB; Q4_K, with attn_v / ffn_down on llama.cpp's more-bits "
-        "layers and the output layer in Q6_K); read bandwidth measured here (1 GiB summed on all threads, best of 10): "
-        f"{bandwidth / 1e9:.1f} GB/s.",
+        "layers and the output layer in Q6_K); read bandwidth measured here between the rounds (1 GiB summed, best "
+        f"of 3 each time): median {bandwidth / 1e9:.1f} GB/s "
+        f"({min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}).",
         "",
         "| layout | MB read a token | decode ms/token, median (min-max) | tok/s | bound tok/s (bytes / bandwidth) "
         "| share of the bound | speed vs widened |",
@@ -208,7 +256,9 @@ def main() -> None:
     ratios = sorted(w / o for o, w in zip(times[OURS], times[WIDENED], strict=True))
     lines += ["", f"Per round, widened time / file's-bytes time: {', '.join(f'{r:.2f}' for r in ratios)} "
               f"(median {statistics.median(ratios):.2f}); bytes ratio "
-              f"{sizes[WIDENED] / sizes[OURS]:.2f}.", ""]
+              f"{sizes[WIDENED] / sizes[OURS]:.2f}.", "",
+              f"One matrix per type, one row (a decode step's matmul), {torch.get_num_threads()} thread(s), "
+              f"{args.rounds} interleaved rounds of 5 calls:", "", *kernels_table, ""]
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text("\n".join(lines))
