@@ -186,10 +186,13 @@ def test_a_mixed_fused_layer_runs_each_part_at_its_size() -> None:
 
 # ------------------------------------------------------------------------------ a K-quant model from a GGUF file
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 64
-# a Q4_K_M-like mix: q, k, gate, up Q4_K; v Q6_K in layer 0 only (a stacked q|k|v there, a plain Q4_K one in layer
-# 1); o Q5_K; down Q6_K; the output layer Q6_K; the embedding Q4_K (its rows read through the embedding)
-MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
-       "ffn_down": "Q6_K"}
+# layer 0 a Q4_K_M-like mix (q, k Q4_K and v Q6_K: a stacked q|k|v; o Q5_K, gate and up Q4_K, down Q6_K), layer 1
+# every other type (q|k|v Q3_K, o IQ4_XS, gate Q5_1 beside up Q3_K: a stacked gate|up, down Q5_K); the output layer
+# Q6_K, the embedding Q4_K (its rows read through the embedding)
+MIX = [dict(attn_q="Q4_K", attn_k="Q4_K", attn_v="Q6_K", attn_output="Q5_K", ffn_gate="Q4_K", ffn_up="Q4_K",
+            ffn_down="Q6_K"),
+       dict(attn_q="Q3_K", attn_k="Q3_K", attn_v="Q3_K", attn_output="IQ4_XS", ffn_gate="Q5_1", ffn_up="Q3_K",
+            ffn_down="Q5_K")]
 
 
 def write_k_quant_llama(path: Path) -> None:
@@ -209,8 +212,17 @@ def write_k_quant_llama(path: Path) -> None:
     w.add_vocab_size(VOCAB)
 
     def matrix(name: str, rows: int, cols: int, kind: str, gain: float = 1.25) -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
         data = (rng.standard_normal((rows, cols)) * gain / cols**0.5).astype(np.float32)
-        w.add_tensor(name, quantize_k(data, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
+        if kind in ("Q3_K", "IQ4_XS"):  # no writer for these: random blocks whose float16 d gives the same spread
+            blocks = rng.integers(0, 256, (rows, cols // 256, K_QUANTS[kind][1]), dtype=np.uint8)
+            at = K_QUANTS[kind][1] - 2 if kind == "Q3_K" else 0
+            d = gain / cols**0.5 / (18 * (2.3 if kind == "Q3_K" else 70))  # scales ~18 rms, values ~2.3 or ~70
+            blocks[..., at:at + 2] = np.full((rows, cols // 256, 1), d, np.float16).view(np.uint8)
+            raw = blocks.reshape(rows, -1)
+        else:
+            raw = gguf.quants.quantize(data, qtype) if kind == "Q5_1" else quantize_k(data, kind)
+        w.add_tensor(name, raw, raw_dtype=qtype)
 
     matrix("token_embd.weight", VOCAB, HIDDEN, "Q4_K", gain=HIDDEN**0.5)
     for i in range(LAYERS):
@@ -218,8 +230,7 @@ def write_k_quant_llama(path: Path) -> None:
         for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", KV_HEADS * head_dim, HIDDEN),
                                  ("attn_v", KV_HEADS * head_dim, HIDDEN), ("attn_output", HIDDEN, HIDDEN),
                                  ("ffn_gate", FFN, HIDDEN), ("ffn_up", FFN, HIDDEN), ("ffn_down", HIDDEN, FFN)):
-            kind = MIX.get(name, "Q6_K" if i == 0 else "Q4_K")
-            matrix(p + name + ".weight", rows, cols, kind)
+            matrix(p + name + ".weight", rows, cols, MIX[i][name])
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(p + norm + ".weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
@@ -248,8 +259,11 @@ def test_a_k_quant_file_loads_every_matrix_at_its_size(k_quant_target) -> None:
     model = k_quant_target
     first, second = model.layers
     assert isinstance(first.attn.wqkv, QuantStack) and first.attn.wqkv.quantization == "q4k+q6k-a8"
-    assert second.attn.wqkv.quantization == "q4k-a8" and first.attn.wo.quantization == "q5k-a8"
+    assert first.attn.wo.quantization == "q5k-a8"
     assert first.mlp.w13.quantization == "q4k-a8" and first.mlp.w2.quantization == "q6k-a8"
+    assert second.attn.wqkv.quantization == "q3k-a8" and second.attn.wo.quantization == "iq4xs-a8"
+    assert isinstance(second.mlp.w13, QuantStack) and second.mlp.w13.quantization == "q5_1+q3k-a8"
+    assert second.mlp.w2.quantization == "q5k-a8"
     assert model.lm_head.quantization == "q6k-a8" and model.embed.quantization == "q4k-a8"
     if kernels.native() is not None:
         with torch.inference_mode():
