@@ -284,6 +284,24 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path: Path) -> No
     close(our_logits(ours, ids), transformers_logits(model.eval(), ids))
 
 
+def test_rope_table_grows_as_positions_come_bit_for_bit() -> None:
+    """A 128k-context model's RoPE table starts at 8192 positions (not 134 MB at head dim 128) and doubles as needed;
+    a position's cos / sin are the same whatever the table's size (what a model decoding past 8192 relies on)."""
+    from specdecode.models.llama import ROPE_TABLE_START, rope_table
+
+    cfg = ModelConfig(VOCAB, 64, 96, 1, 4, 4, 16, max_position_embeddings=131072, rope_theta=500_000.0,
+                      rope_scaling=LLAMA3)
+    cpu = torch.device("cpu")
+    first = rope_table(cfg, 10, cpu, torch.float32)
+    assert first[0].shape[0] == ROPE_TABLE_START
+    assert rope_table(cfg, 100, cpu, torch.float32, table=first) is first
+    grown = rope_table(cfg, ROPE_TABLE_START + 1, cpu, torch.float32, table=first)
+    assert grown[0].shape[0] == 2 * ROPE_TABLE_START
+    whole = rope_table(cfg, 131072, cpu, torch.float32)
+    for part, full in zip(grown, whole, strict=True):
+        assert torch.equal(part, full[: part.shape[0]])
+
+
 # ------------------------------------------------------------------------------------- tokenizer and chat
 def test_llama3_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
     """A Llama 3 GGUF's byte-level BPE (tokenizer.ggml.pre = llama-bpe) becomes a tokenizer through transformers'

@@ -65,14 +65,19 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
 RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [positions, head_dim]
 
 
+ROPE_TABLE_START = 8192  # positions a first table covers at most (Llama 3.1's 131072 would take 134 MB at head dim 128)
+
+
 def rope_table(cfg: ModelConfig, need: int, device: torch.device, dtype: torch.dtype, sliding: bool = False,
                table: RopeTable | None = None) -> RopeTable:
-    """cos/sin for positions up to max(need, max_position_embeddings), built in float64 then cast: `table` as it is
-    where it still serves (long enough, this dtype, this device: a model moved after a forward must not index a
-    table left behind)."""
+    """cos/sin for positions up to at least `need`, built in float64 then cast (a position's values do not depend on
+    the table's size, so a grown table agrees with the old one bit for bit): `table` as it is where it still serves
+    (long enough, this dtype, this device: a model moved after a forward must not index a table left behind); a
+    first table covers the model's context up to ROPE_TABLE_START positions, a longer one doubles."""
     if table is not None and table[0].shape[0] >= need and table[0].dtype == dtype and table[0].device == device:
         return table
-    size = max(need, cfg.max_position_embeddings)
+    grown = 2 * table[0].shape[0] if table is not None else 0
+    size = max(need, min(cfg.max_position_embeddings, ROPE_TABLE_START), grown)
     freqs = torch.outer(torch.arange(size, dtype=torch.float64), rope_inv_freq(cfg, sliding))
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
