@@ -43,7 +43,7 @@ def main() -> None:
     questions = load_workload("repetitive", [args.category], args.record + args.held_out)
     random.Random(0).shuffle(questions)
     recorded, held_out = questions[: args.record], questions[args.record :]
-    online = llm.online_head(None, OnlineConfig(lr=args.lr, publish_every=10**9,
+    online = llm.assets.online_head(None, OnlineConfig(lr=args.lr, publish_every=10**9,
                                                      vocab_swaps=args.vocab_swaps))
     online.close()  # recording only: the learner runs below, on the buffer as recorded
 

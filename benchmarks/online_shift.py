@@ -57,9 +57,9 @@ def main() -> None:
     rng = random.Random(0)
     rng.shuffle(questions)
     questions = questions[: args.requests]
-    online = llm.online_head(args.draft, OnlineConfig(lr=args.lr, reward=args.reward, soft=args.teacher == "soft",
-                                                      chunk=args.chunk, vocab_swaps=args.vocab_swaps,
-                                                      vocab_half_life=args.vocab_half_life))
+    online = llm.assets.online_head(args.draft, OnlineConfig(
+        lr=args.lr, reward=args.reward, soft=args.teacher == "soft", chunk=args.chunk, vocab_swaps=args.vocab_swaps,
+        vocab_half_life=args.vocab_half_life))
     arms = {"static": {}, "online": {"online_draft": True}}
     rows = {arm: [] for arm in arms}
     started = time.perf_counter()

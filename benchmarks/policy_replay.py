@@ -189,7 +189,7 @@ def main() -> None:
                    f"{args.model}-{args.workload}-{args.prompts_per_category}x{args.max_new_tokens}.json")
     outputs.parent.mkdir(parents=True, exist_ok=True)
     data = greedy_outputs(llm, questions, args.max_new_tokens, outputs)
-    cost = llm.cost_model()  # prices every step; observing those prices leaves its load at 1
+    cost = llm.assets.cost_model()  # prices every step; observing those prices leaves its load at 1
     flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items() if value is not None)
     if args.methods:
         report = compare_methods(args.methods.split(","), cost, data, args.rounds,

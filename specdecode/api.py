@@ -12,15 +12,16 @@ from .acceptance import AcceptanceStats
 from .batch_cost import BatchCost
 from .cost import CostModel
 from .detokenize import RequestText
-from .drafting import AUTO_BRANCHES, METHODS, SHIPPED_EAGLE, Drafting, check_same_tokenizer
+from .drafting import AUTO_BRANCHES, SHIPPED_EAGLE, Assets, check_same_tokenizer
 from .engine import Engine, Generation
 from .grammar import GrammarTokenizer, StructuredOutput
 from .keywords import check_keywords, keyword_names
 from .models import Transformer
 from .models.loading import DTYPES, load_model
-from .names import DEFAULT_METHOD
+from .names import DEFAULT_METHOD, METHODS
 from .policy import Pricing
 from .prefix_cache import PrefixCache
+from .proposers import Proposer, registry
 from .request import GenerationStats, Request, TokenLogprob
 from .sampling import SAMPLING_OPTIONS, SamplingParams
 
@@ -58,12 +59,14 @@ class TextStream:
         self.output = yield from self._pieces
 
 
-class LLM(Drafting):
+class LLM:
     """A target model and its tokenizer: generate text (one prompt, a stream, or a list run as one batch) with any
-    method; what speculation builds and keeps per model (drafts, heads, cost table) comes from `Drafting`."""
+    method; what speculation keeps per model across requests (drafts, heads, cost table, low-bit copies, the suffix
+    cache) is its `assets`."""
 
     def __init__(self, model: Transformer, tokenizer, name: str = "", prefix_cache_mb: int = 0) -> None:
-        super().__init__(model, tokenizer, name)
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.assets = Assets(model, tokenizer, name, load_draft=type(self).load)
         self.stop_token_ids = stop_token_ids(tokenizer)
         # earlier requests' keys and values, reused by a prompt that begins the same way (None: every prompt prefilled)
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
@@ -214,9 +217,26 @@ class LLM(Drafting):
             self._grammar = GrammarTokenizer(self.tokenizer, self.model.config.vocab_size, self.stop_token_ids)
         return self._grammar
 
+    def proposer(self, method: str, draft: str | os.PathLike | LLM | None = None, *, k: int | str = "auto",
+                 **options: Any) -> Proposer:
+        """A fresh proposer for `method`, to run with `k`. Options, each method taking its own (proposers/registry.py
+        lists them; the others are ignored): prompt lookup (max_ngram, min_ngram, branches: default AUTO_BRANCHES
+        with k='auto', else 1), lookahead (window, ngram, guesses), layer-skip (skip_layers, default: searched once
+        and cached), eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes:
+        the most guesses a step, the tree is sized by the cost model within them and the depth k), medusa (draft =
+        trained heads' folder; the tree is sized by the cost model), quantized (low_bit: the precision of the
+        target's copy that drafts, skip_layers: layers it also leaves out), suffix (nodes: the most guesses a step,
+        sized by the cost model under k='auto'; matches this request's text and `assets.suffix_cache()`).
+        online_draft: eagle's head (hybrid's too) keeps learning from what the target verifies
+        (`assets.online_head`). cascade: 'prompt-lookup' guesses for the model draft (draft, quantized, layer-skip),
+        which checks its guesses in one forward. async_draft: the model draft drafts the next step while the target
+        verifies this one, in a worker thread with `draft_threads` threads (see proposers/async_draft.py)."""
+        check_keywords("proposer", options, registry.option_names())
+        return registry.build(self.assets, method, draft, k=k, **options)
+
     def proposer_options(self) -> set[str]:
         """The method options generate() and start() pass on to `proposer`."""
-        return keyword_names(self.proposer) - {"method", "draft", "k"}
+        return registry.option_names()
 
     def start(
         self,
@@ -256,7 +276,7 @@ class LLM(Drafting):
         ids = self.encode(prompt, chat=chat)
         if engine is None:
             priced = k == "auto" and not proposer.guessing.plain
-            engine = Engine(self.model, BatchCost.single(self.cost_model() if priced else CostModel.flat()),
+            engine = Engine(self.model, BatchCost.single(self.assets.cost_model() if priced else CostModel.flat()),
                             self.prefix_cache)
         key = f"{method}|{draft}|{sorted(proposer_options.items())}"
         request = Request(self.model.config.max_position_embeddings, proposer, ids, max_new_tokens=max_new_tokens,
@@ -275,7 +295,7 @@ class LLM(Drafting):
                     break
         finally:
             gen.close()
-            self.save_cost_model()
+            self.assets.save_cost_model()
         return GenerationOutput(text=text.text, token_ids=text.token_ids, finish_reason=text.finish or "length",
                                 method=method, prompt_tokens=gen.stats.prompt_tokens, stats=gen.stats,
                                 logprobs=kept_logprobs(gen.request, text))

@@ -298,7 +298,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
     if args.k == "auto" and args.method != "none":
-        llm.cost_model()  # on a new machine, timed first (seconds, with a progress bar), not during the stream
+        llm.assets.cost_model()  # on a new machine, timed first (seconds, with a progress bar), not during the stream
     options = dict(
         method=args.method, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -340,7 +340,7 @@ def measure_costs_once(llm: LLM) -> None:
 
     if CostModel.cached(llm.model) is None:
         with status("timing target forwards..."):  # the library logs a line saying why and for how long
-            llm.cost_model()
+            llm.assets.cost_model()
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -368,7 +368,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         err.print(f"skip {step.skipped}: agreement {step.agreement:.3f}, predicted {step.speedup:.2f}x (k={step.k})")
 
     with status("searching layers to skip (teacher-forced agreement on training text)..."):
-        result = llm.tune_layer_skip(n_texts=args.texts, max_tokens=args.max_tokens, progress=show)
+        result = llm.assets.tune_layer_skip(n_texts=args.texts, max_tokens=args.max_tokens, progress=show)
     if result.pays:
         err.print(f"layer-skip drafts without layers {result.skipped}: predicted {result.speedup:.2f}x")
     else:

@@ -1,12 +1,12 @@
-"""What speculation builds for each request and keeps per model: the proposer of every method (one file each in
-proposers/), and across requests the draft models, EAGLE and Medusa heads, the layer-skip search, the target's
-low-bit copies, the suffix cache of earlier outputs and the forward cost table that k='auto' prices guesses with."""
+"""What speculation keeps per model across requests (`Assets`): the draft models, EAGLE and Medusa heads, the layer-skip
+search, the target's low-bit copies, the suffix cache of earlier outputs and the forward cost table that k='auto'
+prices guesses with. Each method's builder (proposers/registry.py) reads them to make a request's proposer."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,27 +15,13 @@ from .models import Transformer
 from .models.eagle import EagleHead
 from .models.medusa import MedusaHeads
 from .models.published_heads import load_eagle_head, load_medusa_heads
-from .names import METHODS
 from .online import OnlineConfig, OnlineHead
-from .proposers import (
-    DraftModelProposer,
-    EagleProposer,
-    HybridProposer,
-    LayerSkipProposer,
-    LookaheadProposer,
-    MedusaProposer,
-    NoProposer,
-    PromptLookupProposer,
-    Proposer,
-    QuantizedSelfProposer,
-    SuffixCache,
-    SuffixProposer,
-)
-from .proposers.async_draft import AsyncDraftProposer, Drafter
+from .proposers import SuffixCache
+from .proposers.assets import Draft, is_path
+from .proposers.async_draft import Drafter
 from .proposers.layer_skip import SkipSearchResult, load_skip_search
 from .proposers.medusa import RankAccuracy
 from .proposers.quantized import low_bit_copy
-from .proposers.suffix_eagle import SuffixEagleProposer
 
 ASYNC_DRAFTS = ("draft", "quantized", "layer-skip")  # the methods that can draft ahead (async_draft)
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
@@ -50,12 +36,15 @@ SHIPPED_EAGLE = {name: Path(__file__).resolve().parent / "drafts" / f"{name}-eag
                  for name in ("smollm2-135m-instruct", "gemma3-270m")}
 
 
-class Drafting:
-    """The proposers a target builds (`proposer`) and what they share across requests (the base of `LLM`)."""
+class Assets:
+    """What a target's proposers share across requests (an `LLM` owns one); `load_draft(name, dtype=...)` loads a draft
+    model by name (`LLM.load`)."""
 
-    def __init__(self, model: Transformer, tokenizer, name: str = "") -> None:
+    def __init__(self, model: Transformer, tokenizer, name: str = "", load_draft: Callable[..., Any] | None = None
+                 ) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self._drafts: dict[str, Drafting] = {}
+        self.load_draft = load_draft
+        self._drafts: dict[str, Any] = {}  # loaded draft models (LLMs), by name or path
         self._heads: dict[str, EagleHead] = {}
         self._online: dict[str, OnlineHead] = {}  # heads learning while they serve, by folder
         self._medusa: dict[str, MedusaHeads] = {}
@@ -65,102 +54,15 @@ class Drafting:
         self._suffix: SuffixCache | None = None  # earlier outputs, shared by every request (method "suffix")
         self._drafter: Drafter | None = None  # drafts ahead for asynchronous requests (async_draft)
 
-    def proposer(
-        self,
-        method: str,
-        draft: str | os.PathLike | Drafting | None = None,
-        *,
-        k: int | str = "auto",
-        max_ngram: int = 3,
-        min_ngram: int = 1,
-        branches: int | None = None,
-        window: int = 4,
-        ngram: int = 3,
-        guesses: int = 4,
-        skip_layers: Sequence[int] | None = None,
-        topk: int = 4,
-        nodes: int = 24,
-        low_bit: str = "int4-a8",
-        online_draft: bool = False,
-        cascade: str | None = None,
-        async_draft: bool = False,
-        draft_threads: int = 1,
-    ) -> Proposer:
-        """A fresh proposer for `method`, to run with `k`; options: prompt lookup (max_ngram, min_ngram, branches:
-        default AUTO_BRANCHES with k='auto', else 1),
-        lookahead (window, ngram, guesses), layer-skip (skip_layers, default: searched once and cached),
-        eagle (draft = a trained head's folder, default: the one shipped for this model; topk, nodes: the most
-        guesses a step, the tree is sized by the cost model within them and the depth k),
-        medusa (draft = trained heads' folder; the tree is sized by the cost model), quantized (low_bit: the
-        precision of the target's copy that drafts, skip_layers: layers it also leaves out), suffix (nodes: the most
-        guesses a step, sized by the cost model under k='auto'; matches this request's text and `suffix_cache()`).
-        online_draft: eagle's head (hybrid's too) keeps learning from what the target verifies (`online_head`).
-        cascade: 'prompt-lookup' guesses for the model draft (draft, quantized, layer-skip), which checks its guesses in
-        one forward. async_draft: the model draft drafts the next step while the target verifies this one, in a
-        worker thread with `draft_threads` threads (see proposers/async_draft.py)."""
-        proposer = self._proposer(method, draft, k=k, max_ngram=max_ngram, min_ngram=min_ngram, branches=branches,
-                                  window=window, ngram=ngram, guesses=guesses, skip_layers=skip_layers, topk=topk,
-                                  nodes=nodes, low_bit=low_bit, online_draft=online_draft)
-        if cascade is not None:
-            if cascade != "prompt-lookup":
-                raise ValueError(f"cascade drafts with 'prompt-lookup' (for a model draft), not {cascade!r}")
-            if not isinstance(proposer, DraftModelProposer):
-                raise ValueError(f"cascade: prompt lookup guesses for a model draft (method draft, quantized or "
-                                 f"layer-skip), not for {method!r}")
-            proposer.lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram)
-        if async_draft:  # AsyncDraftProposer refuses what cannot draft ahead, and says why
-            proposer = AsyncDraftProposer(proposer, self.drafter(draft_threads))
-        return proposer
+    def rank_accuracy(self, heads: MedusaHeads) -> RankAccuracy:
+        """The long-run accuracy of loaded Medusa heads, shared by every request that drafts with them."""
+        return self._rank_accuracy.setdefault(id(heads), RankAccuracy.of(heads))
 
-    def _proposer(self, method: str, draft: str | os.PathLike | Drafting | None, *, k: int | str, max_ngram: int,
-                  min_ngram: int, branches: int | None, window: int, ngram: int, guesses: int,
-                  skip_layers: Sequence[int] | None, topk: int, nodes: int, low_bit: str,
-                  online_draft: bool) -> Proposer:
-        if online_draft and method not in ("eagle", "hybrid"):
-            raise ValueError(f"online_draft trains the EAGLE head: it goes with method 'eagle' or 'hybrid', not "
-                             f"{method!r}")
-        if method == "none":
-            return NoProposer()
-        if method == "prompt-lookup":
-            if branches is None:
-                branches = self.auto_branches() if k == "auto" else 1
-            return PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram, branches=branches)
-        if method == "draft":
-            if draft is None:
-                raise ValueError("method 'draft' needs a draft model: pass draft=<registry name, HF dir or .gguf>")
-            return DraftModelProposer(self.draft_model(draft).model, self.model.config.vocab_size)
-        if method == "lookahead":
-            return LookaheadProposer(window=window, ngram=ngram, guesses=guesses)
-        if method == "layer-skip":
-            if skip_layers is not None:
-                return LayerSkipProposer(self.model, skip_layers)
-            search = self.skip_search()
-            return LayerSkipProposer(self.model, search.draft_layers, pays=search.pays)
-        if method in ("eagle", "medusa"):
-            if isinstance(draft, Drafting):
-                raise ValueError(f"method {method!r} drafts with trained heads: pass draft=<their folder>, not a model")
-            if method == "eagle":
-                return EagleProposer(self.eagle_head(draft), self.model, topk=topk, nodes=nodes,
-                                     cost=self.cost_model(), online=self.online_head(draft) if online_draft else None)
-            heads = self.medusa_heads(draft)
-            accuracy = self._rank_accuracy.setdefault(id(heads), RankAccuracy.of(heads))
-            return MedusaProposer(heads, self.model.config.vocab_size, cost=self.cost_model(), accuracy=accuracy)
-        if method == "quantized":
-            if low_bit not in self._low_bit:
-                self._low_bit[low_bit] = low_bit_copy(self.model, low_bit)
-            return QuantizedSelfProposer(self.model, self._low_bit[low_bit], low_bit, skip_layers or ())
-        if method == "suffix":
-            return SuffixProposer(self.suffix_cache(), nodes=nodes, cost=self.cost_model() if k == "auto" else None)
-        if method == "hybrid" and draft is None and self.has_eagle_head():  # suffix + the EAGLE head, one tree
-            cost = self.cost_model()
-            online = self.online_head() if online_draft else None
-            return SuffixEagleProposer(SuffixProposer(self.suffix_cache(), nodes=nodes, cost=cost),
-                                       EagleProposer(self.eagle_head(), self.model, topk=topk, nodes=nodes, cost=cost,
-                                                     online=online))
-        if method == "hybrid":  # prompt lookup plus a model draft: the given one, else the layer-skipped target
-            model_draft = self.proposer("draft" if draft is not None else "layer-skip", draft, skip_layers=skip_layers)
-            return HybridProposer(PromptLookupProposer(max_ngram, min_ngram, branches or 1), model_draft)
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    def low_bit(self, kind: str) -> Transformer:
+        """The target's low-bit copy of this precision (built once; method "quantized" drafts with it)."""
+        if kind not in self._low_bit:
+            self._low_bit[kind] = low_bit_copy(self.model, kind)
+        return self._low_bit[kind]
 
     def drafter(self, threads: int = 1) -> Drafter:
         """The worker thread that drafts ahead for this model's asynchronous requests (made on first use, with
@@ -255,16 +157,18 @@ class Drafting:
             self._medusa[key] = heads
         return self._medusa[key]
 
-    def draft_model(self, draft: str | os.PathLike | Drafting) -> Drafting:
+    def draft_model(self, draft: Draft) -> Any:
         """A draft model with the target's tokenizer (loaded once, in the target's dtype): a loaded LLM, or a
         registry name, HF checkpoint dir or .gguf file."""
-        if isinstance(draft, Drafting):
+        if draft is None or not is_path(draft):
             llm = draft
         else:
-            key = str(Path(draft).expanduser().resolve()) if Path(draft).expanduser().exists() else str(draft)
+            path = Path(cast(str, draft)).expanduser()
+            key = str(path.resolve()) if path.exists() else str(draft)
             if key not in self._drafts:
-                load = cast(Any, type(self)).load  # LLM.load: a draft is an LLM of its own
-                self._drafts[key] = load(draft, dtype=str(self.model.dtype).removeprefix("torch."))
+                if self.load_draft is None:
+                    raise ValueError("these assets load no draft models: pass a loaded one (draft=llm)")
+                self._drafts[key] = self.load_draft(draft, dtype=str(self.model.dtype).removeprefix("torch."))
             llm = self._drafts[key]
         check_same_tokenizer(self.tokenizer, llm.tokenizer)
         return llm

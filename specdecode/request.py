@@ -104,6 +104,15 @@ class Request:
         k="auto" prices guesses with (the proposer is given it too, as it begins); logprobs: None, or record each
         token's log-probability and this many most likely alternatives (`token_logprobs`); constraint: the grammar of
         a structured output (grammar.py)."""
+        # the policy first: a bad k is named before the prompt's checks
+        if isinstance(k, Policy):
+            self.policy = k
+        elif pricing is not None:
+            self.policy = policy_for(k, proposer.guessing, pricing)
+        elif k == "auto":
+            raise ValueError("k='auto' prices guesses: give the request a Pricing (or a Policy as k)")
+        else:
+            self.policy = FixedK(int(k))
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if max_new_tokens < 1:
@@ -115,14 +124,6 @@ class Request:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
                 f"of {context} tokens: shorten the prompt or lower max_new_tokens"
             )
-        if isinstance(k, Policy):
-            self.policy = k
-        elif pricing is not None:
-            self.policy = policy_for(k, proposer.guessing, pricing)
-        elif k == "auto":
-            raise ValueError("k='auto' prices guesses: give the request a Pricing (or a Policy as k)")
-        else:
-            self.policy = FixedK(int(k))
         self.proposer, self.params, self.pricing = proposer, params, pricing
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = frozenset(stop_token_ids)

@@ -15,6 +15,7 @@ from specdecode.api import check_same_tokenizer, stop_token_ids
 from specdecode.batch_cost import BatchCost, RowCost
 from specdecode.cli import main as cli_main
 from specdecode.cost import TABLE_VERSION, CostModel
+from specdecode.drafting import Assets
 from specdecode.models import loading
 from specdecode.proposers.base import RequestInfo
 
@@ -73,9 +74,9 @@ def test_prompt_lookup_branches_under_auto_and_fixed_k(llm, plain, monkeypatch):
     sizes = [1, 2, 4, 8]
     flat = CostModel(sizes, [64, 512], [[1.0, 1.05, 1.1, 1.3]] * 2)
     steep = CostModel(sizes, [64, 512], [[1.0, 1.4, 2.2, 3.8]] * 2)
-    monkeypatch.setattr(llm, "_cost", flat)
+    monkeypatch.setattr(llm.assets, "_cost", flat)
     assert llm.proposer("prompt-lookup", k="auto").branches == specdecode.api.AUTO_BRANCHES > 1
-    monkeypatch.setattr(llm, "_cost", steep)
+    monkeypatch.setattr(llm.assets, "_cost", steep)
     assert llm.proposer("prompt-lookup", k="auto").branches == 1
     monkeypatch.undo()
     assert llm.proposer("prompt-lookup", k=4).branches == 1
@@ -91,13 +92,13 @@ def test_layer_skip_search_runs_once_and_is_reused(tmp_path, capsys, monkeypatch
     saved = list((Path(os.environ["SPECDECODE_CACHE"]) / "layer_skip").glob("*.json"))
     assert len(saved) == 1
     llm = specdecode.load(deep, dtype="float64")
-    chosen = llm.skip_layers()
+    chosen = llm.assets.skip_layers()
     assert chosen and all(0 < i < 3 for i in chosen)  # first and last layers are always kept
 
     def no_search(*args, **kwargs):
         raise AssertionError("searched again instead of reading the cache")
 
-    monkeypatch.setattr(specdecode.LLM, "tune_layer_skip", no_search)
+    monkeypatch.setattr(Assets, "tune_layer_skip", no_search)
     plain = llm.generate(PROMPT, method="none", max_new_tokens=30)
     assert llm.generate(PROMPT, max_new_tokens=30, method="layer-skip", k=2).token_ids == plain.token_ids
 

@@ -188,7 +188,7 @@ def test_int8_head_beside_an_int8_activation_target_is_lossless(target, trained)
 
     quantized = quantize_(copy.deepcopy(target).float(), "int4-a8")
     llm = specdecode.LLM(quantized, make_tokenizer())
-    head = llm.eagle_head(trained)
+    head = llm.assets.eagle_head(trained)
     assert isinstance(head.lm_head, QuantLinear) and head.lm_head.quantization == "int8-a8"
     # warmed up as it loads: its kernels' description is built before a request's first run would pay for it
     assert ("_native" in head.__dict__) == (kernels.native() is not None)

@@ -27,7 +27,7 @@ from specdecode.policy import (
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.tree import DraftTree, ExtraNodes
 
-from .helpers import FrozenCost, Oracle, tiny_model
+from .helpers import FrozenCost, Oracle, ask, tiny_model
 
 
 def linear_cost(per_token: float, per_context: float = 0.0, frozen: bool = False) -> CostModel:
@@ -502,7 +502,7 @@ def test_a_draft_that_never_guesses_holds_no_cache() -> None:
     _, stats = generate_ids(target, [1, 2, 3], proposer=draft, k=FixedK(0), max_new_tokens=5)
     assert stats.drafted == 0 and draft.cache is None
     with pytest.raises(RuntimeError, match="begin"):
-        DraftModelProposer(target, 56).propose([1, 2], 2, None, None)
+        DraftModelProposer(target, 56).propose(ask([1, 2], 2))
     generate_ids(target, [1, 2, 3], proposer=draft, k=2, max_new_tokens=5)
     assert draft.cache is not None
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specdecode.cli import main as cli_main
-from specdecode.drafting import SHIPPED_EAGLE, Drafting
+from specdecode.drafting import SHIPPED_EAGLE, Assets
 from specdecode.engine import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
@@ -376,7 +376,7 @@ def test_our_eagle_head_cannot_be_written_as_eagle3_and_says_why(tmp_path, targe
 
 
 def test_drafting_detects_each_layout(tmp_path, target) -> None:
-    drafting = Drafting(target, None, "tiny")
+    drafting = Assets(target, None, "tiny")
     ours = EagleHead(EagleConfig.for_target(target.config, 32)).double()
     ours.save(tmp_path / "ours")
     MedusaHeads.from_target(target, 2, torch.arange(VOCAB)).save(tmp_path / "ours-medusa")
@@ -421,8 +421,8 @@ def test_mismatched_heads_are_refused_before_any_forward(tmp_path, target, case,
     for cls in (Eagle3Head, Eagle1Head):
         monkeypatch.setattr(cls, "forward", lambda *a, **k: pytest.fail("a forward ran"))
     with pytest.raises(Mismatch, match=message) as err:  # through what draft= runs, and directly
-        Drafting(target, None, "tiny").medusa_heads(path) if case.startswith("medusa") else \
-            Drafting(target, None, "tiny").eagle_head(path)
+        Assets(target, None, "tiny").medusa_heads(path) if case.startswith("medusa") else \
+            Assets(target, None, "tiny").eagle_head(path)
     text = str(err.value)
     assert "does not fit this target (hidden size 64" in text and "published for this target" in text
     with pytest.raises(Mismatch, match=message):

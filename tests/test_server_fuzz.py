@@ -30,7 +30,7 @@ LEAKS = re.compile(r"Traceback|File \"|/home/|/root/|site-packages|\.py\b|Error:
 def make_app(root):
     checkpoint = write_checkpoint(root / "ckpt", make_tokenizer())
     llm = specdecode.load(checkpoint, dtype="float64")
-    llm._cost = cheap_guesses()
+    llm.assets._cost = cheap_guesses()
     config = ServerConfig("tiny", method="none", max_batch=4, max_queue=8, methods=("prompt-lookup", "lookahead"),
                           trust_request_chat_template=True)
     return create_app(llm, config, BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)]))

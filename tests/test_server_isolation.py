@@ -49,7 +49,7 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 def llm(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("isolation") / "ckpt", make_tokenizer())
     llm = specdecode.load(checkpoint, dtype="float64")
-    llm._cost = cheap_guesses()
+    llm.assets._cost = cheap_guesses()
     return llm
 
 

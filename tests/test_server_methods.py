@@ -43,7 +43,7 @@ def world(tmp_path_factory):
     target_dir = write_checkpoint(root / "target", tokenizer)
     draft_dir = write_checkpoint(root / "draft", tokenizer, layers=1)
     llm = specdecode.load(target_dir, dtype="float64")
-    llm._cost = cheap_guesses()  # what the library path would measure: not what these tests are about
+    llm.assets._cost = cheap_guesses()  # what the library path would measure: not what these tests are about
     model = llm.model
     vocab = torch.arange(model.config.vocab_size)
     head = EagleHead(EagleConfig.for_target(model.config, model.config.vocab_size)).double()
@@ -113,7 +113,7 @@ def test_online_draft_through_the_server_learns_and_equals_plain(world, monkeypa
     llm, heads, _, cache = world
     monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
     expected = {p: plain(llm, p) for p in PROMPTS}
-    online = llm.online_head(heads["eagle"], OnlineConfig(chunk=8))  # short requests: short chunks
+    online = llm.assets.online_head(heads["eagle"], OnlineConfig(chunk=8))  # short requests: short chunks
     batch_cost = BatchCost([1, 2, 4], [cheap_guesses() for _ in range(3)])
     config = ServerConfig("tiny", method="eagle", draft=str(heads["eagle"]), max_batch=4, online_draft=True)
     with TestClient(create_app(llm, config, batch_cost)) as client:
@@ -144,7 +144,8 @@ def test_async_draft_through_the_server_equals_plain(world, monkeypatch) -> None
         assert texts == [expected[prompt] for prompt, _ in asks]
         for prompt, method in asks:
             assert ask(client, prompt, method, "auto", True)[0] == expected[prompt]
-    assert llm._drafter is not None and llm._drafter._holders == 0  # used, and every request let its cores go
+    drafter = llm.assets._drafter
+    assert drafter is not None and drafter._holders == 0  # used, and every request let its cores go
 
 
 def test_a_500_names_an_error_id_not_the_exception(world, monkeypatch, caplog) -> None:
@@ -181,7 +182,7 @@ def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monke
     def slow() -> CostModel:  # forwards far dearer than proposing; learns nothing, so no decision depends on timing
         return FrozenCost(list(sizes), [64, 512], [[1.0 + 0.002 * n for n in sizes]] * 2)
 
-    saved, llm._cost = llm._cost, slow()
+    saved, llm.assets._cost = llm.assets._cost, slow()
     try:
         llm._acceptance.clear()
         config = ServerConfig("tiny", method="none", draft=str(draft_dir), max_batch=4,
@@ -198,7 +199,7 @@ def test_the_library_and_the_server_give_identical_tokens_and_stats(world, monke
                     == (s.drafted, s.accepted, s.target_forwards, s.new_tokens), (method, k)
                 assert s.drafted > 0, method
     finally:
-        llm._cost = saved
+        llm.assets._cost = saved
 
 
 def test_layer_skip_on_a_fresh_machine_searches_on_the_shipped_text(world, tmp_path, monkeypatch) -> None:

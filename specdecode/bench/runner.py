@@ -163,7 +163,7 @@ def held_outputs(llm: LLM, methods: list[Method], keep: bool = True) -> ExitStac
     as for the others."""
     stack = ExitStack()
     if any(m.remembers_outputs for m in methods):
-        stack.enter_context(llm.suffix_cache().holding(keep))
+        stack.enter_context(llm.assets.suffix_cache().holding(keep))
     if llm.prefix_cache is not None:
         stack.enter_context(llm.prefix_cache.holding(keep))
     return stack

@@ -97,8 +97,8 @@ class Server:
         # torch side: 4-13 s here): at start, never in a request (the first one waited that long)
         llm.grammar().constraint({"choice": ["warm-up"]}).mask(torch.zeros(llm.model.config.vocab_size))
         self.metrics = Metrics(config.model_name, self.context)
-        self.metrics.watch_suffix(lambda: llm._suffix)  # the cache every 'suffix' request of this model shares
-        self.metrics.watch_online(lambda: list(llm._online.values()))  # --online-draft's learners
+        self.metrics.watch_suffix(lambda: llm.assets._suffix)  # the cache every 'suffix' request of this model shares
+        self.metrics.watch_online(lambda: list(llm.assets._online.values()))  # --online-draft's learners
         if llm.prefix_cache is not None:
             llm.prefix_cache.clear()  # the warm-up's texts
             self.metrics.watch_prefix(llm.prefix_cache)
@@ -534,7 +534,7 @@ def serve(llm: LLM, config: ServerConfig, *, host: str = "127.0.0.1", port: int 
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
-    cost = cost or BatchCost.for_model(llm.model, config.max_batch, llm.cost_model())
+    cost = cost or BatchCost.for_model(llm.model, config.max_batch, llm.assets.cost_model())
     app = create_app(llm, config, cost, scheduler_thread=False)
     scheduler = app.state.server.scheduler
     # uvicorn's own deadline comes after ours, so that what the scheduler cuts at ours reaches its client

@@ -132,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm, config, cost = build(options)
     cut = serve(llm, config, host=args.host, port=args.port, cost=cost, shutdown_timeout=args.shutdown_timeout,
                 log_level=args.log_level)
-    llm.save_cost_model()  # what the requests taught the single-request table, for the next start
+    llm.assets.save_cost_model()  # what the requests taught the single-request table, for the next start
     return 1 if cut else 0  # requests cut at shutdown: a supervisor should know the stop was not clean
 
 

@@ -29,12 +29,12 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
     llm = LLM.load(options["model"], dtype=options.get("dtype", "float32"),
                    quantization=options.get("quantization", "auto"),
                    prefix_cache_mb=options.get("prefix_cache_mb", DEFAULT_MB))
-    llm.suffix_cache(options.get("suffix_cache_tokens"))
+    llm.assets.suffix_cache(options.get("suffix_cache_tokens"))
     if options.get("chat_template"):
         llm.tokenizer.chat_template = read_template(options["chat_template"])
     warm_up(llm, options["methods"], options.get("draft"))  # before the batch's timing: fail fast
     log.info("batched forward cost (measured once per model, machine and --max-batch, then cached)")
-    cost = BatchCost.for_model(llm.model, options["max_batch"], llm.cost_model())
+    cost = BatchCost.for_model(llm.model, options["max_batch"], llm.assets.cost_model())
     config = ServerConfig(model_name=options["served_model_name"], method=options["method"], k=options["k"],
                           draft=options.get("draft"), max_batch=options["max_batch"], max_queue=options["max_queue"],
                           api_key=options.get("api_key"), methods=tuple(options["methods"]),

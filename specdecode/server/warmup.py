@@ -40,9 +40,9 @@ def warm_up(llm: LLM, methods: Iterable[str], draft: str | None) -> None:
     if not methods:
         return
     started = time.perf_counter()
-    if llm._cost is None and CostModel.cached(llm.model) is None:  # else it is in memory or on disk
+    if llm.assets._cost is None and CostModel.cached(llm.model) is None:  # else it is in memory or on disk
         log.info("timing the target's forward by size (once per model and machine, then cached; seconds)")
-    llm.cost_model()
+    llm.assets.cost_model()
     for i, method in enumerate(methods, 1):
         log.info("setting up %s (%d/%d)%s", method, i, len(methods), what(method, llm))
         t = time.perf_counter()
@@ -78,6 +78,6 @@ def search_layers(llm: LLM) -> None:
         log.info("  layer-skip: skipping %s: agreement %.2f, predicted %.2fx", step.skipped or "none",
                  step.agreement, step.speedup)
 
-    result = llm.tune_layer_skip(progress=show)
+    result = llm.assets.tune_layer_skip(progress=show)
     log.info("  layer-skip: drafts without layers %s%s", result.skipped,
              "" if result.pays else " (does not pay on this machine: k=auto runs plain steps)")
