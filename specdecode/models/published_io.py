@@ -62,7 +62,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path} holds a sharded checkpoint: a draft head is one file (model.safetensors); "
                              "is this the target model rather than its head?")
         raise FileNotFoundError(f"{path} holds no head weights: expected one of "
-                                f"{', '.join((*SAFE_FILES, *PICKLE_FILES))}")
+                                f"{', '.join((*SAFE_FILES, *PICKLE_FILES))} (a published head's folder, or train one: "
+                                "`specdecode train eagle|medusa --out DIR`)")
     state = load_file(str(file)) if file.suffix == ".safetensors" else read_pickle(file)
     if state and all(k.startswith("model.") for k in state):
         state = {k.removeprefix("model."): v for k, v in state.items()}
