@@ -188,13 +188,14 @@ def read(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.double() if v.is_floating_point() else v for k, v in load_file(str(file)).items()}
 
 
-def eagle3_reference(s, aux: torch.Tensor, emb: torch.Tensor, fc_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def eagle3_reference(s, aux: torch.Tensor, emb: torch.Tensor, fc_norm: bool,
+                     norm_output: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     if fc_norm:
         aux = torch.cat([rms(part, s[f"fc_norm.{i}.weight"]) for i, part in enumerate(aux.chunk(3, -1))], -1)
     f = aux @ s["fc.weight"].T
     wide = torch.cat((rms(emb, s["midlayer.input_layernorm.weight"]), rms(f, s["midlayer.hidden_norm.weight"])), -1)
     out = layer(s, "midlayer.", wide, f)
-    return rms(out, s["norm.weight"]) @ s["lm_head.weight"].T, out
+    return (rms(out, s["norm.weight"]) if norm_output else out) @ s["lm_head.weight"].T, out
 
 
 def run_in_two(head: EagleHead, features: torch.Tensor, emb: torch.Tensor, split: int):
@@ -214,9 +215,12 @@ def hidden_states(target: Transformer, tokens: list[int], layers: list[int]) -> 
 # ----------------------------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("fc_norm", [False, True])
-def test_eagle3_computes_the_published_forward(tmp_path, target, fc_norm) -> None:
+@pytest.mark.parametrize("fc_norm,norm_output", [(False, True), (True, False)])
+def test_eagle3_computes_the_published_forward(tmp_path, target, fc_norm, norm_output) -> None:
     path = write_eagle3(tmp_path / "e3", target, fc_norm=fc_norm)
+    if not norm_output:  # SpecForge's option: logits from the layer's output without the final norm
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "norm_output": False}))
     head = load_eagle_head(path, target)
     assert isinstance(head, Eagle3Head) and detect_layout(path) == EAGLE3
     assert head.config.target_layers == [1, 3, 4]  # entering layers 2, n // 2, n - 3 of 8: outputs of 1, 3, 4
@@ -225,7 +229,7 @@ def test_eagle3_computes_the_published_forward(tmp_path, target, fc_norm) -> Non
     emb = target.embed(torch.tensor(tokens[1:]))  # position t reads its feature and token t + 1
     logits, out = run_in_two(head, head.fuse(aux), emb, 5)
     s = read(path)
-    ref_logits, ref_out = eagle3_reference(s, aux, emb, fc_norm)
+    ref_logits, ref_out = eagle3_reference(s, aux, emb, fc_norm, norm_output)
     torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-9, atol=1e-9)
     # the next depth reads the layer's output as its feature, without fc: same formula with f = out
@@ -303,6 +307,24 @@ def test_published_heads_draft_losslessly(tmp_path, target, reference, layout) -
     trees, drafted, accepted = speculate(target, reference, proposer, k=4)
     assert drafted > 0 and accepted > 0, (drafted, accepted)
     assert any(len(set(parents)) < len(parents) - 1 for _, parents in trees)  # real trees, not chains only
+
+
+def test_beside_an_int8_activation_target_published_heads_run_in_int8_and_stay_lossless(tmp_path) -> None:
+    from specdecode.models.quant import quantize_linears_
+
+    target = quantize_linears_(tiny_model(0, vocab_size=VOCAB, num_layers=LAYERS, dtype=torch.float32), "int8-a8")
+    drafting = Assets(target, None, "tiny")
+    for path in (write_eagle3(tmp_path / "e3", target), write_eagle1(tmp_path / "e1")):
+        head = drafting.eagle_head(path)
+        assert head.attn.wqkv.quantization == "int8-a8" if isinstance(head, Eagle3Head) else \
+            head.input.quantization == "int8-a8"
+        proposer = EagleProposer(head, target, topk=3, nodes=8)
+        drafted = 0
+        for prompt in CASES[2:5]:
+            out, stats = generate_ids(target, prompt, proposer=proposer, k=4, max_new_tokens=NEW)
+            assert out == generate_ids(target, prompt, max_new_tokens=NEW)[0], prompt
+            drafted += stats.drafted
+        assert drafted > 0
 
 
 def test_pickled_head_equals_its_safetensors_and_an_object_in_a_pickle_is_refused(tmp_path, target) -> None:
