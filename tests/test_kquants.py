@@ -168,12 +168,17 @@ def test_thread_counts_give_the_same_bits(name) -> None:
 
 
 def test_a_mixed_fused_layer_runs_each_part_at_its_size() -> None:
-    """q|k|v of a Q4_K_M file (q, k Q4_K, v Q6_K) fuse into a QuantStack: each part's kernel, the outputs side
-    by side, rows independent; the native block reads it as one weight (block.c's W_STACK)."""
+    """q|k|v of a Q4_K_M file (q, k Q4_K, v Q6_K; a Q8_0 part as llama.cpp falls back to for widths not a multiple
+    of 256) fuse into a QuantStack: each part's kernel, the outputs side by side, rows independent; the native
+    block reads it as one weight (block.c's W_STACK)."""
     parts = [QuantLinear.from_gguf(random_k_quant(name, n, 512, seed=i), name)
              for i, (name, n) in enumerate((("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)))]
+    q8 = gguf.quants.quantize(np.random.default_rng(5).standard_normal((24, 512)).astype(np.float32),
+                              gguf.GGMLQuantizationType.Q8_0)
+    parts.append(QuantLinear.from_gguf(q8, "Q8_0"))
+    parts[-1].act8 = True
     fused = QuantLinear.cat(parts)
-    assert isinstance(fused, QuantStack) and fused.quantization == "q4k+q6k-a8" and fused.out_features == 128
+    assert isinstance(fused, QuantStack) and fused.quantization == "q4k+q6k+int8-a8" and fused.out_features == 152
     assert QuantLinear.fusable(parts) and not QuantLinear.fusable([*parts, torch.zeros(1)])
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(9))
     got = fused(x)
@@ -182,6 +187,22 @@ def test_a_mixed_fused_layer_runs_each_part_at_its_size() -> None:
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     if kernels.native() is not None:
         assert weight_struct(fused).kind == 9
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_without_native_kernels_a_k_quant_layer_computes_the_same_model(name, monkeypatch) -> None:
+    """Where the kernels cannot be built, the weights are dequantized (once) and x rounded as the kernel rounds it."""
+    raw = random_k_quant(name, 20, 512, seed=11)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(12))
+    reference = round_activations(x).double() @ gguf_weights(raw, name).double().T
+    monkeypatch.setenv("SPECDECODE_NATIVE", "0")
+    kernels.reset()
+    try:
+        assert kernels.native() is None
+        got = QuantLinear.from_gguf(raw, name)(x)
+    finally:
+        kernels.reset()
+    torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
 # ------------------------------------------------------------------------------ a K-quant model from a GGUF file
