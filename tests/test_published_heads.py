@@ -34,10 +34,11 @@ from specdecode.models.published_heads import (
 from specdecode.models.published_io import EAGLE1, EAGLE3, MEDUSA, OURS_EAGLE, OURS_MEDUSA, detect_layout
 from specdecode.proposers import EagleProposer, MedusaProposer
 
-from .helpers import tiny_model
+from .helpers import make_tokenizer, own_cache_dir, tiny_model, write_checkpoint
 from .test_lossless import PROMPTS, VOCAB
 
 H, INTER, HEADS, KV, DIM, LAYERS, NEW = 64, 128, 4, 2, 16, 8, 24
+_own_cache_dir = own_cache_dir()  # the cost table that draft= through the library calibrates, this module's own
 CASES = PROMPTS[1:8]  # one-token, random and repeating prompts
 
 
@@ -470,3 +471,24 @@ def test_cli_export_head(tmp_path, capsys) -> None:
     assert sorted(written) == ["0.0.linear.bias", "0.0.linear.weight", "0.1.weight", "1.0.linear.bias",
                                "1.0.linear.weight", "1.1.weight"]
     assert written["0.1.weight"].dtype == torch.bfloat16
+
+
+def test_draft_dir_through_the_library_and_the_cli(tmp_path, capsys) -> None:
+    import specdecode
+
+    ckpt = write_checkpoint(tmp_path / "target", make_tokenizer(), layers=LAYERS)
+    llm = specdecode.load(ckpt, dtype="float64")
+    vocab = llm.model.config.vocab_size
+    eagle3 = write_eagle3(tmp_path / "e3", llm.model, vocab=vocab, draft_vocab=64)
+    medusa = write_medusa(tmp_path / "m", llm.model, vocab=vocab)
+    prompt = "the quick brown fox"
+    plain = llm.generate(prompt, method="none", max_new_tokens=16)
+    for method, head in (("eagle", eagle3), ("medusa", medusa)):
+        out = llm.generate(prompt, method=method, draft=str(head), k=3, max_new_tokens=16)
+        assert out.token_ids == plain.token_ids and out.stats.drafted > 0, method
+    base = ["generate", prompt, "--model", str(ckpt), "--dtype", "float64", "--k", "3", "--max-new-tokens", "16"]
+    assert cli_main([*base, "--method", "eagle", "--draft", str(eagle3)]) == 0
+    assert capsys.readouterr().out.strip() == plain.text.strip()
+    other = write_eagle3(tmp_path / "other", llm.model, vocab=vocab + 8)  # made for another vocabulary
+    assert cli_main([*base, "--method", "eagle", "--draft", str(other)]) == 2
+    assert f"vocabulary {vocab + 8}, the target's {vocab}" in capsys.readouterr().err
