@@ -101,8 +101,8 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
                    help="speculation method ('none': plain decoding); see README, 'Which method should I use?'")
     g.add_argument("--draft", help="--method draft: the draft model (registry name, HF dir or .gguf); "
-                   "--method eagle: a trained head's folder (default: the one shipped for the model); "
-                   "--method medusa: trained heads' folder")
+                   "--method eagle: a head's folder, ours, EAGLE-3 or EAGLE-1/2 (default: the one shipped for the "
+                   "model); --method medusa: heads' folder, ours or Medusa's")
     g.add_argument("--k", default="auto", help="tokens guessed per step (tree depth), or 'auto': the cost model "
                    "picks each step's depth from measured forward cost and acceptance")
     g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram matched")
