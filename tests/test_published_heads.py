@@ -492,3 +492,16 @@ def test_draft_dir_through_the_library_and_the_cli(tmp_path, capsys) -> None:
     other = write_eagle3(tmp_path / "other", llm.model, vocab=vocab + 8)  # made for another vocabulary
     assert cli_main([*base, "--method", "eagle", "--draft", str(other)]) == 2
     assert f"vocabulary {vocab + 8}, the target's {vocab}" in capsys.readouterr().err
+
+
+def test_full_vocabulary_head_without_maps_and_a_shipped_embedding(tmp_path, target) -> None:
+    path = write_eagle3(tmp_path / "full", target, draft_vocab=VOCAB)
+    state = load_file(str(path / "model.safetensors"))
+    del state["d2t"], state["t2d"]  # EAGLE drops them when the draft vocabulary is the whole vocabulary
+    state["embed_tokens.weight"] = target.embed.weight.to(torch.bfloat16).float()  # the target's, as a bf16 copy
+    save_file(state, str(path / "model.safetensors"))
+    assert torch.equal(load_eagle_head(path, target).d2t, torch.arange(VOCAB))
+    state["embed_tokens.weight"] = torch.randn(VOCAB, H)  # another model's
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(Mismatch, match="its embedding differs from the target's"):
+        load_eagle_head(path, target)
