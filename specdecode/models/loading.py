@@ -35,7 +35,16 @@ from .gguf_file import tensors as gguf_tensors
 from .layouts import split_fused, text_tower
 from .linear import Linear
 from .llama import Transformer
-from .quant import GGUF_BLOCKS, K_QUANTS, QUANTIZATIONS, QuantEmbedding, QuantLinear, log_dequantized, quantize_linears_
+from .quant import (
+    GGUF_BLOCKS,
+    K_QUANTS,
+    QUANTIZATIONS,
+    QuantEmbedding,
+    QuantLinear,
+    log_dequantized,
+    quantize_linears_,
+    trim_heap,
+)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -335,4 +344,8 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise ValueError(f"{gguf_file.name}: tensors missing from the file: {', '.join(missing[:4])}")
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    parts.clear()  # the file's tensors as read: freed before the heap is trimmed
+    del listed, embed
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    trim_heap()  # resident memory ~ the weights, not twice them
+    return model

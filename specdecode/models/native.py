@@ -19,7 +19,7 @@ import torch
 from .. import kernels
 from .cache import BatchKVCache, KVCache
 from .linear import Linear
-from .quant import QuantLinear, QuantStack
+from .quant import QuantLinear, QuantStack, trim_heap
 
 
 def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
@@ -104,6 +104,7 @@ class NativeBlocks:
         if out is not None and norm is not None and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous():
             eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
             head = (norm.weight.data_ptr(), float(eps), out)
+        trim_heap()  # the weights were just tiled anew (QuantLinear.tile): their old copies' pages go back
         return cls(layers, described, weights, head)
 
     def run(self, lib, x: torch.Tensor, kv: torch.Tensor, spans: Sequence[RowSpan], views: Sequence[View], cfg,

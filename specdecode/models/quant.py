@@ -18,6 +18,8 @@ dtype.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 
 import numpy as np
@@ -506,6 +508,14 @@ def log_dequantized(file_name: str, tensors: list, native: set[str], requantized
             "and read at that size every token")
     log.warning(line)
     return line
+
+
+def trim_heap() -> None:
+    """Give the C heap's freed pages back to the system (glibc's malloc_trim; elsewhere nothing): loading a GGUF
+    file frees numpy temporaries about the size of the file that the allocator would otherwise keep, counted in
+    the process's resident memory for its whole life."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
