@@ -113,6 +113,17 @@ def widen_(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def resident_mib() -> float:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def step_bytes(model: torch.nn.Module) -> int:
     """Bytes of every matrix a decode step reads (the embedding table, read one row a token, aside)."""
     total = 0
@@ -209,7 +220,11 @@ def main() -> None:
         file = write_model(Path(tmp), args.hidden, args.layers, args.ffn, args.heads, args.kv_heads, args.vocab)
         file_mb = file.stat().st_size / 2**20
         print(f"wrote {file.name}: {file_mb:.0f} MiB ({shape}) in {time.perf_counter() - started:.0f} s")
+        gc.collect()
+        before = resident_mib()
         models = {OURS: load_gguf(file, Path(tmp), torch.float32, act8=True)}
+        gc.collect()
+        loaded = resident_mib() - before
         models[WIDENED] = widen_(load_gguf(file, Path(tmp), torch.float32, act8=True))
     gc.collect()
     sizes = {name: step_bytes(model) for name, model in models.items()}
@@ -243,6 +258,9 @@ def main() -> None:
         "layers and the output layer in Q6_K); read bandwidth measured here between the rounds (1 GiB summed, best "
         f"of 3 each time): median {bandwidth / 1e9:.1f} GB/s "
         f"({min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}).",
+        "",
+        f"Resident memory the load added (the file's bytes layout): {loaded:.0f} MiB for the {file_mb:.0f} MiB file "
+        f"({loaded / file_mb:.2f}x).",
         "",
         "| layout | MB read a token | decode ms/token, median (min-max) | tok/s | bound tok/s (bytes / bandwidth) "
         "| share of the bound | speed vs widened |",
