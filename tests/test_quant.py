@@ -142,9 +142,10 @@ def random_k_quant(name: str, n: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_k_quants_load_as_stored_and_multiply_exactly(name, monkeypatch) -> None:
-    """Q4_K and Q6_K bytes give gguf's own dequantized weights exactly (float32 scales: the two-level products
-    round in float16), and the int8-activation kernel computes round(x) @ W^T with every row's bits independent of
-    the rows beside it, in the AVX2, portable and VNNI builds alike."""
+    """Q4_K and Q6_K bytes give gguf's own dequantized weights exactly (their two-level scales multiplied out in
+    float32, never float16), and the int8-activation kernel computes round(x) @ W^T with every row's bits
+    independent of the rows beside it, in the AVX2, portable and VNNI builds alike (tests/test_kquants.py: the
+    other types, widths and thread counts)."""
     gguf = pytest.importorskip("gguf")
     n, k = 44, 512  # a partial last tile of 8 outputs
     raw = random_k_quant(name, n, k, seed=3)

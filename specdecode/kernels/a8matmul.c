@@ -20,10 +20,12 @@
    the same order whatever the number of rows in the call or beside it in its group of 4; the integer sums are
    exact in any order. So a tree verifies bit for bit the numbers one-token steps compute.
 
-   GGUF's K-quants load exactly into two more tiled kinds with float32 scales: Q4_K (a super-block's float16 scale
-   times a 6-bit one per block of 32: 17 significant bits, exact in float32, not in float16) as kind 5, int4 with
-   float32 scales and mins; Q6_K (6-bit weights with an 8-bit scale per 16) as kind 6, int8 with a float32 scale
-   for each half block, whose two integer sums are kept apart. */
+   Two more tiled kinds take float32 scales: Q4_K widened (a super-block's float16 scale times a 6-bit one per
+   block of 32: 17 significant bits, exact in float32, not in float16) as kind 5, int4 with float32 scales and
+   mins; Q6_K widened (6-bit weights with an 8-bit scale per 16) as kind 6, int8 with a float32 scale for each
+   half block, whose two integer sums are kept apart. GGUF files' K-quants load at their own size instead
+   (kinds 11-16 and 21-26, kquants.c), computing these kinds' numbers bit for bit; QuantLinear.widened makes
+   these (the reference). */
 
 #include <math.h>
 #include <omp.h>
