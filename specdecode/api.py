@@ -17,6 +17,7 @@ from .engine import Engine, Generation
 from .grammar import GrammarTokenizer, StructuredOutput
 from .keywords import check_keywords, keyword_names
 from .models import Transformer
+from .models.cache import kv_dtype
 from .models.loading import DTYPES, load_model
 from .names import DEFAULT_METHOD, METHODS
 from .policy import Pricing
@@ -75,17 +76,21 @@ class LLM:
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
-             quantization: str | None = "auto", prefix_cache_mb: int = 0) -> LLM:
+             quantization: str | None = "auto", prefix_cache_mb: int = 0, kv_cache_dtype: str = "float16") -> LLM:
         """quantization: "auto" (a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as stored, multiplied as llama.cpp does,
         with int8 activations; others in `dtype`), None (every weight in `dtype`), "int4" or "int8" (weight-only,
         blocks of 32, float32 activations), "int4-a8" or "int8-a8" (with int8 activations). prefix_cache_mb: keep
         up to this many MiB of earlier requests' keys and values, so a prompt that begins as an earlier request's
-        text did (a chat's next turn, a shared system prompt) prefills only the rest (0: off)."""
+        text did (a chat's next turn, a shared system prompt) prefills only the rest (0: off). kv_cache_dtype:
+        "float16" (half the memory, as llama.cpp) or "float32", the keys and values of a float32 model (other dtypes
+        keep theirs); greedy speculation equals plain decoding with the same cache type."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        kv_dtype(DTYPES[dtype], kv_cache_dtype)  # a bad name refused before the model loads
         from transformers import AutoTokenizer
 
         model, path = load_model(name_or_path, dtype=DTYPES[dtype], quantization=quantization)
+        model.kv_cache_dtype = kv_cache_dtype
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(model, tokenizer, name=str(name_or_path), prefix_cache_mb=prefix_cache_mb)
 
@@ -321,9 +326,10 @@ def stop_token_ids(tokenizer) -> frozenset[int]:
 
 
 def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype: str = "float32",
-         quantization: str | None = "auto", prefix_cache_mb: int = 0) -> LLM:
+         quantization: str | None = "auto", prefix_cache_mb: int = 0, kv_cache_dtype: str = "float16") -> LLM:
     """Load a model by registry name, HF checkpoint dir or .gguf file (see `LLM.load` for its options)."""
-    return LLM.load(name_or_path, dtype=dtype, quantization=quantization, prefix_cache_mb=prefix_cache_mb)
+    return LLM.load(name_or_path, dtype=dtype, quantization=quantization, prefix_cache_mb=prefix_cache_mb,
+                    kv_cache_dtype=kv_cache_dtype)
 
 
 def kept_logprobs(request: Request, text: RequestText) -> list[TokenLogprob] | None:

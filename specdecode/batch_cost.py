@@ -110,7 +110,7 @@ class BatchCost:
             (b, c, n): [] for b in batch_sizes for c in contexts for n in sizes}
         cfg = model.config
         cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, contexts[-1] + sizes[-1],
-                             batch_size=batch_sizes[-1], dtype=model.dtype, device=model.device)
+                             batch_size=batch_sizes[-1], dtype=model.kv_dtype, device=model.device)
 
         def timed(b: int, c: int, n: int) -> float:
             cache.lengths = [c] * cache.batch_size

@@ -296,7 +296,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     with status(f"loading {args.model}..."):
-        llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
+        llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args),
+                       kv_cache_dtype=args.kv_cache_dtype)
     if args.k == "auto" and args.method != "none":
         llm.assets.cost_model()  # on a new machine, timed first (seconds, with a progress bar), not during the stream
     options = dict(
@@ -349,7 +350,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .api import LLM
 
     with status(f"loading {args.model}..."):
-        llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args))
+        llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args),
+                       kv_cache_dtype=args.kv_cache_dtype)
     if args.what == "cost":
         from .cost import CostModel
 
@@ -398,7 +400,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model, methods=parse_methods(with_async(args.methods) if args.async_draft else args.methods, ks,
                                                 peers=[] if args.peers == "none" else
                                                 args.peers.split(",")),
-        dtype=args.dtype, quantization=quantization(args),
+        dtype=args.dtype, quantization=quantization(args), kv_cache_dtype=args.kv_cache_dtype,
         questions=questions, temperatures=temperatures, max_new_tokens=args.max_new_tokens, seed=args.seed,
         command="specdecode " + " ".join(sys.argv[1:]), repeats=args.repeats, prefix_cache_mb=args.prefix_cache_mb,
     )

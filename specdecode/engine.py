@@ -45,7 +45,7 @@ class Engine:
         cfg = model.config
         self.model, self.cost, self.prefix_cache = model, cost, prefix_cache
         self.view = RowCost(cost)  # forward cost at the batch's current size: every request's policy prices by it
-        self.cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, dtype=model.dtype,
+        self.cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, dtype=model.kv_dtype,
                                   device=model.device, limit=cfg.max_position_embeddings + MAX_DRAFT_NODES)
         self.rows: list[Request] = []
         self.pending: Request | None = None  # a request whose prompt is being cached, in the row after the batch's

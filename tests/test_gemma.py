@@ -274,6 +274,8 @@ def test_gguf_file_loads_as_transformers_loads_it(tmp_path: Path, checkpoint) ->
     config["sliding_window_pattern"] = 3  # llama.cpp fixes Gemma 3's at 6; this tiny one has 4 layers
     (tmp_path / "config.json").write_text(json.dumps(config))
     ours = load_gguf(gguf_path, tmp_path, torch.float32)
+    # the architecture against transformers' float32 in a float32 cache (test_kv_cache.py bounds float16's)
+    ours.kv_cache_dtype = "float32"
     assert ours.config.layer_types == LAYER_TYPES
     assert ours.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}  # the global layers' (rope.scaling.*)
     assert ours.layers[0].attn.wqkv.quantization == "int8" and ours.embed.table.quantization == "int8"

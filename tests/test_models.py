@@ -43,6 +43,8 @@ def hf_logits(path: Path, ids: torch.Tensor, **kwargs):
 def test_logits_match_transformers(tmp_path: Path, model_type: str, overrides: dict) -> None:
     save_hf_checkpoint(tmp_path, model_type, seed=1, **overrides)
     ours = load_transformer(tmp_path)
+    # the architecture against transformers' float32 in a float32 cache (test_kv_cache.py bounds float16's)
+    ours.kv_cache_dtype = "float32"
     cfg = ours.config
     assert cfg.model_type == model_type
     assert cfg.attention_bias == (model_type == "qwen2")
@@ -87,6 +89,8 @@ def test_hidden_layers_match_transformers(tmp_path: Path) -> None:
     """hidden_layers returns each requested block's output, in the order asked for."""
     save_hf_checkpoint(tmp_path, "llama", seed=2, num_hidden_layers=3)
     ours = load_transformer(tmp_path)
+    # the architecture against transformers' float32 in a float32 cache (test_kv_cache.py bounds float16's)
+    ours.kv_cache_dtype = "float32"
     ids = random_ids(20, ours.config.vocab_size, seed=1)
     # transformers: hidden_states[i + 1] is block i's output, except the last one, which is normed
     reference = hf_logits(tmp_path, ids, output_hidden_states=True).hidden_states

@@ -192,7 +192,9 @@ def takes_native_path(model) -> bool:
 
 
 def forward_both_ways(model, monkeypatch) -> list[torch.Tensor]:
-    """A prefill, a token tree and a one-token step: native blocks, then the PyTorch blocks."""
+    """A prefill, a token tree and a one-token step: native blocks, then the PyTorch blocks, in a float32 cache (a
+    float16 one rounds the paths' last-bit differences to whole float16 steps: test_kv_cache.py reads it exactly)."""
+    model.kv_cache_dtype = "float32"
     prompt = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     runs = []

@@ -35,11 +35,13 @@ class BenchConfig:
     repeats: int = 1  # runs of each (prompt, method); the fastest one is kept (see run_benchmark)
     dtype: str = "float32"
     quantization: str | None = "auto"
+    kv_cache_dtype: str = "float16"
     prefix_cache_mb: int = 0  # earlier requests' keys and values reused, as the server does (0: every prompt prefilled)
 
 
 def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
-    llm = llm or LLM.load(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization)
+    llm = llm or LLM.load(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization,
+                          kv_cache_dtype=cfg.kv_cache_dtype)
     llm.prefix_cache = PrefixCache(cfg.prefix_cache_mb << 20) if cfg.prefix_cache_mb else None
     needs_peers = any(m.kind == "transformers" for m in cfg.methods)
     llama_cpp = cfg.model if any(m.kind == "llama.cpp" for m in cfg.methods) else None

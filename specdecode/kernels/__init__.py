@@ -177,10 +177,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_a8_matmul.argtypes = [i, p, i, i, p, p, p, p, i]
     lib.specdecode_a8_matmul.restype = i
     q = ctypes.c_int64
-    lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, ctypes.POINTER(View),
+    lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, ctypes.POINTER(View),
                                       ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output)]
     lib.specdecode_blocks.restype = i
-    lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f]
+    lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f, i]  # last: float16 keys
     lib.specdecode_attention.restype = i
     lib.specdecode_argmax.argtypes = [p, i]
     lib.specdecode_argmax.restype = i

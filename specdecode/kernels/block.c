@@ -16,12 +16,18 @@
 
    Numerics follow the PyTorch model (models/llama.py): RMSNorm in float32 with the weight applied after the
    normalisation, rotate-half RoPE from the given cos/sin tables, softmax with the max subtracted. The attention
-   itself (specdecode_attention) is exported: the PyTorch blocks of other families (Gemma) call it too. */
+   itself (specdecode_attention) is exported: the PyTorch blocks of other families (Gemma) call it too.
+
+   The cache holds float32 or float16 keys and values (kv_half): a token's key and value are rounded to float16 once,
+   when they are written, and every query (its own token's included) reads them widened back, which is exact; so a
+   query's numbers still never depend on how many tokens share the call. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -94,7 +100,7 @@ static inline float dot(const float *a, const float *b, int len) {
     return total;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* e^x for x <= 0, 8 at a time (Cephes' expf: range reduction by ln 2, a degree-5 polynomial), to ~2 ulp */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
@@ -113,14 +119,21 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
-/* q . k_t for the 8 keys k_0..k_7 (rows of hd floats, hd a multiple of 8): lane t holds key t's product, from
-   the same additions whatever the other lanes hold */
-static inline __m256 dot8(const float *q, const float *k, int hd) {
+/* 8 elements of a cache row from element `at` on: float32, or float16 widened (exact) */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t at, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
+                : _mm256_loadu_ps((const float *)base + at);
+}
+
+/* q . k_t for the 8 keys k_0..k_7 (rows of hd elements from element `at` of k, hd a multiple of 8; half: float16):
+   lane t holds key t's product, from the same additions whatever the other lanes hold */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd,
+                                                         const int half) {
     __m256 a[8];
     for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
     for (int e = 0; e < hd; e += 8) {
         const __m256 qv = _mm256_loadu_ps(q + e);
-        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (int64_t)t * hd + e), a[t]);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * hd + e, half), a[t]);
     }
     const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -131,9 +144,9 @@ static inline __m256 dot8(const float *q, const float *k, int hd) {
    each call: the loops unroll). Both sums run over the visible keys in cache order, one at a time: a tree's path
    lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart. A query's sums
    are the same whatever ranges its keys are taken in (a range stores and reloads them exactly). */
-static inline __attribute__((always_inline)) void weigh_values(const float *p, const float *vals, int64_t stride,
-                                                               int j0, int j1, float *acc_mem, float *total,
-                                                               const int NV) {
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *vals, int64_t at,
+                                                               int64_t stride, int j0, int j1, float *acc_mem,
+                                                               float *total, const int NV, const int half) {
     __m256 acc[16];
     float sum = *total;
     for (int e = 0; e < NV; e++) acc[e] = _mm256_loadu_ps(acc_mem + 8 * e);
@@ -141,8 +154,8 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
         if (p[j] == 0.0f) continue;
         sum += p[j];
         const __m256 pj = _mm256_set1_ps(p[j]);
-        const float *vj = vals + j * stride;
-        for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * e), acc[e]);
+        const int64_t vj = at + j * stride;
+        for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, load_kv8(vals, vj + 8 * e, half), acc[e]);
     }
     for (int e = 0; e < NV; e++) _mm256_storeu_ps(acc_mem + 8 * e, acc[e]);
     *total = sum;
@@ -170,25 +183,63 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
     }
 }
 
+/* Element `at` of a cache row, as a float */
+static inline float kv_at(const void *base, int64_t at, int half) {
+    return half ? half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+}
+
+/* Rows row..row+count of a cache block (hd elements each) into out as floats (exact) */
+static void widen_rows(const void *base, int64_t row, int count, int hd, int half, float *out) {
+    if (!half) {
+        memcpy(out, (const float *)base + row * hd, sizeof(float) * (size_t)count * hd);
+        return;
+    }
+    for (int64_t e = 0; e < (int64_t)count * hd; e++) out[e] = kv_at(base, row * hd + e, 1);
+}
+
+/* f rounded to float16, to nearest even (IEEE's default, F16C's and PyTorch's): overflow to infinity, subnormals
+   kept, NaN stays NaN */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);  /* >= 65520: rounds past the largest half, 65504 */
+    if (ax < 0x38800000u) {  /* under 2^-14: a subnormal half, a multiple of 2^-24 (the scaling is exact) */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)rintf(a * 16777216.0f));
+    }
+    const uint32_t mant = ax & 0x7fffff, rest = mant & 0x1fff;
+    uint32_t h = ((((ax >> 23) - 127 + 15) << 10) | (mant >> 13));
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;  /* a carry into the exponent is the right result */
+    return (uint16_t)(sign | h);
+}
+
 /* Scores of one query over the keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it applies (a
-   key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8 */
-static void scores(const float *q, const float *keys, int L, int max_len, int hd, float scale, float *p, float *pad,
-                   int j0, int j1) {
+   key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8 (pad: 8 * hd
+   floats) */
+static void scores(const float *q, const void *keys, int half, int L, int max_len, int hd, float scale, float *p,
+                   float *pad, int j0, int j1) {
 #if FAST_ATTENTION
     if (hd % 8 == 0) {
         for (int j = j0; j < j1; j += 8) {
-            const float *kb = keys + (int64_t)j * hd;
+            __m256 s;
             if (j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
                 memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
-                memcpy(pad, kb, sizeof(float) * (size_t)(max_len - j) * hd);
-                kb = pad;
-            }
-            _mm256_storeu_ps(p + j, _mm256_mul_ps(dot8(q, kb, hd), _mm256_set1_ps(scale)));
+                widen_rows(keys, j, max_len - j, hd, half, pad);
+                s = dot8(q, pad, 0, hd, 0);
+            } else if (half) s = dot8(q, keys, (int64_t)j * hd, hd, 1);
+            else s = dot8(q, keys, (int64_t)j * hd, hd, 0);
+            _mm256_storeu_ps(p + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
         }
         return;
     }
 #endif
-    for (int j = j0; j < j1 && j < L; j++) p[j] = dot(q, keys + (int64_t)j * hd, hd) * scale;
+    for (int j = j0; j < j1 && j < L; j++) {
+        widen_rows(keys, j, 1, hd, half, pad);
+        p[j] = dot(q, pad, hd) * scale;
+    }
 }
 
 /* p (the scores of query i of the call) -> e^(p - max) over the keys it sees, 0 elsewhere; padded with zeros to a
@@ -239,9 +290,10 @@ static void softmax_weights(float *p, int L, int start, int n, int i, const uint
    so each block is read from L2 (or memory) once for all of them, not once per head (at n = 8 the attention was
    bound by those reads). Each query computes exactly what it computes alone. Returns 1 when scratch memory ran
    out. */
-int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const float *k_cache,
-                         const float *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale) {
+int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
+                         const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
+                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half) {
+    const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
     const int L = start + n, Lp = (L + 7) & ~7;
     int failed = 0;
     const int group = n_heads / n_kv, per_task = n > 1 ? group : 1, tasks = n > 1 ? n_kv * n : n_heads;
@@ -260,12 +312,14 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
         for (int task = 0; task < tasks; task++) {
             if (!p || !pad || !acc || !totals) continue;  /* this thread's scratch is missing: `failed` says so */
             const int h0 = n > 1 ? (task / n) * group : task, i = n > 1 ? task % n : 0, g = h0 / group;
-            const float *keys = k_cache + (int64_t)g * max_len * hd, *vals = v_cache + (int64_t)g * max_len * hd;
+            const void *keys = (const char *)k_cache + (int64_t)g * max_len * hd * esize;
+            const void *vals = (const char *)v_cache + (int64_t)g * max_len * hd * esize;
 #define QUERY(h) (qs + (int64_t)i * q_stride + (int64_t)(h0 + (h)) * hd)
 #define WEIGHTS(h) (p + (size_t)(h) * (Lp + 8))
             for (int j = 0; j < Lp; j += block)
                 for (int h = 0; h < per_task; h++)
-                    scores(QUERY(h), keys, L, max_len, hd, scale, WEIGHTS(h), pad, j, j + block < Lp ? j + block : Lp);
+                    scores(QUERY(h), keys, kv_half, L, max_len, hd, scale, WEIGHTS(h), pad, j,
+                           j + block < Lp ? j + block : Lp);
             for (int h = 0; h < per_task; h++) softmax_weights(WEIGHTS(h), L, start, n, i, mask, full_mask);
 #if FAST_ATTENTION
             if (hd == 64 || hd % 128 == 0) {
@@ -277,8 +331,11 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
                     for (int h = 0; h < per_task; h++)
                         for (int e = 0; e < hd; e += width) {
                             float *a = acc + (size_t)h * hd + e, *t = totals + h * passes + e / width;
-                            if (width == 64) weigh_values(WEIGHTS(h), vals, hd, j, j1, a, t, 8);
-                            else weigh_values(WEIGHTS(h), vals + e, hd, j, j1, a, t, 16);
+                            /* each a call with constant NV and half: the loops unroll, the loads fold */
+                            if (width == 64 && kv_half) weigh_values(WEIGHTS(h), vals, 0, hd, j, j1, a, t, 8, 1);
+                            else if (width == 64) weigh_values(WEIGHTS(h), vals, 0, hd, j, j1, a, t, 8, 0);
+                            else if (kv_half) weigh_values(WEIGHTS(h), vals, e, hd, j, j1, a, t, 16, 1);
+                            else weigh_values(WEIGHTS(h), vals, e, hd, j, j1, a, t, 16, 0);
                         }
                 }
                 for (int h = 0; h < per_task; h++) {
@@ -301,8 +358,8 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
                 for (int e = 0; e < hd; e++) o[e] = 0.0f;
                 for (int j = 0; j < L; j++) {
                     if (w[j] == 0.0f) continue;
-                    const float pj = w[j], *vj = vals + (int64_t)j * hd;
-                    for (int e = 0; e < hd; e++) o[e] += pj * vj[e];
+                    const float pj = w[j];
+                    for (int e = 0; e < hd; e++) o[e] += pj * kv_at(vals, (int64_t)j * hd + e, kv_half);
                 }
                 for (int e = 0; e < hd; e++) o[e] *= inv;
             }
@@ -379,9 +436,26 @@ static void add_output(float *x, float *out, const float *norm, float eps, int n
 
 /* One layer on the n tokens of every span: the norms, matmuls and activations over all of them at once (each token's
    numbers independent of the others), RoPE, the cache writes and the attention span by span */
+/* row (hd floats) into element `at` of a cache block: float32, or float16 rounded to nearest even (as PyTorch's
+   conversion rounds, so both paths store the same bits) */
+static void store_kv(void *base, int64_t at, const float *row, int hd, int half) {
+    if (!half) {
+        memcpy((float *)base + at, row, sizeof(float) * hd);
+        return;
+    }
+    uint16_t *out = (uint16_t *)base + at;
+    int e = 0;
+#if FAST_ATTENTION
+    for (; e + 8 <= hd; e += 8)
+        _mm_storeu_si128((__m128i *)(out + e), _mm256_cvtps_ph(_mm256_loadu_ps(row + e), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; e < hd; e++) out[e] = float_to_half(row[e]);
+}
+
 static int block(float *x, int n, int H, const Layer *l, const View *v, const Span *spans, int n_spans,
-                 float *k_layer, float *v_layer, int max_len, int n_heads, int n_kv, int hd, int inter, float scale,
-                 const Scratch *s) {
+                 void *k_layer, void *v_layer, int kv_half, int max_len, int n_heads, int n_kv, int hd, int inter,
+                 float scale, const Scratch *s) {
+    const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
     const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
 
     /* attention */
@@ -389,7 +463,8 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
     if (linear(l->wqkv, s->xn, n, s->big, s->scratch)) return 1;
     for (int r = 0; r < n_spans; r++) {
         const Span *sp = spans + r;
-        float *k_cache = k_layer + sp->kv_offset, *v_cache = v_layer + sp->kv_offset;
+        void *k_cache = (char *)k_layer + sp->kv_offset * (int64_t)esize;
+        void *v_cache = (char *)v_layer + sp->kv_offset * (int64_t)esize;
         for (int i = 0; i < sp->n; i++) {
             const int t = sp->first + i;
             float *row = s->big + (int64_t)t * qkv_dim;
@@ -402,14 +477,14 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
             for (int g = 0; g < n_kv; g++) {
                 float *k = row + q_dim + g * hd;
                 rope(k, c, sn, hd);
-                memcpy(k_cache + ((int64_t)g * max_len + sp->start + i) * hd, k, sizeof(float) * hd);
-                memcpy(v_cache + ((int64_t)g * max_len + sp->start + i) * hd, row + q_dim + kv_dim + g * hd,
-                       sizeof(float) * hd);
+                const int64_t at = ((int64_t)g * max_len + sp->start + i) * hd;
+                store_kv(k_cache, at, k, hd, kv_half);
+                store_kv(v_cache, at, row + q_dim + kv_dim + g * hd, hd, kv_half);
             }
         }
         if (specdecode_attention(s->big + (int64_t)sp->first * qkv_dim, qkv_dim, s->att + (int64_t)sp->first * q_dim,
                                  q_dim, k_cache, v_cache, max_len, sp->start, sp->n, sp->masks[l->view],
-                                 sp->full_masks[l->view], n_heads, n_kv, hd, scale))
+                                 sp->full_masks[l->view], n_heads, n_kv, hd, scale, kv_half))
             return 1;
     }
     if (linear(l->wo, s->att, n, s->out, s->scratch)) return 1;
@@ -492,12 +567,12 @@ int specdecode_argmax(const float *x, int len) {
 
 /* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
    step. x [n, H]: the tokens of every span (one sequence, or each row of a batch: the same numbers as each alone).
-   Layer i's keys start at kv + i * layer_stride (a span's row kv_offset floats further), its values v_offset
-   floats after them (one [kv_heads, max_len, head_dim] block per row), and it reads views[layer.view]; scale: the
+   Layer i's keys start at kv + i * layer_stride (a span's row kv_offset elements further), its values v_offset
+   elements after them (one [kv_heads, max_len, head_dim] block per row; elements: float32, float16 if kv_half), and it reads views[layer.view]; scale: the
    attention scores' (Llama: hd^-0.5); states[i], where given (not NULL), receives x after layer i; output, where
    given, the logits of some rows (x itself stays the last block's output). Returns 1 when memory ran out. */
-int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, float *kv, int64_t layer_stride,
-                      int64_t v_offset, int max_len, const View *views, const Span *spans, int n_spans, int n_heads,
+int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, void *kv, int64_t layer_stride,
+                      int64_t v_offset, int max_len, int kv_half, const View *views, const Span *spans, int n_spans, int n_heads,
                       int n_kv, int hd, int inter, float scale, float *const *states, const Output *output) {
     const int q_dim = n_heads * hd, qkv_dim = q_dim + 2 * n_kv * hd;
     const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
@@ -507,9 +582,10 @@ int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers,
                  malloc(sizeof(float) * (size_t)n * H)};
     int failed = !s.xn || !s.big || !s.att || !s.scratch || !s.out;
     for (int i = 0; i < n_layers && !failed; i++) {
-        float *k = kv + (int64_t)i * layer_stride;
-        failed = block(x, n, H, layers + i, views + layers[i].view, spans, n_spans, k, k + v_offset, max_len,
-                       n_heads, n_kv, hd, inter, scale, &s);
+        const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
+        char *k = (char *)kv + (int64_t)i * layer_stride * (int64_t)esize;
+        failed = block(x, n, H, layers + i, views + layers[i].view, spans, n_spans, k, k + v_offset * (int64_t)esize,
+                       kv_half, max_len, n_heads, n_kv, hd, inter, scale, &s);
         if (!failed && states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
     }
     if (!failed && output && output->n > 0) {

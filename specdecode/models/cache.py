@@ -2,11 +2,27 @@
 
 One tensor holds every layer's keys and values, so rollback is a pointer move and compacting an
 accepted tree path is one index copy for all layers at once (not a loop over layers).
+
+The cache's element type (`kv_dtype`): a float32 model keeps its keys and values in float16 by default (half the
+memory and half the bytes an attention reads, as llama.cpp does), or in float32 (`kv_cache_dtype="float32"`). A key
+or value is rounded once, when it is written; every reader widens what is stored, so a token's numbers never depend
+on how many tokens share its forward, and greedy speculation stays equal to plain decoding with the same cache type.
+Models in another dtype keep their own: float64 (the tiny test models) and the half-precision ones.
 """
 
 from __future__ import annotations
 
 import torch
+
+KV_CACHE_DTYPES = ("float16", "float32")
+
+
+def kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str = "float16") -> torch.dtype:
+    """The element type of a cache for a model in `model_dtype`: float16 halves a float32 model's cache; other
+    model dtypes (float64, float16, bfloat16) are kept whatever the option."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return torch.float16 if model_dtype == torch.float32 and kv_cache_dtype == "float16" else model_dtype
 
 
 class KVCache:

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import kernels
 from . import native
-from .cache import BatchKVCache, KVCache
+from .cache import BatchKVCache, KVCache, kv_dtype
 from .config import ModelConfig
 from .linear import Linear
 from .masks import attention_mask, padded_masks, ragged_mask
@@ -115,6 +115,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, start)
         lib = kernels.native() if native_attention(q, cache) else None
+        if lib is None and keys.dtype != q.dtype:  # a float16 cache: its values widened (exactly) for SDPA
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if lib is not None:  # a query's numbers independent of the forward's size: trees verify bit for bit
             return self.wo(self._native(lib, q, cache, layer, start, mask).view(b, n, -1))
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
@@ -132,7 +134,7 @@ class Attention(nn.Module):
         if lib.specdecode_attention(rows.data_ptr(), rows.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(),
                                     kv[1].data_ptr(), cache.max_len, start, n, None,
                                     None if full is None else full.data_ptr(), self.n_heads, self.n_kv,
-                                    self.head_dim, scale):
+                                    self.head_dim, scale, int(kv.dtype == torch.float16)):
             raise MemoryError("the native attention could not allocate its scratch memory")
         return out
 
@@ -143,7 +145,8 @@ def native_attention(q: torch.Tensor, cache) -> bool:
     call)."""
     # a RowCache (one row of the server's batch) qualifies: the kernel reads one row's [kv_heads, max_len, head_dim]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and isinstance(cache, KVCache)
-            and cache.kv.dtype == torch.float32 and cache.kv[0, 0, 0].is_contiguous() and not torch.is_grad_enabled())
+            and cache.kv.dtype in (torch.float32, torch.float16) and cache.kv[0, 0, 0].is_contiguous()
+            and not torch.is_grad_enabled())
 
 
 class MLP(nn.Module):
@@ -191,6 +194,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope_cache: dict[bool, RopeTable] | None = None  # by `sliding`
+        self.kv_cache_dtype = "float16"  # the caches' elements where the model is float32 (see cache.kv_dtype)
 
     @property
     def dtype(self) -> torch.dtype:  # the final norm's: the embedding may be a quantized table
@@ -217,11 +221,17 @@ class Transformer(nn.Module):
         path = f"native {kernels.simd()} {kernels.source_key()}" if self.native_kernels else "torch"
         return f"{self.quantization} {path}"
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """Its caches' element type: float16 for a float32 model unless kv_cache_dtype is "float32"; the model's
+        dtype otherwise (cache.kv_dtype)."""
+        return kv_dtype(self.dtype, self.kv_cache_dtype)
+
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         cfg = self.config
         return KVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len,
-            batch_size=batch_size, dtype=self.dtype, device=self.device,
+            batch_size=batch_size, dtype=self.kv_dtype, device=self.device,
         )
 
     def rope(self, positions: torch.Tensor, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

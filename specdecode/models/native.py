@@ -146,8 +146,8 @@ class NativeBlocks:
                                     None if argmax is None else argmax.data_ptr())
         failed = lib.specdecode_blocks(
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
-            kv.shape[4], described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, scale, outputs, None if output is None else ctypes.byref(output))
+            kv.shape[4], int(kv.dtype == torch.float16), described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.intermediate_size, scale, outputs, None if output is None else ctypes.byref(output))
         if failed:
             raise MemoryError("the native block could not allocate its scratch memory")
         return logits
@@ -184,8 +184,8 @@ def runner(owner: torch.nn.Module, layers: Sequence[torch.nn.Module], norm: torc
 
 def cache_fits(cache) -> bool:
     """The kernel reads each layer's keys (and values) of a sequence (a row of a batch's cache) as one [kv_heads,
-    max_len, head_dim] block."""
-    if not isinstance(cache, KVCache | BatchKVCache) or cache.kv.dtype != torch.float32:
+    max_len, head_dim] block, of float32 or float16 elements."""
+    if not isinstance(cache, KVCache | BatchKVCache) or cache.kv.dtype not in (torch.float32, torch.float16):
         return False
     # kv[0, 0, 0].is_contiguous() read off the strides: no view made each forward
     (*_, heads, length, dim), stride = cache.kv.shape, cache.kv.stride()

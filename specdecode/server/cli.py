@@ -114,8 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    max_batch=args.max_batch, max_queue=args.max_queue, api_key=api_key,
                    allowed_hosts=allowed_hosts, protect=protect, body_timeout=args.body_timeout,
                    max_request_bytes=args.max_request_bytes, dtype=args.dtype, quantization=quantization(args),
-                   threads=args.threads, suffix_cache_tokens=args.suffix_cache_tokens,
-                   prefix_cache_mb=args.prefix_cache_mb,
+                   kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
+                   suffix_cache_tokens=args.suffix_cache_tokens, prefix_cache_mb=args.prefix_cache_mb,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                    prefill_share=args.prefill_share, online_draft=args.online_draft, async_draft=args.async_draft)
     if args.replicas is not None:

@@ -71,6 +71,7 @@ def build_app(args: dict[str, str]) -> Application:
         "api_key": args.get("api_key", os.environ.get("SPECDECODE_API_KEY")),
         "max_request_bytes": int(args.get("max_request_bytes", MAX_REQUEST_BYTES)),
         "dtype": args.get("dtype", "float32"), "quantization": args.get("quantization", "auto"),
+        "kv_cache_dtype": args.get("kv_cache_dtype", "float16"),
         "threads": int(args["threads"]) if args.get("threads") else None,
     }
     return deployment(options, int(args.get("replicas", 1)), float(args.get("replica_cpus", 1.0)))

@@ -19,8 +19,8 @@ log = logging.getLogger("specdecode.server")
 
 def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, ServerConfig, BatchCost]:
     """options: the keys cmd_serve fills (model, served_model_name, method, methods, k, draft, max_batch,
-    max_queue, api_key, max_request_bytes, dtype, quantization, threads, suffix_cache_tokens, prefix_cache_mb,
-    chat_template, trust_request_chat_template, prefill_share)."""
+    max_queue, api_key, max_request_bytes, dtype, quantization, kv_cache_dtype, threads, suffix_cache_tokens,
+    prefix_cache_mb, chat_template, trust_request_chat_template, prefill_share)."""
     if options.get("threads"):
         import torch
 
@@ -28,6 +28,7 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
     log.info("loading %s", options["model"])
     llm = LLM.load(options["model"], dtype=options.get("dtype", "float32"),
                    quantization=options.get("quantization", "auto"),
+                   kv_cache_dtype=options.get("kv_cache_dtype", "float16"),
                    prefix_cache_mb=options.get("prefix_cache_mb", DEFAULT_MB))
     llm.assets.suffix_cache(options.get("suffix_cache_tokens"))
     if options.get("chat_template"):

@@ -1,0 +1,169 @@
+"""The float16 KV cache (a float32 model's default): what it stores, how the native attention reads it, and that
+greedy speculation stays equal to plain decoding with it.
+
+A key or value is rounded to float16 once, when written; every reader widens it back, which is exact. So the native
+attention over a float16 cache computes bit for bit what it computes over a float32 cache holding the same rounded
+numbers, and a token's numbers still never depend on how many tokens share its forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import kernels
+from specdecode.engine import generate_ids
+from specdecode.models import BatchKVCache
+from specdecode.models.cache import KVCache, kv_dtype
+from specdecode.tree import DraftTree
+
+from .helpers import noisy_copy, tiny_model
+from .test_lossless import METHODS, NEW, PROMPTS, VOCAB
+
+BUILDS = ["", "portable"]  # this CPU's (AVX2/AVX-512: F16C conversions) and plain C
+
+
+def test_cache_dtype_follows_the_model_and_the_option() -> None:
+    assert kv_dtype(torch.float32) == torch.float16  # the default: half the memory
+    assert kv_dtype(torch.float32, "float32") == torch.float32
+    assert kv_dtype(torch.float64) == torch.float64  # the tiny test models keep theirs
+    assert kv_dtype(torch.bfloat16, "float16") == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float16, float32, got 'int4'"):
+        kv_dtype(torch.float32, "int4")
+    model = tiny_model(0, dtype=torch.float32)
+    assert model.new_cache(8).kv.dtype == torch.float16
+    model.kv_cache_dtype = "float32"
+    assert model.new_cache(8).kv.dtype == torch.float32
+    assert tiny_model(0).new_cache(8).kv.dtype == torch.float64
+
+
+@pytest.fixture(params=BUILDS, ids=["native", "portable"])
+def lib(request, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_NATIVE", request.param or "1")
+    kernels.reset()
+    found = kernels.native()
+    if found is None or (kernels.simd() == "scalar" and request.param != "portable"):
+        pytest.skip("no native kernels (or no AVX2 here: the portable build only)")
+    yield found
+    kernels.reset()
+
+
+def attention(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """block.c's attention of q [n, heads * hd] over kv [2, kv_heads, max_len, hd] (float32 or float16)."""
+    heads, hd = q.shape[1] // kv.shape[3], kv.shape[3]
+    out = torch.empty_like(q)
+    failed = lib.specdecode_attention(q.data_ptr(), q.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(),
+                                      kv[1].data_ptr(), kv.shape[2], start, n,
+                                      None if mask is None else mask.data_ptr(), None, heads, kv.shape[1], hd,
+                                      hd**-0.5, int(kv.dtype == torch.float16))
+    assert failed == 0
+    return out
+
+
+@pytest.mark.parametrize("hd", [16, 64, 128, 256])  # plain loops, values weighed 64 / 128 / 2 x 128 at a time
+@pytest.mark.parametrize("n", [1, 5])
+def test_native_attention_reads_float16_exactly(lib, hd: int, n: int) -> None:
+    """Over a float16 cache the kernel computes bit for bit what it computes over float32 holding the same numbers
+    (the cache ends inside a group of 8 keys: the padded group too); a tree's query computes what it computes alone."""
+    g = torch.Generator().manual_seed(hd + n)
+    kv_heads, heads, max_len, start = 2, 4, 45, 37
+    half = (torch.randn(2, kv_heads, max_len, hd, generator=g) * 2).half()
+    q = torch.randn(n, heads * hd, generator=g)
+    mask = None if n == 1 else torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                             [1, 0, 1, 0, 1]], dtype=torch.uint8)
+    got = attention(lib, q, half, start, n, mask)
+    assert torch.equal(got, attention(lib, q, half.float(), start, n, mask))
+    wide = half.float()  # the reference: softmax(q k^T * scale) v in float64 over the widened numbers
+    for i in range(n):
+        seen = list(range(start)) + [start + j for j in range(n) if (mask is None or mask[i, j])]
+        keys, values = wide[0][:, seen].double(), wide[1][:, seen].double()
+        qi = q[i].view(heads, hd).double()
+        weights = torch.softmax(torch.einsum("hd,hkd->hk", qi, keys.repeat_interleave(2, 0)) * hd**-0.5, -1)
+        expected = torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(2, 0)).reshape(-1)
+        torch.testing.assert_close(got[i].double(), expected, rtol=1e-5, atol=1e-5)
+    if mask is not None:  # the tree's root alone (a one-token step) sees the same keys: the same bits
+        assert torch.equal(attention(lib, q[:1].contiguous(), half, start, 1, None)[0], got[0])
+
+
+def test_keys_and_values_are_rounded_once_as_pytorch_rounds_them(lib, monkeypatch) -> None:
+    """The first layer's stored keys and values (its inputs the same whatever the cache) are the float32 cache's
+    rounded to nearest even by PyTorch, in the native blocks and in the PyTorch ones alike."""
+    model = tiny_model(0, dtype=torch.float32, head_dim=64, num_heads=2, num_kv_heads=1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(2))
+    stored = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(type(model), "_native_blocks", lambda *a: None)
+        for name in ("float16", "float32"):
+            model.kv_cache_dtype = name
+            cache = model.new_cache(16)
+            model.forward(ids, cache)
+            stored[native, name] = cache.kv[0, :, :, :, :11]
+    for native in (True, False):
+        assert stored[native, "float16"].dtype == torch.float16
+        assert torch.equal(stored[native, "float16"], stored[native, "float32"].half())
+    torch.testing.assert_close(stored[True, "float32"], stored[False, "float32"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_batch_row", [False, True], ids=["own-cache", "engine-batch-row"])
+def test_float16_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool) -> None:
+    """Lossless verification rests on it: a tree's node gets the logits one-token steps along its path get."""
+    if kernels.native() is None:
+        pytest.skip("native kernels unavailable")
+    model = tiny_model(4, dtype=torch.float32, head_dim=64, num_layers=3)
+    cfg = model.config
+    prefix = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(7)).tolist()
+    tree = DraftTree.from_paths(prefix[-1], [[5, 6, 7, 8, 9], [5, 6, 9], [5, 10], [11, 12]])
+    cache: KVCache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=2,
+                                  dtype=torch.float16).row(1) if in_batch_row else model.new_cache(64)
+    assert cache.kv.dtype == torch.float16
+    model.forward(torch.tensor([prefix[:-1]]), cache, logits_at=None)
+    start = cache.length
+    tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
+                                tree_mask=tree.attention_mask()).logits[0]
+    for node in range(len(tree)):
+        path, i = [], node
+        while i > 0:
+            path.append(tree.tokens[i])
+            i = tree.parents[i]
+        cache.rollback(start)
+        for token in [prefix[-1], *path[::-1]]:
+            step = model.forward(torch.tensor([[token]]), cache).logits[0, -1]
+        assert torch.equal(step, tree_logits[node]), f"node {node}"
+
+
+def test_float16_cache_stays_within_float16_rounding_of_float32() -> None:
+    """Logits over a float16 cache against a float32 cache: each key and value moves by at most half a float16 step
+    (2^-11 of itself), so each attention output by about that much of the values' size, carried through the layers
+    to the logits; the bound is 2^-11 of the logits' range times 8 (two layers, keys and values, the softmax's
+    sensitivity), and the two caches must differ (the float16 cache is really in use)."""
+    model = tiny_model(3, dtype=torch.float32, head_dim=64)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
+    half = model.forward(ids, model.new_cache(40)).logits
+    model.kv_cache_dtype = "float32"
+    full = model.forward(ids, model.new_cache(40)).logits
+    bound = 8 * 2**-11 * (full.max() - full.min()).item()
+    assert 0 < (half - full).abs().max().item() <= bound
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A float32 target (its cache float16) and a draft that mostly agrees with it (copied before any forward)."""
+    model = tiny_model(0, dtype=torch.float32, vocab_size=VOCAB)
+    assert model.kv_dtype == torch.float16
+    return model, noisy_copy(model, seed=1, noise=0.05)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_speculation_equals_plain_decoding_with_a_float16_cache(models, method: str) -> None:
+    """test_lossless's methods on a float32 target with the float16 cache: every prompt's output equals plain
+    decoding's with the same cache type."""
+    target32, draft = models
+    proposer = METHODS[method](target32, draft)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        expected, _ = generate_ids(target32, prompt, max_new_tokens=NEW)
+        out, stats = generate_ids(target32, prompt, proposer=proposer, k=4, max_new_tokens=NEW)
+        assert out == expected, f"prompt {prompt}"
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
