@@ -178,7 +178,8 @@ def _shape(r, arch: str) -> dict:
                    rope_local_base_freq=10000.0,  # llama.cpp: the 27B (62 layers) scales queries by hidden / heads
                    query_pre_attn_scalar=hidden // n_heads if cfg["num_hidden_layers"] == 62 else cfg["head_dim"],
                    pad_token_id=field(r, "tokenizer.ggml.padding_token_id"))
-    if arch == "phi3":  # llama.cpp applies Phi-3's window on every layer; 0: none (Phi-4)
+    if arch == "phi3":  # the window on every layer, as transformers runs Phi-3 (0: none, Phi-4); llama.cpp has
+        # disabled Phi-3's window (its PR 13676): past the window its logits are not the model's, nor ours
         cfg["sliding_window"] = get("attention.sliding_window") or None
         if {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
             raise ValueError("Phi-3's long-context RoPE (rope_factors_long / rope_factors_short, longrope) is not "
