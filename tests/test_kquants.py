@@ -327,3 +327,20 @@ def test_matrices_without_a_native_kernel_are_named_in_one_line_with_their_memor
     assert "F16, Q3_K matrices" in line and "4 MB in the file -> 20 MB in memory (5.0x)" in line
     assert log_dequantized("m.gguf", listed[2:], {"Q4_K"}) is None
     assert "F16" not in (log_dequantized("m.gguf", listed, {"Q4_K"}, requantized=True) or "")
+
+
+def test_every_kernel_source_and_header_keys_the_cached_build(tmp_path, monkeypatch) -> None:
+    """The build is cached by a hash of what it compiles: every .c and .h under specdecode/kernels is in it, so a
+    changed K-quant kernel or kind number (kquants.h) is built anew, never an old library picked up."""
+    folder = Path(kernels.__file__).parent
+    compiled = {p.name for p in [*kernels.SOURCES, *kernels.HEADERS]}
+    assert {p.name for p in folder.glob("*.[ch]")} == compiled
+    copies = {}
+    for p in [*kernels.SOURCES, *kernels.HEADERS]:
+        copies[p.name] = tmp_path / p.name
+        copies[p.name].write_bytes(p.read_bytes())
+    monkeypatch.setattr(kernels, "SOURCES", [copies[p.name] for p in kernels.SOURCES])
+    monkeypatch.setattr(kernels, "HEADERS", [copies[p.name] for p in kernels.HEADERS])
+    before = kernels.source_key()
+    copies["kquants.h"].write_text(copies["kquants.h"].read_text().replace("K_WIDE = 21", "K_WIDE = 22"))
+    assert kernels.source_key() != before
