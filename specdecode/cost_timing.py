@@ -179,7 +179,8 @@ def table_path(model: Transformer, cache_dir: Path | None = None, suffix: str = 
 
 
 def machine_key(model: Transformer) -> str:
-    """What forward costs depend on: the model's shape, dtype, device, CPU, threads and torch build."""
+    """What forward costs depend on: the model's shape, dtype, KV cache dtype, device, CPU, threads and torch
+    build."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -193,6 +194,7 @@ def machine_key(model: Transformer) -> str:
     cfg = model.config
     shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
     threads = torch.get_num_threads()
-    return (f"{shape}|{model.dtype}|{model.weights_kind()}|{model.device.type}|{cpu}|{threads} threads"
+    kv = getattr(model, "kv_dtype", model.dtype)  # an attention reads its cache: float16 halves the bytes
+    return (f"{shape}|{model.dtype}|kv {kv}|{model.weights_kind()}|{model.device.type}|{cpu}|{threads} threads"
             f"|torch {torch.__version__}")
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import specdecode
+from specdecode.models import KVCache
 from specdecode.models.loading import registry_file
 
 from .real_model import require_gemma, spec_bench_prompts
@@ -41,7 +42,9 @@ def test_logits_and_greedy_tokens_equal_transformers(exact, reference) -> None:
     assert exact.model.config.model_type == "gemma3_text" and exact.model.config.tie_word_embeddings
     ids = exact.encode(prompts()[0], chat=True)
     assert ids[:2] == [2, 105]  # <bos><start_of_turn>: the Gemma chat template
-    ours = exact.model.forward(torch.tensor([ids]), exact.model.new_cache(len(ids))).logits
+    cfg = exact.model.config  # the architecture against transformers' float32 in a float32 cache (test_kv_cache.py)
+    ours = exact.model.forward(torch.tensor([ids]), KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                            len(ids))).logits
     with torch.inference_mode():
         theirs = reference(torch.tensor([ids])).logits
     torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=2e-3)

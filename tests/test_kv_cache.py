@@ -167,3 +167,30 @@ def test_greedy_speculation_equals_plain_decoding_with_a_float16_cache(models, m
         assert out == expected, f"prompt {prompt}"
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0 < accepted < drafted
+
+
+def test_without_kernels_the_float16_cache_computes_what_the_kernels_compute(monkeypatch) -> None:
+    """The PyTorch path (no kernels: another CPU's fallback, and the GPU's) stores float16 and widens it for SDPA:
+    stored keys within one float16 step of the kernels' (a last-bit difference before rounding may cross a step),
+    logits within float16's rounding bound (test above)."""
+    model = tiny_model(3, dtype=torch.float32, head_dim=64)
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(8))
+    runs = []
+    for build in ("1", "0"):
+        monkeypatch.setenv("SPECDECODE_NATIVE", build)
+        kernels.reset()
+        cache = model.new_cache(30)
+        runs.append((model.forward(ids, cache).logits, cache.kv[0, :, :, :, :30].float()))
+    kernels.reset()
+    (native, stored), (torch_path, torch_stored) = runs
+    assert model.new_cache(1).kv.dtype == torch.float16
+    torch.testing.assert_close(torch_stored, stored, rtol=2**-10, atol=2**-24)
+    bound = 8 * 2**-11 * (native.max() - native.min()).item()
+    assert (torch_path - native).abs().max().item() <= bound
+
+
+def test_a_bad_cache_dtype_is_refused_before_loading() -> None:
+    import specdecode
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float16, float32, got 'int8'"):
+        specdecode.load("no-such-model", kv_cache_dtype="int8")

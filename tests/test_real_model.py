@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import specdecode
-from specdecode.models import load_transformer, resolve
+from specdecode.models import KVCache, load_transformer, resolve
 from specdecode.models.loading import REGISTRY, registry_file
 
 from .real_model import require_smollm2, spec_bench_prompts
@@ -53,7 +53,9 @@ def test_logits_match_transformers(llm):
 
     reference = AutoModelForCausalLM.from_pretrained(str(resolve(NAME)), dtype=torch.float32).eval()
     ids = llm.encode(spec_bench_prompts(1)[0], chat=True)
-    ours = llm.model.forward(torch.tensor([ids]), llm.model.new_cache(len(ids))).logits
+    cfg = llm.model.config  # the architecture against transformers' float32 in a float32 cache (test_kv_cache.py)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids))
+    ours = llm.model.forward(torch.tensor([ids]), cache).logits
     with torch.inference_mode():
         theirs = reference(torch.tensor([ids])).logits
     kind = llm.model.weights_kind()

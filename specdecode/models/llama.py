@@ -140,9 +140,9 @@ class Attention(nn.Module):
 
 
 def native_attention(q: torch.Tensor, cache) -> bool:
-    """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32, where
-    some layer keeps the blocks out of the native path (SDPA's numbers for a query depend on the others in the
-    call)."""
+    """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32 (its cache
+    float32 or float16), where some layer keeps the blocks out of the native path (SDPA's numbers for a query depend
+    on the others in the call)."""
     # a RowCache (one row of the server's batch) qualifies: the kernel reads one row's [kv_heads, max_len, head_dim]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and isinstance(cache, KVCache)
             and cache.kv.dtype in (torch.float32, torch.float16) and cache.kv[0, 0, 0].is_contiguous()
