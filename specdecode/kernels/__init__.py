@@ -26,7 +26,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the kernels share)
 
 log = logging.getLogger("specdecode")
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "a8matmul.c", "kquants.c", "block.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "a8matmul.c", "kquants.c", "f16matmul.c", "block.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kquants.h")]
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -129,7 +129,8 @@ def simd() -> str:
 
 
 class Weight(ctypes.Structure):
-    """A linear layer's weight as block.c reads it (kind: 0 float32, 1 int4, 2 int8, 9 parts stacked (qs: an
+    """A linear layer's weight as block.c reads it (kind: 0 float32, 1 int4, 2 int8, 3 float16, 4 bfloat16 (qs: the
+    16-bit words [n_out, n_in]), 9 parts stacked (qs: an
     array of Weights ended by one with n_out 0), 10 + the int8-activation kernel's kind)."""
 
     _fields_ = [("kind", ctypes.c_int), ("n_out", ctypes.c_int), ("n_in", ctypes.c_int), ("qs", ctypes.c_void_p),
@@ -176,6 +177,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_f32_matmul.argtypes = [p, i, i, p, p, i]
     lib.specdecode_a8_matmul.argtypes = [i, p, i, i, p, p, p, p, i]
     lib.specdecode_a8_matmul.restype = i
+    lib.specdecode_h_matmul.argtypes = [i, p, i, i, p, p, i]  # bf16, x, M, K, W's 16-bit words, y, N
+    lib.specdecode_h_matmul.restype = None
     q = ctypes.c_int64
     lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, ctypes.POINTER(View),
                                       ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output)]

@@ -33,14 +33,14 @@
 #include <immintrin.h>
 #endif
 
-/* float activations: W_F32, W_Q4, W_Q8; int8 activations: W_A8 + the a8 kernel's kind (specdecode_a8_matmul);
+/* float activations: W_F32, W_Q4, W_Q8, W_F16, W_BF16 (f16matmul.c); int8 activations: W_A8 + the a8 kernel's kind (specdecode_a8_matmul);
    W_STACK: outputs stacked from parts stored differently (a fused q|k|v whose v is Q6_K and q, k Q4_K, as GGUF's
    Q4_K_M files have them): qs points to the parts (Weights, none stacked, no bias), ended by one with n_out 0 */
-enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_STACK = 9, W_A8 = 10 };
+enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_F16 = 3, W_BF16 = 4, W_STACK = 9, W_A8 = 10 };
 
 typedef struct {
     int kind, n_out, n_in;
-    const void *qs;       /* f32: the weight [n_out, n_in]; q4: nibbles; q8: int8 */
+    const void *qs;       /* f32: the weight [n_out, n_in]; q4: nibbles; q8: int8; f16, bf16: 16-bit words */
     const uint16_t *d, *m; /* block scales and mins (float16 bits; float32 for the a8 kernel's kinds 5 and 6) */
     const float *bias;     /* or NULL */
 } Weight;
@@ -49,6 +49,7 @@ void specdecode_q4_matmul(const float *x, float *xsum, int M, int K, const uint8
                           const uint16_t *m, float *y, int N);
 void specdecode_q8_matmul(const float *x, int M, int K, const int8_t *qs, const uint16_t *d, float *y, int N);
 void specdecode_f32_matmul(const float *x, int M, int K, const float *w, float *y, int N);
+void specdecode_h_matmul(int bf16, const float *x, int M, int K, const uint16_t *w, float *y, int N);
 int specdecode_a8_matmul(int kind, const float *x, int M, int K, const void *qs, const void *d, const void *m,
                          float *y, int N);
 
@@ -77,6 +78,8 @@ static int linear(const Weight *w, const float *x, int M, float *y, float *scrat
         specdecode_q4_matmul(x, scratch, M, w->n_in, (const uint8_t *)w->qs, w->d, w->m, y, w->n_out);
     else if (w->kind == W_Q8)
         specdecode_q8_matmul(x, M, w->n_in, (const int8_t *)w->qs, w->d, y, w->n_out);
+    else if (w->kind == W_F16 || w->kind == W_BF16)
+        specdecode_h_matmul(w->kind == W_BF16, x, M, w->n_in, (const uint16_t *)w->qs, y, w->n_out);
     else
         specdecode_f32_matmul(x, M, w->n_in, (const float *)w->qs, y, w->n_out);
     if (w->bias)
