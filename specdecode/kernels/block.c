@@ -33,7 +33,8 @@
 #include <immintrin.h>
 #endif
 
-/* float activations: W_F32, W_Q4, W_Q8, W_F16, W_BF16 (f16matmul.c); int8 activations: W_A8 + the a8 kernel's kind (specdecode_a8_matmul);
+/* float activations: W_F32, W_Q4, W_Q8, W_F16, W_BF16 (f16matmul.c); int8 activations: W_A8 + the a8 kernel's
+   kind (specdecode_a8_matmul);
    W_STACK: outputs stacked from parts stored differently (a fused q|k|v whose v is Q6_K and q, k Q4_K, as GGUF's
    Q4_K_M files have them): qs points to the parts (Weights, none stacked, no bias), ended by one with n_out 0 */
 enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2, W_F16 = 3, W_BF16 = 4, W_STACK = 9, W_A8 = 10 };
