@@ -194,3 +194,30 @@ def test_a_bad_cache_dtype_is_refused_before_loading() -> None:
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of float16, float32, got 'int8'"):
         specdecode.load("no-such-model", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["bench", "--out"]], ids=["generate", "bench"])
+def test_the_command_line_passes_the_cache_dtype_to_the_model(argv, monkeypatch, tmp_path) -> None:
+    from specdecode import cli
+    from specdecode.api import LLM
+    from specdecode.server import replica
+
+    seen: list[str] = []
+
+    def load(name, **options):
+        seen.append(options["kv_cache_dtype"])
+        raise RuntimeError("loaded: stop here")
+
+    monkeypatch.setattr(LLM, "load", load)
+    for flag in ([], ["--kv-cache-dtype", "float32"]):
+        try:
+            out = [str(tmp_path)] if argv[-1] == "--out" else []
+            cli.main([*argv, *out, "--model", "smollm2-135m-instruct", *flag])  # (LLM.load stops before loading)
+        except RuntimeError:
+            pass
+    assert seen == ["float16", "float32"]
+    with pytest.raises(RuntimeError, match="stop here"):
+        replica.build({"model": "no-such-model", "kv_cache_dtype": "float32"})
+    assert seen[-1] == "float32"
+    with pytest.raises(SystemExit):
+        cli.build_parser("generate").parse_args(["generate", "hi", "--kv-cache-dtype", "int4"])
