@@ -94,6 +94,9 @@ def transformers_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def our_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's logits from a fresh cache, keys and values kept in float32 (the float16 default rounds them: not
+    the float32 model transformers runs)."""
+    model.kv_cache_dtype = "float32"
     return torch.cat([model.forward(row[None], model.new_cache(ids.shape[1])).logits for row in ids])
 
 
