@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .. import kernels
 from ..names import DTYPE_NAMES, REGISTRY, RegistryEntry
 from ..paths import default_cache_dir
 from .config import ModelConfig
@@ -32,6 +33,7 @@ from .gguf_file import config as gguf_config
 from .gguf_file import dense as gguf_dense
 from .gguf_file import read as read_gguf
 from .gguf_file import tensors as gguf_tensors
+from .halflinear import HALF_TYPES, HalfEmbedding, HalfLinear
 from .layouts import split_fused, text_tower
 from .linear import Linear
 from .llama import Transformer
@@ -275,7 +277,8 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
 def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu", kind: str | None = None,
               act8: bool = False) -> Transformer:
     """A GGUF file's model, its Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors loaded as they are stored (and with `act8` its
-    Q4_K / Q5_K / Q6_K / Q5_1 ones, whose kernels take int8 activations only), the others dequantized to float32
+    Q4_K / Q5_K / Q6_K / Q5_1 ones, whose kernels take int8 activations only; and its F16 / BF16 matrices, at 16
+    bits, for a float32 model where the native kernels are), the others dequantized to float32
     once (one log line says so, and what it costs in memory); with `kind`
     ("int4", "int8") the file's float matrices are quantized to that (never the K-quants: rounding twice only
     loses); act8: int8 activations (the int4 / int8 layers')."""
@@ -283,16 +286,22 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     from rich.progress import track
 
     cfg = ModelConfig.from_hf(json.loads((config_dir / "config.json").read_text()))
-    parts: dict[str, QuantLinear | torch.Tensor] = {}
+    parts: dict[str, QuantLinear | HalfLinear | torch.Tensor] = {}
     listed = list(gguf_tensors(gguf_file))
-    as_stored = {*GGUF_BLOCKS, *(K_QUANTS if act8 else ())}
+    # F16 / BF16 matrices at their 16 bits where a float32 CPU model has the kernel that reads them (else in `dtype`)
+    half = kind is None and dtype == torch.float32 and device == "cpu" and kernels.native() is not None
+    as_stored = {*GGUF_BLOCKS, *(K_QUANTS if act8 else ()), *(HALF_TYPES if half else ())}
     dequantized = sorted({t.tensor_type.name for _, t, _, _ in listed} - as_stored - {"F32", "F16", "BF16"})
     what = f" (dequantizing its {', '.join(dequantized)} tensors)" if dequantized else ""
     log_dequantized(gguf_file.name, listed, as_stored, requantized=kind is not None)  # one line, where any
     for name, t, rows, shift in track(listed, description=f"loading {gguf_file.name}{what}", transient=True,
                                       console=Console(stderr=True)):
         stored = t.tensor_type.name
-        if stored in as_stored:  # as stored, whatever `kind` says: re-rounding rounded weights only loses
+        if stored in HALF_TYPES and half and len(t.shape) == 2 and not shift:
+            parts[name] = HalfLinear.from_gguf(t.data, stored, rows)
+            continue
+        if stored in as_stored and stored not in HALF_TYPES:  # as stored, whatever `kind` says: re-rounding
+            # rounded weights only loses
             layer = QuantLinear.from_gguf(t.data, stored)
             layer.act8 = act8
             parts[name] = layer if rows is None else layer.rows(rows)
@@ -307,11 +316,15 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     def linear(names: list[str], biases: list[str] | None = None) -> nn.Module:
         weights = [parts[n] for n in names]
         bias = torch.cat([parts[b] for b in biases]) if biases else None
+        if all(isinstance(w, HalfLinear) for w in weights) and len({w.bf16 for w in weights}) == 1:
+            fused_half = weights[0] if len(weights) == 1 else HalfLinear.cat(weights)
+            fused_half.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+            return fused_half
         if QuantLinear.fusable(weights):  # stored alike, or a K-quant mix (a QuantStack)
             fused = QuantLinear.cat(weights)
             fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             return fused
-        dense = torch.cat([w.dequantize() if isinstance(w, QuantLinear) else w for w in weights])
+        dense = torch.cat([w.dequantize() if isinstance(w, QuantLinear | HalfLinear) else w for w in weights])
         out = Linear(dense.shape[1], dense.shape[0], bias=bias is not None, device="cpu")
         out.weight = nn.Parameter(dense, requires_grad=False)
         if bias is not None:
@@ -330,8 +343,8 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
         for mine, hf in norm_names(cfg).items():
             norms[f"layers.{i}.{mine}.weight"] = norm_weight(parts[p + f"{hf}.weight"], cfg)
     embed = parts["model.embed_tokens.weight"]
-    if isinstance(embed, QuantLinear):
-        model.embed = QuantEmbedding(embed)
+    if isinstance(embed, QuantLinear | HalfLinear):
+        model.embed = QuantEmbedding(embed) if isinstance(embed, QuantLinear) else HalfEmbedding(embed)
         model.lm_head = embed if cfg.tie_word_embeddings else linear(["lm_head.weight"])
     else:
         model.embed = nn.Embedding.from_pretrained(embed, freeze=True)

@@ -1,7 +1,7 @@
 """The model's blocks run by the native kernel (kernels/block.c): one call a step for all layers instead of ~30
-PyTorch operators per layer, for one sequence or a batch's rows (spans) on the CPU in float32, with int4, int8 or
-float32 weights; Llama's block or Gemma 3's (QK-norm, sandwich norms, GeGLU, sliding and full layers each with
-their own View).
+PyTorch operators per layer, for one sequence or a batch's rows (spans) on the CPU in float32, with int4, int8,
+float16, bfloat16 or float32 weights; Llama's block or Gemma 3's (QK-norm, sandwich norms, GeGLU, sliding and full
+layers each with their own View).
 
 `applies` and `NativeBlocks.build` say no where the kernel does not apply (another device or dtype, gradients,
 a cache it cannot read, layers it does not know, or no native library: see kernels.native), and the PyTorch
@@ -18,6 +18,7 @@ import torch
 
 from .. import kernels
 from .cache import BatchKVCache, KVCache
+from .halflinear import HalfLinear
 from .linear import Linear
 from .quant import QuantLinear, QuantStack, trim_heap
 
@@ -37,6 +38,9 @@ def weight_struct(layer: torch.nn.Module) -> kernels.Weight | None:
                                  bias_ptr)
         stacked._parts = array  # alive as long as the struct pointing to it
         return stacked
+    if isinstance(layer, HalfLinear):  # block.c's W_F16 / W_BF16: the 16-bit words as the file stores them
+        return kernels.Weight(4 if layer.bf16 else 3, layer.out_features, layer.in_features, layer.bits.data_ptr(),
+                              None, None, bias_ptr)
     if isinstance(layer, QuantLinear) and layer.act8:  # block.c passes these to the int8-activation kernel
         a8_kind, qs, d, m = layer.a8_operands()
         return kernels.Weight(10 + a8_kind, layer.out_features, layer.in_features, qs.data_ptr(), d.data_ptr(),
@@ -156,7 +160,10 @@ class NativeBlocks:
 def _storage(m: torch.nn.Module) -> int:
     if isinstance(m, QuantStack):
         return _storage(m.parts[0])
-    return m._buffers["qs"].data_ptr() if "qs" in m._buffers else m._parameters["weight"].data_ptr()
+    for name in ("qs", "bits"):
+        if name in m._buffers:
+            return m._buffers[name].data_ptr()
+    return m._parameters["weight"].data_ptr()
 
 
 def blocks_of(owner: torch.nn.Module, layers: Sequence[torch.nn.Module], norm: torch.nn.RMSNorm | None = None,
