@@ -26,7 +26,8 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the kernels share)
 
 log = logging.getLogger("specdecode")
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.c", "a8matmul.c", "kquants.c", "f16matmul.c", "block.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("qmatmul.c", "a8matmul.c", "kquants.c", "f16matmul.c", "block.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kquants.h")]
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
