@@ -374,6 +374,7 @@ def test_qwen_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
     ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs low_freq_factor"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor"),
     ({"model_type": "falcon"}, "'falcon' is not supported"),
+    ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "'yarn' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(config: dict, message: str) -> None:
     base = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

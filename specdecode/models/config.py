@@ -176,6 +176,7 @@ def _gemma3(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"RoPE scaling on Gemma's sliding layers ({local}) is not supported")
     theta = float(full.pop("rope_theta", 1_000_000.0))
     scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    check_rope_scaling(scaling)
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"Gemma 3 with hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
