@@ -211,13 +211,16 @@ def test_a_half_file_loads_its_matrices_at_16_bits_and_runs_natively(half_file, 
     kernels.reset()
 
 
-def test_a_half_file_gives_the_float32_models_logits(half_file, monkeypatch) -> None:
-    """At 16 bits with the kernels, or widened to float32 at load without them (as before): the same model."""
-    file, *_ = half_file
+def test_a_half_file_gives_the_float32_models_logits(half_file, monkeypatch, caplog) -> None:
+    """At 16 bits with the kernels, or widened to float32 at load without them (as before, one warning line naming
+    the type): the same model."""
+    file, name, _ = half_file
     monkeypatch.setenv("SPECDECODE_NATIVE", "0")
     kernels.reset()
     try:
-        dense = load(file)
+        with caplog.at_level(logging.WARNING, logger="specdecode"):
+            dense = load(file)
+        assert f"no native kernel for its {name} matrices here" in caplog.text
         wqkv = dense.layers[0].attn.wqkv
         assert isinstance(wqkv, Linear) and wqkv.weight.dtype == torch.float32
         monkeypatch.delenv("SPECDECODE_NATIVE")
