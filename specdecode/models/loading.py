@@ -5,7 +5,8 @@ under the cache dir. Its Q4_0 / Q4_1 / Q5_0 / Q8_0 weights load from the file as
 layers of models/quant.py, and by default (`quantization="auto"`) multiply as llama.cpp multiplies them,
 activations rounded to int8 per block of 32: the model as published and as its own runtime runs it, never through
 float32. The K-quants Q4_K / Q6_K load as stored too under "auto" (int4 / int8 blocks with float32 scales, int8
-activations); otherwise they, and other kinds, are dequantized to float32 as they load. With
+activations); its F16 / BF16 matrices load at their 16 bits (models/halflinear.py) where a float32 CPU model has
+the native kernels; otherwise they, and other kinds, are dequantized to float32 as they load. With
 `quantization=None` the weights are dequantized once into that directory (safetensors), which later loads read
 in about a second and transformers can load too (the reference the tests compare against).
 """
