@@ -27,16 +27,16 @@ from .models.llama import BatchForwardOutput
 from .policy import AdaptiveK, Policy, joint_cut
 from .prefix_cache import PrefixCache
 from .proposers import NoProposer, Proposer
-from .proposers.base import StepOutput
+from .proposers.base import Needs, StepOutput
 from .request import MAX_DRAFT_NODES, GenerationStats, Request
 from .sampling import SamplingParams
 from .tree import DraftTree
-from .verify import verify
+from .verify import Verdict, verify
 
 StepResult = tuple[Request, "list[int] | Exception"]
-# prompt tokens in one prefill forward: a 4,000-token prompt takes 10 s in chunks of 256 and 16.5 s whole on a
-# 2-core CPU (SmolLM2, int4; the whole prompt's activations outgrow the caches); a token's numbers never depend on
-# the chunk it is in (the native kernels: bit for bit), so every chunking caches the same keys and values
+# prompt tokens in one prefill forward: a chunk's activations stay within the CPU's caches, where a whole long
+# prompt's outgrow them (benchmarks/results/prefill-mid-stream-smollm2); a token's numbers never depend on the chunk
+# it is in (the native kernels: bit for bit), so every chunking caches the same keys and values
 PREFILL_CHUNK = 256
 
 
@@ -154,6 +154,47 @@ class Engine:
         """One step of every request: its newly committed tokens, or the exception that failed it (it has left).
         prefill: up to this many tokens of the pending request's prompt cached in the same forward (where the
         model carries a chunk along: the native blocks; else in a forward of their own)."""
+        proposals, results, drafting_ahead = self._plan()  # every row proposes; a row that fails to leaves now
+        if not self.rows:
+            return results
+        b, pending = len(self.rows), self.pending if prefill else None
+        contexts = self.cache.lengths[:b]
+        needs = [row.needs for row in self.rows]  # asked once a step, after the proposals
+        layers = list(dict.fromkeys(layer for wanted in needs for layer in wanted.hidden_layers))
+        lengths = self.cache.lengths[: b + 1]  # the pending prompt's row included (a chunk may ride along)
+        started = time.perf_counter()
+        failed: dict[int, Exception] = {}
+        try:  # cut: how much of each proposal to verify; forward: every row's tree (and maybe a prompt chunk) at once
+            trees = self.choose(proposals, contexts)
+            out, width, carry = self._forward(trees, contexts, layers, pending, prefill)
+            batched = True
+        except Exception:  # noqa: BLE001 - something of the batch's shared work failed: which row's, each alone tells
+            self.cache.lengths[: len(lengths)] = lengths
+            trees, out, failed = self._rows_alone(proposals, contexts, layers)
+            width, carry, batched = max(len(t) for t in trees), False, False
+        self.last_depths = [t.depth for t in trees]
+        seconds = time.perf_counter() - started
+        if batched and not drafting_ahead:  # a drafter's cores or rows run one by one: not a batch's time
+            self.cost.observe(b, width, max(contexts), seconds)
+        plain = self.cost.seconds(b, 1, max(contexts)) if self.cost.priced else 0.0  # the speedup's measure
+        for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
+            try:  # verify, keep the accepted path's cache entries, commit (the proposer observes the outcome)
+                if i in failed:
+                    raise failed[i]
+                outputs = self._outputs(i, row, tree, out, layers, needs[i], contexts[i])
+                results.append((row, self._settle(i, row, tree, out, outputs, contexts[i], seconds, plain)))
+            except Exception as e:  # noqa: BLE001 - one bad request must not take the batch down
+                results.append((row, e))
+        for row, result in results:  # failed rows leave now (their cache rows may be half-updated)
+            if isinstance(result, Exception) and row in self.rows:
+                self.remove(row, failed=True)
+        if pending is not None and pending is self.pending:
+            self._prefill_after(pending, prefill, carry, results)
+        return results
+
+    def _plan(self) -> tuple[list[DraftTree], list[StepResult], bool]:
+        """Every row's proposal, priced for the threads the step runs on: (the proposals of the rows left, the rows
+        whose proposer failed (they have left), whether a drafter drafting ahead took cores for this step)."""
         results: list[StepResult] = []
         self.view.rows = len(self.rows)
         if self.threads is not None:  # before planning: the steps are priced for the threads they run on
@@ -167,74 +208,53 @@ class Engine:
                 results.append((row, e))
         for row, _ in results:
             self.remove(row, failed=True)
-        if not self.rows:
-            return results
-        b = len(self.rows)
-        contexts = self.cache.lengths[:b]
-        self.view.rows = b  # the batch that runs now
+        self.view.rows = len(self.rows)  # the batch that runs now
         # a drafter drafting ahead during this forward took cores (async_draft): the step is priced on what is left,
         # and not learned from (the table's plain steps, paired with it, ran on every core)
         drafting_ahead = torch.get_num_threads() != planned_on
-        if drafting_ahead and self.threads is not None:
+        if drafting_ahead and self.threads is not None and self.rows:
             self.cost.use_threads(self.threads.update())
-        proposals = [planned[id(row)] for row in self.rows]
-        needs = [row.needs for row in self.rows]  # asked once a step, after the proposals
-        layers = list(dict.fromkeys(layer for wanted in needs for layer in wanted.hidden_layers))
-        pending = self.pending if prefill else None
-        learn = not drafting_ahead
-        lengths = self.cache.lengths[: b + 1]  # the pending prompt's row included (a chunk may ride along)
-        started = time.perf_counter()
-        failed: dict[int, Exception] = {}
+        return [planned[id(row)] for row in self.rows], results, drafting_ahead
+
+    def _outputs(self, i: int, row: Request, tree: DraftTree, out: BatchForwardOutput, layers: list[int],
+                 needs: Needs, context: int) -> tuple[Verdict, StepOutput]:
+        """Row i's verdict, and what its proposer asked of the forward (`needs`) at the committed positions."""
+        logits = out.logits[i]
+        nodes = logits[: len(tree)]
+        target = row.target_logits(tree, nodes)
+        # the kernel's greedy tokens stand for these logits where nothing processed them
+        greedy = out.greedy[i][: len(tree)] if out.greedy is not None and target is nodes else None
+        verdict = verify(tree, target, row.params, row.generator, row.constraint, greedy)
+        outputs = StepOutput(row.tokens, context, extra_logits=logits[len(tree) :])
+        if needs.hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
+            kept = verdict.path
+            path = slice(len(kept)) if kept[-1] == len(kept) - 1 else torch.tensor(kept, device=logits.device)
+            outputs.hidden = [out.hidden[i][layers.index(layer)][path] for layer in needs.hidden_layers]
+        if needs.teacher:  # the target's distributions, to learn from (online EAGLE)
+            outputs.teacher = logits[verdict.path]
+        return verdict, outputs
+
+    def _settle(self, i: int, row: Request, tree: DraftTree, out: BatchForwardOutput,
+                verified: tuple[Verdict, StepOutput], context: int, seconds: float, plain: float) -> list[int]:
+        """Keep the accepted path's cache entries, commit its tokens, record their log-probabilities if asked."""
+        verdict, outputs = verified
+        self.cache.keep(i, context, verdict.path)
+        new = row.commit(tree, verdict, outputs, context, seconds, plain)
+        if row.logprobs is not None:  # token j was predicted at the path's node j
+            row.record_logprobs(out.logits[i][verdict.path], new)
+        return new
+
+    def _prefill_after(self, pending: Request, prefill: int, carry: bool, results: list[StepResult]) -> None:
+        """The pending prompt after the batch's step: its chunk rode along (it joins once cached), or it gets a forward
+        of its own (its proposer reads hidden states, which a batch does not return); failing, it fails alone."""
         try:
-            trees = self.choose(proposals, contexts)
-            out, n, carry = self._forward(trees, contexts, layers, pending, prefill)
-        except Exception:  # noqa: BLE001 - something of the batch's shared work failed: which row's, each alone tells
-            self.cache.lengths[: len(lengths)] = lengths
-            trees, out, failed = self._rows_alone(proposals, contexts, layers)
-            n, carry, learn = max(len(t) for t in trees), False, False  # rows run one by one: not a batch's time
-        self.last_depths = [t.depth for t in trees]
-        seconds = time.perf_counter() - started
-        if learn:
-            self.cost.observe(b, n, max(contexts), seconds)
-        plain = self.cost.seconds(b, 1, max(contexts)) if self.cost.priced else 0.0  # the speedup's measure
-        for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
-            if i in failed:
-                results.append((row, failed[i]))
-                continue
-            try:
-                logits = out.logits[i]
-                nodes = logits[: len(tree)]
-                target = row.target_logits(tree, nodes)
-                # the kernel's greedy tokens stand for these logits where nothing processed them
-                greedy = out.greedy[i][: len(tree)] if out.greedy is not None and target is nodes else None
-                verdict = verify(tree, target, row.params, row.generator, row.constraint, greedy)
-                self.cache.keep(i, contexts[i], verdict.path)
-                outputs = StepOutput(row.tokens, contexts[i], extra_logits=logits[len(tree) :])
-                if needs[i].hidden_layers:  # a chain's kept prefix is a slice (most steps): no gather
-                    kept = verdict.path
-                    path = slice(len(kept)) if kept[-1] == len(kept) - 1 else torch.tensor(kept, device=logits.device)
-                    outputs.hidden = [out.hidden[i][layers.index(layer)][path] for layer in needs[i].hidden_layers]
-                if needs[i].teacher:  # the target's distributions, to learn from (online EAGLE)
-                    outputs.teacher = logits[verdict.path]
-                new = row.commit(tree, verdict, outputs, contexts[i], seconds, plain)
-                if row.logprobs is not None:  # token j was predicted at the path's node j
-                    row.record_logprobs(logits[verdict.path], new)
-                results.append((row, new))
-            except Exception as e:  # noqa: BLE001
-                results.append((row, e))
-        for row, result in results:  # failed rows leave now (their cache rows may be half-updated)
-            if isinstance(result, Exception) and row in self.rows:
-                self.remove(row, failed=True)
-        if pending is not None and pending is self.pending:
-            try:
-                if not carry:  # a forward of its own (its proposer reads hidden states, which a batch does not return)
-                    self.prefill(prefill)
-                elif self.cache.lengths[len(self.rows)] >= len(pending.tokens) - 1:
-                    self._join()  # its prompt is cached: it steps from the next step on
-            except Exception as e:  # noqa: BLE001 - the pending prompt fails alone
-                self.cancel_pending()
-                results.append((pending, e))
-        return results
+            if not carry:
+                self.prefill(prefill)
+            elif self.cache.lengths[len(self.rows)] >= len(pending.tokens) - 1:
+                self._join()  # its prompt is cached: it steps from the next step on
+        except Exception as e:  # noqa: BLE001 - the pending prompt fails alone
+            self.cancel_pending()
+            results.append((pending, e))
 
     def _forward(self, trees: list[DraftTree], contexts: list[int], layers: list[int], pending: Request | None,
                  prefill: int) -> tuple[BatchForwardOutput, int, bool]:
