@@ -24,12 +24,12 @@ from .proposers.medusa import RankAccuracy
 from .proposers.quantized import low_bit_copy
 
 ASYNC_DRAFTS = ("draft", "quantized", "layer-skip")  # the methods that can draft ahead (async_draft)
-# prompt lookup under k='auto' merges the continuations of the three latest matches into a tree: the policy cuts
-# it to the depth that pays, and on this CPU 3-6 tokens verify for the price of one (benchmarks/policy_replay.py:
-# 1.66x with 3 branches, 1.63x with one; a fixed k does best with one branch, as it verifies every branch whole)
+# prompt lookup under k='auto' merges the continuations of the three latest matches into a tree, which the policy
+# cuts to the depth that pays where a few tokens verify for the price of one (`auto_branches`); a fixed k verifies
+# every branch whole, so it gets one (benchmarks/results/policy-replay-smollm2-cpu.md)
 AUTO_BRANCHES = 3
-# an EAGLE head beside a target with int8 activations (the GGUF default) runs in int8 too: in float32 one draft token
-# read a third of the int4 target's bytes, so drafting cost more than verification saved (tau 1.01 at k=auto)
+# an EAGLE head beside a target with int8 activations (the GGUF default) runs in int8 too: in float32 a draft token
+# reads a sizeable share of what the int4 target's forward reads, and drafting cost more than verification saved
 EAGLE_BESIDE_A8 = "int8-a8"
 # EAGLE heads that ship with the package, by registry name of their target
 SHIPPED_EAGLE = {name: Path(__file__).resolve().parent / "drafts" / f"{name}-eagle"
@@ -84,9 +84,8 @@ class Assets:
 
     def auto_branches(self) -> int:
         """Branches of prompt lookup's tree under k='auto': AUTO_BRANCHES where verifying 4 tokens costs about
-        what one does (a bandwidth-bound forward: oneDNN's float32), else a chain. Where every verified token
-        costs compute (int4 on 2 AVX2 cores: 4 tokens cost 2.2 plain steps) a tree's siblings never pay for
-        their place and kept the policy from guessing at all (tau 1.00 on Spec-Bench)."""
+        what one does (a bandwidth-bound forward), else a chain: where every verified token costs compute, a tree's
+        siblings never pay for their place and keep the policy from guessing at all."""
         cost = self.cost_model()
         return AUTO_BRANCHES if cost.forward_seconds(4, 256) <= 1.25 * cost.forward_seconds(1, 256) else 1
 

@@ -18,9 +18,9 @@ cost model: `k` depths, `nodes` nodes.
 Never slower than plain decoding: the head's steps' realized rate, tokens committed over head seconds plus
 the target's forward of each tree (decayed sums, each step counted in plain steps at its own load), is compared
 with a plain step's; while it is under 1 + MARGIN the head rests (does not run) for a number of steps that
-doubles each time (up to MAX_REST), then probes again. A head forward is a sizeable part of a fast target's
-step (int4 on a CPU: 1-4 ms of 6), and paying it for steps that gain too little made eagle slower than plain
-decoding. Resting, it does not read the target's hidden states until HIDDEN_LEAD steps before its probe; then
+doubles each time (up to MAX_REST), then probes again: a head forward is a sizeable part of a fast target's
+step, and paying it for steps that gain too little is slower than plain decoding. Resting, it does not read the
+target's hidden states until HIDDEN_LEAD steps before its probe; then
 it catches up in one forward on the positions it has (at most HEAD_CONTEXT: its cache restarts there).
 
 The head keeps a KV cache of its own: entries for committed positions hold target features and stay;
@@ -62,12 +62,12 @@ def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:
     return total
 
 
-# most steps the head rests while its steps do not pay. A probe that does not pay costs about two plain steps (~1%
-# of Spec-Bench writing at one probe a request), but resting up to 512 steps kept the head asleep through a whole
-# run of conversations where it paid 1.20x with probes every 128 (sessions, up to 512 tokens)
+# most steps the head rests while its steps do not pay: a probe that does not pay costs about two plain steps, and a
+# longer rest can sleep through a whole conversation where the head would pay
+# (benchmarks/results/sessions-smollm2-512-rest512-reverted)
 MAX_REST = 128
 # most positions one run catches up on (after a rest, or over a long prompt): the head's cache then restarts on
-# them, so a probe costs a bounded forward, not one over the whole text (2-3% of a request on a fast target)
+# them, so a probe costs a bounded forward, not one over the whole text
 HEAD_CONTEXT = 128
 MIN_EVIDENCE = 4  # steps judged before the head may rest: one step gains 0 or several tokens
 # a resting head reads the target's hidden states again this many steps before it probes (at least as many positions):
