@@ -369,8 +369,8 @@ def test_native_batch_rows_compute_bit_for_bit_what_each_computes_alone(family):
     tree = DraftTree.from_paths(prompts[1][-1], [[5, 6, 7], [5, 8], [9]])
     steps = [(DraftTree.chain(prompts[0][-1], [3, 4]), None), (tree, tree.attention_mask()),
              (DraftTree.root_only(prompts[2][-1]), None)]
-    batch = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=3)
-    for b, prompt in enumerate(prompts):
+    batch = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=3, dtype=model.kv_dtype)
+    for b, prompt in enumerate(prompts):  # the model's cache type (float16 for float32), as the engine keeps it
         model.forward(torch.tensor([prompt[:-1]]), batch.row(b), logits_at=None)
     sizes = [len(t) for t, _ in steps]
     n = max(sizes)
