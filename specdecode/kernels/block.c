@@ -241,8 +241,12 @@ static void scores(const float *q, const void *keys, int half, int L, int max_le
     }
 #endif
     for (int j = j0; j < j1 && j < L; j++) {
-        widen_rows(keys, j, 1, hd, half, pad);
-        p[j] = dot(q, pad, hd) * scale;
+        const float *k = (const float *)keys + (int64_t)j * hd;
+        if (half) {  /* widened into pad first: dot reads floats */
+            widen_rows(keys, j, 1, hd, 1, pad);
+            k = pad;
+        }
+        p[j] = dot(q, k, hd) * scale;
     }
 }
 
