@@ -78,8 +78,9 @@ lint: install  ## style (ruff) and types (mypy: a removed method fails here, not
 	$(PY) -m mypy
 
 test: install lint  ## the whole test suite (CI runs exactly this, through .ci/run)
-	$(STEP) "[test] the test suite (about 10 minutes on 2 cores; a dot per test)"
-	$(PY) -m pytest -q
+	$(STEP) "[test] the test suite, a worker per core, a test file per worker at a time (15-25 minutes on 2 cores; \
+	a dot per test, the slowest listed at the end)"
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=25
 
 bench-forward: install  ## forward cost for 1/4/8/16 tokens, ours vs transformers
 	$(PY) benchmarks/forward_cost.py --out benchmarks/results/forward_cost.md
