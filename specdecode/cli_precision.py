@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .models.cache import KV_CACHE_DTYPES
-from .names import DTYPE_NAMES, QUANTIZATIONS
+from .names import DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 QUANTIZATION_CHOICES = ["auto", "none", *QUANTIZATIONS]
 
