@@ -4,9 +4,11 @@ depths and tree sizes, sampled against the exact distribution."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -475,11 +477,19 @@ def test_the_head_costs_at_most_its_share_of_decoding_time_beyond_what_it_saves(
     a forward priced at a second, every guess of its own that is accepted pays for its runs: it is never held back.
     What it saved in one request does not pay for its runs in the next; what it owes does. Output is plain
     decoding's throughout."""
+    import specdecode.proposers.eagle as eagle_module
     import specdecode.proposers.suffix_eagle as hybrid_module
     from specdecode.proposers.suffix_eagle import SuffixEagleProposer
 
     fast = FrozenCost([1, 64], [0, 1000], [[1e-6, 1.5e-6], [1e-6, 1.5e-6]])
     dear = FrozenCost([1, 64], [0, 1000], [[1.0, 1.5], [1.0, 1.5]])
+    # the head's clock advances 0.1 ms a reading, whatever the machine's load (its trees are sized and its runs
+    # charged by it): far above what a step adds to the budget next to the fast forward (1e-9 s), far below it next
+    # to the dear one (1e-3 s)
+    clock = itertools.count(step=1e-4)
+    fixed = SimpleNamespace(perf_counter=lambda: next(clock))
+    monkeypatch.setattr(hybrid_module, "time", fixed)
+    monkeypatch.setattr(eagle_module, "time", fixed)
 
     def head_runs(cost: FrozenCost, share: float):
         monkeypatch.setattr(hybrid_module, "HEAD_SHARE", share)
