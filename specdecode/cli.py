@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         check_before_loading(args)
         return run_command(args)
     except (ValueError, FileNotFoundError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        # one logical line, wrapped by the terminal, never broken into the message (paths stay copyable)
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what was streamed stays on the screen)
         print(flush=True)

@@ -131,7 +131,7 @@ def test_structured_output_with_eagle_and_prompt_lookup_equals_structured_plain_
     require_smollm2()
     llm = specdecode.load(NAME)
     finished = drafted = 0
-    for prompt in spec_bench_prompts(3):
+    for prompt in spec_bench_prompts(5):  # 3 of them finish within 80 tokens (the others loop inside a string)
         ask = f"{prompt}\n\nAnswer in JSON with the fields answer and confidence."
         plain = llm.generate(ask, chat=True, method="none", max_new_tokens=80, structured={"json": ANSWER})
         for method, k in (("eagle", 3), ("prompt-lookup", 4)):
