@@ -16,6 +16,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 KINDS = ("json", "regex", "choice")
@@ -85,12 +86,20 @@ class Constraint:
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """One position's logits [V] with the tokens the grammar forbids now at -inf (a float32 copy)."""
+        """One position's logits [V] with the tokens the grammar forbids now at -inf (a float32 copy). Bit t % 32 of
+        the mask's word t // 32 allows token t; tokens past the mask are forbidden. The bits are unpacked here rather
+        than by llguidance's apply_token_bitmask_inplace, a torch.compile kernel whose C++ build can fail on a CPU
+        (and compiles for seconds at a first request)."""
         import llguidance.torch
 
         out = logits.float().clone()  # once the text is complete, only the stop tokens are left
         llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        llguidance.torch.apply_token_bitmask_inplace(out.unsqueeze(0), self.bitmask)
+        words = self.bitmask[0].numpy().astype("<i4", copy=False)  # little-endian words: bytes in token order
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")
+        size = out.shape[-1]
+        forbidden = np.ones(size, dtype=bool)
+        forbidden[: min(size, allowed.size)] = allowed[:size] == 0
+        out[..., torch.from_numpy(forbidden).to(out.device)] = float("-inf")
         return out
 
     def advance(self, token: int) -> None:

@@ -80,3 +80,17 @@ def test_bad_structured_specs_say_what_is_wrong(llm) -> None:
     with pytest.raises(ValueError, match="non-empty strings"):
         llm.generate("hi", structured={"choice": []})
     assert StructuredOutput.of({"choice": ["a", "b"]}).choice == ("a", "b")
+
+
+def test_mask_forbids_exactly_the_tokens_whose_bits_are_clear(llm) -> None:
+    """Bit t % 32 of word t // 32 allows token t (llguidance's layout, read bit by bit here); logits past the
+    model's vocabulary are forbidden."""
+    import torch
+
+    constraint = llm.grammar().constraint({"choice": ["yes", "no"]})
+    vocab = llm.model.config.vocab_size
+    masked = constraint.mask(torch.zeros(vocab + 40))
+    words = constraint.bitmask[0].tolist()
+    allowed = {t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1}
+    assert 0 < len(allowed) < vocab
+    assert {t for t in range(vocab + 40) if masked[t] == 0} == allowed
