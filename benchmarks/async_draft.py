@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from specdecode.engine import generate_ids
+from specdecode.engine.loop import generate_ids
 from specdecode.models import ModelConfig, Transformer
+from specdecode.policy.threads import usable_cores
 from specdecode.proposers import AsyncDraftProposer, Drafter, LayerSkipProposer, Proposer
-from specdecode.threads import usable_cores
 
 # SmolLM2-135M's shape: the GPU run needs no weights (timing and the stream path, not the model's text)
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,

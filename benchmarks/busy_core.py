@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from specdecode import threads
 from specdecode.api import LLM
 from specdecode.bench import load_questions
 from specdecode.bench.hardware import machine_description
 from specdecode.bench.llamacpp import LlamaCppPeer
-from specdecode.progress import progress_bar
+from specdecode.common.progress import progress_bar
+from specdecode.policy import threads
 
 METHODS = ("ours, governed threads", "ours, fixed threads", "llama.cpp")
 

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from specdecode import kernels
-from specdecode.engine import generate_ids
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models.halflinear import HalfEmbedding, HalfLinear
 from specdecode.models.linear import Linear
 from specdecode.models.loading import load_gguf
-from specdecode.sampling import SamplingParams
 
 
 def write(path: Path, hidden: int, layers: int, ffn: int, heads: int, kv: int, vocab: int) -> Path:

@@ -35,10 +35,10 @@ import numpy as np
 import torch
 
 from specdecode import kernels
-from specdecode.engine import generate_ids
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models.loading import load_gguf
 from specdecode.models.quant import K_QUANTS, QuantLinear, QuantStack
-from specdecode.sampling import SamplingParams
 
 OURS, WIDENED = "file's bytes", "widened"
 

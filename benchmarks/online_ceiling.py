@@ -21,8 +21,8 @@ from pathlib import Path
 
 from specdecode import LLM
 from specdecode.bench.workloads import load_workload
-from specdecode.online import OnlineConfig
 from specdecode.proposers import eagle
+from specdecode.proposers.online_learning import OnlineConfig
 
 
 def main() -> None:

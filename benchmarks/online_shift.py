@@ -21,7 +21,7 @@ import specdecode.proposers.eagle as eagle
 from specdecode.api import LLM
 from specdecode.bench import load_questions
 from specdecode.bench.workloads import load_workload
-from specdecode.online import OnlineConfig
+from specdecode.proposers.online_learning import OnlineConfig
 
 
 def main() -> None:

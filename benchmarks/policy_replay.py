@@ -27,17 +27,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import specdecode
-from specdecode.acceptance import AcceptanceStats
 from specdecode.bench.data import load_questions
 from specdecode.bench.workloads import load_workload
-from specdecode.cost import CostModel
-from specdecode.paths import default_cache_dir
-from specdecode.policy import AdaptiveK, FixedK, Policy, StepRecord
+from specdecode.common.paths import default_cache_dir
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.core.tree import DraftTree
+from specdecode.core.verify import Verdict
+from specdecode.policy.cost import CostModel
+from specdecode.policy.speculation import AdaptiveK, FixedK, Policy, StepRecord
 from specdecode.proposers import PromptLookupProposer, SuffixCache, SuffixProposer
 from specdecode.proposers.base import ProposalContext, RequestInfo, StepOutput
 from specdecode.proposers.suffix import MAX_DEPTH
-from specdecode.tree import DraftTree
-from specdecode.verify import Verdict
 
 PROPOSE_SECONDS = 3e-4  # what proposing costs a step (measured: 0.2-0.35 ms); under 1% of a step, so always asked
 

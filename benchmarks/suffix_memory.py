@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from specdecode.models import resolve
 from specdecode.proposers.suffix import DEFAULT_CACHE_TOKENS
-from specdecode.suffix_index import SuffixIndex
+from specdecode.proposers.suffix_index import SuffixIndex
 
 TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
 

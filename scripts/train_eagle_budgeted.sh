@@ -37,7 +37,7 @@ if [ -n "$ANSWERS" ]; then  # answers made before, as a resumed run's: the GPU a
   mkdir -p /tmp/eagle/work && xz -dc $ANSWERS > /tmp/eagle/work/samples.partial.jsonl
   wc -l /tmp/eagle/work/samples.partial.jsonl
 fi
-timeout ${TRAIN_LIMIT:-530} python3 -m specdecode.cli train eagle $ARGS > $OUT/log.txt 2>&1
+timeout ${TRAIN_LIMIT:-530} python3 -m specdecode.cli.commands train eagle $ARGS > $OUT/log.txt 2>&1
 echo "train exit $?"; date +%T
 tail -c 3000 $OUT/log.txt
 cd /tmp/eagle && ls -la . work

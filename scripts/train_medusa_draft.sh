@@ -15,8 +15,8 @@ SAMPLES=()
 COMMON=(--target "$G/SmolLM2-135M-Instruct.Q4_1.gguf" --data "$G/train" --samples "${N:-6000}" --heldout 128
         --max-new-tokens 256 --gen-batch 512 --batch-size 32 --max-len 1024 --eval-every 500 --eval-prompts 16
         --bf16 --device cuda --seed 0 --save-dtype bfloat16)
-python3 -m specdecode.cli train medusa "${COMMON[@]}" "${SAMPLES[@]}" --out "$G/medusa" --heads 4 --draft-vocab 4096 \
+python3 -m specdecode.cli.commands train medusa "${COMMON[@]}" "${SAMPLES[@]}" --out "$G/medusa" --heads 4 --draft-vocab 4096 \
     --steps "${MEDUSA_STEPS:-2000}" --lr 1e-3 --warmup 100
 [ ${#SAMPLES[@]} -gt 0 ] || SAMPLES=(--samples-file "$G/medusa/work/samples.jsonl")
-python3 -m specdecode.cli train draft "${COMMON[@]}" "${SAMPLES[@]}" --out "$G/draft" --layers 2 --hidden 256 \
+python3 -m specdecode.cli.commands train draft "${COMMON[@]}" "${SAMPLES[@]}" --out "$G/draft" --layers 2 --hidden 256 \
     --steps "${DRAFT_STEPS:-3000}" --lr 2e-3 --warmup 200

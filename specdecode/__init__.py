@@ -10,15 +10,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-_WHERE = {"LLM": "api", "GenerationOutput": "api", "TextStream": "api", "load": "api", "Generation": "engine",
-          "GenerationStats": "engine", "generate_ids": "engine", "SamplingParams": "sampling"}
+_WHERE = {"LLM": "api", "GenerationOutput": "api", "TextStream": "api", "load": "api", "Generation": "engine.loop",
+          "GenerationStats": "engine.loop", "generate_ids": "engine.loop", "SamplingParams": "core.sampling"}
 __all__ = ["LLM", "GenerationOutput", "TextStream", "load", "Generation", "GenerationStats", "generate_ids",
            "SamplingParams"]
 
 if TYPE_CHECKING:
     from .api import LLM, GenerationOutput, TextStream, load
-    from .engine import Generation, GenerationStats, generate_ids
-    from .sampling import SamplingParams
+    from .core.sampling import SamplingParams
+    from .engine.loop import Generation, GenerationStats, generate_ids
 
 
 def __getattr__(name: str) -> Any:

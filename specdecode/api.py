@@ -7,24 +7,24 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, overload
 
-from . import chat_template as chat_templates
-from .acceptance import AcceptanceStats
-from .batch_cost import BatchCost
-from .cost import CostModel
-from .detokenize import RequestText
-from .drafting import AUTO_BRANCHES, SHIPPED_EAGLE, Assets, check_same_tokenizer
-from .engine import Engine, Generation
-from .grammar import GrammarTokenizer, StructuredOutput
-from .keywords import check_keywords, keyword_names
+from .common.keywords import check_keywords, keyword_names
+from .common.names import DEFAULT_METHOD, METHODS
+from .core import chat_template as chat_templates
+from .core.acceptance import AcceptanceStats
+from .core.detokenize import RequestText
+from .core.grammar import GrammarTokenizer, StructuredOutput
+from .core.sampling import SAMPLING_OPTIONS, SamplingParams
+from .engine.assets import AUTO_BRANCHES, SHIPPED_EAGLE, Assets, check_same_tokenizer
+from .engine.loop import Engine, Generation
+from .engine.prefix_cache import PrefixCache
+from .engine.request import GenerationStats, Request, TokenLogprob
 from .models import Transformer
 from .models.cache import kv_dtype
 from .models.loading import DTYPES, load_model
-from .names import DEFAULT_METHOD, METHODS
-from .policy import Pricing
-from .prefix_cache import PrefixCache
+from .policy.batch_cost import BatchCost
+from .policy.cost import CostModel
+from .policy.speculation import Pricing
 from .proposers import Proposer, registry
-from .request import GenerationStats, Request, TokenLogprob
-from .sampling import SAMPLING_OPTIONS, SamplingParams
 
 __all__ = ["AUTO_BRANCHES", "DEFAULT_METHOD", "LLM", "METHODS", "SHIPPED_EAGLE", "GenerationOutput", "TextStream",
            "check_same_tokenizer", "load", "stop_token_ids"]

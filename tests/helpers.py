@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.cost import CostModel
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import DraftTree
 from specdecode.models import ModelConfig, Transformer
-from specdecode.policy import Guessing
+from specdecode.policy.cost import CostModel
+from specdecode.policy.speculation import Guessing
 from specdecode.proposers.base import ProposalContext, Proposer, StepOutput
-from specdecode.sampling import SamplingParams
-from specdecode.tree import DraftTree
 
 # where the lossless and distribution suites run their tiny models: the CPU, or a GPU when one is lent
 # (SPECDECODE_TEST_DEVICE=cuda); every other test stays on the CPU (native kernels, threads, timings)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 import specdecode
-from specdecode.batch_cost import BatchCost
-from specdecode.cost import TABLE_VERSION, CostModel
+from specdecode.policy.batch_cost import BatchCost
+from specdecode.policy.cost import TABLE_VERSION, CostModel
 
 from .helpers import make_tokenizer, write_checkpoint
 

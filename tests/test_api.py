@@ -12,11 +12,11 @@ import pytest
 
 import specdecode
 from specdecode.api import check_same_tokenizer, stop_token_ids
-from specdecode.batch_cost import BatchCost, RowCost
-from specdecode.cli import main as cli_main
-from specdecode.cost import TABLE_VERSION, CostModel
-from specdecode.drafting import Assets
+from specdecode.cli.commands import main as cli_main
+from specdecode.engine.assets import Assets
 from specdecode.models import loading
+from specdecode.policy.batch_cost import BatchCost, RowCost
+from specdecode.policy.cost import TABLE_VERSION, CostModel
 from specdecode.proposers.base import RequestInfo
 
 from .helpers import make_tokenizer, own_cache_dir, write_checkpoint
@@ -211,7 +211,7 @@ def test_the_first_auto_call_says_it_times_the_forwards(checkpoint, tmp_path, mo
 
 
 def cli_parser_default(option: str):
-    from specdecode.cli import build_parser
+    from specdecode.cli.commands import build_parser
 
     return build_parser().parse_args(["generate", "x"]).__dict__[option]
 

@@ -421,7 +421,7 @@ def smaller(model):
 def test_greedy_speculation_equals_plain_decoding(arch: str, tmp_path: Path) -> None:
     """Prompt lookup and a smaller draft model on the new architectures (Phi-3 decoding past its window), float64
     from the HF checkpoint, and Qwen3 from its Q8_0 file as stored (the native int8 path): every token equal."""
-    from specdecode.engine import generate_ids
+    from specdecode.engine.loop import generate_ids
     from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 
     from .test_lossless import PROMPTS

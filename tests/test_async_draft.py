@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
-import specdecode.threads
-from specdecode.cost import CostModel
-from specdecode.engine import generate_ids
+import specdecode.policy.threads
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
+from specdecode.policy.cost import CostModel
+from specdecode.policy.threads import usable_cores
 from specdecode.proposers import (
     AsyncDraftProposer,
     Drafter,
@@ -21,8 +23,6 @@ from specdecode.proposers import (
     PromptLookupProposer,
 )
 from specdecode.proposers.base import Needs, RequestInfo
-from specdecode.sampling import SamplingParams
-from specdecode.threads import usable_cores
 
 from .helpers import ask, noisy_copy, tiny_model
 from .test_lossless import PROMPTS, VOCAB, naive_greedy
@@ -172,7 +172,7 @@ def test_steps_drafted_ahead_do_not_teach_the_cost_table(monkeypatch) -> None:
     assert target.native_kernels  # the engine governs threads only where the kernels do not depend on them
     observed = []
     monkeypatch.setattr(CostModel, "observe", lambda self, *step: observed.append(step))
-    monkeypatch.setattr(specdecode.threads.governor(), "enabled", False)  # other processes' load changes nothing
+    monkeypatch.setattr(specdecode.policy.threads.governor(), "enabled", False)  # other processes' load changes nothing
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -12,9 +12,9 @@ from specdecode.bench import aggregate, load_questions, parse_methods
 from specdecode.bench.data import is_sample
 from specdecode.bench.methods import Method, with_async
 from specdecode.bench.runner import fastest, run_round
-from specdecode.cli import main as cli_main
+from specdecode.cli.commands import main as cli_main
 from specdecode.data import SPEC_BENCH_SAMPLE, spec_bench_questions
-from specdecode.engine import GenerationStats
+from specdecode.engine.loop import GenerationStats
 
 from .helpers import make_tokenizer, write_checkpoint
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.core.tree import DraftTree
 from specdecode.models import KVCache
-from specdecode.tree import DraftTree
 
 from .helpers import tiny_model
 
@@ -144,12 +144,12 @@ def test_batch_keep_moves_a_tree_path_and_checks_every_range(indices: list[int])
 def test_an_engine_gives_its_cache_memory_back_when_its_batch_empties() -> None:
     """A long request grows the batch's cache (rows and positions); once every request has left, the cache is back
     to its starting size, and the next request runs as before."""
-    from specdecode.batch_cost import BatchCost
-    from specdecode.cost import CostModel
-    from specdecode.engine import Engine, generate_ids
+    from specdecode.core.sampling import SamplingParams
+    from specdecode.engine.loop import Engine, generate_ids
+    from specdecode.engine.request import Request
+    from specdecode.policy.batch_cost import BatchCost
+    from specdecode.policy.cost import CostModel
     from specdecode.proposers import NoProposer
-    from specdecode.request import Request
-    from specdecode.sampling import SamplingParams
 
     from .helpers import tiny_model
 
@@ -178,12 +178,12 @@ def test_an_engine_gives_its_cache_memory_back_when_its_batch_empties() -> None:
 def test_a_second_choice_copies_the_prompts_cache_instead_of_prefilling() -> None:
     """Engine.add(like=...): the n choices of one prompt share its prefill (a copy of the sibling's rows), and
     decode exactly what a request alone decodes, even when the sibling has already generated tokens."""
-    from specdecode.batch_cost import BatchCost
-    from specdecode.cost import CostModel
-    from specdecode.engine import Engine, generate_ids
+    from specdecode.core.sampling import SamplingParams
+    from specdecode.engine.loop import Engine, generate_ids
+    from specdecode.engine.request import Request
+    from specdecode.policy.batch_cost import BatchCost
+    from specdecode.policy.cost import CostModel
     from specdecode.proposers import NoProposer
-    from specdecode.request import Request
-    from specdecode.sampling import SamplingParams
 
     from .helpers import tiny_model
 

@@ -14,9 +14,9 @@ import pytest
 from rich.console import Console
 
 import specdecode
-from specdecode import cli
 from specdecode.api import METHODS, TextStream
-from specdecode.cli import main as cli_main
+from specdecode.cli import commands as cli
+from specdecode.cli.commands import main as cli_main
 
 from .helpers import make_tokenizer, own_cache_dir, write_checkpoint
 
@@ -200,7 +200,7 @@ def test_help_and_refusals_import_no_torch(args) -> None:
     import subprocess
     import sys
 
-    code = ("import sys, time; t = time.perf_counter(); from specdecode.cli import main\n"
+    code = ("import sys, time; t = time.perf_counter(); from specdecode.cli.commands import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print('imported:', sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)

@@ -9,10 +9,11 @@ import random
 import numpy as np
 import pytest
 
-import specdecode.engine as engine_module
-from specdecode.acceptance import AcceptanceStats
-from specdecode.batch_cost import STEP_SIZES, BatchCost
-from specdecode.cost import (
+import specdecode.engine.loop as engine_module
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.engine.loop import generate_ids
+from specdecode.policy.batch_cost import STEP_SIZES, BatchCost
+from specdecode.policy.cost import (
     CALIBRATION_ROUNDS,
     CALIBRATION_SIZES,
     DOUBTED,
@@ -22,8 +23,7 @@ from specdecode.cost import (
     THOROUGH_ROUNDS,
     CostModel,
 )
-from specdecode.engine import generate_ids
-from specdecode.policy import AdaptiveK, FixedK
+from specdecode.policy.speculation import AdaptiveK, FixedK
 
 from .helpers import Oracle, tiny_model
 
@@ -76,7 +76,7 @@ def test_a_calibration_under_heavy_load_is_physical_and_doubted(monkeypatch, noi
     """Forwards cost 1 + 0.3 (n - 1), each timing off by a log-normal factor: a quiet machine (2%) or one shared
     with a dozen busy threads (80%: seen here, 16 tokens priced at 0.4 of 6). The table never prices a forward
     below a smaller one's or above n plain ones, and its weights say how far to trust it."""
-    import specdecode.cost_timing as cost_module
+    import specdecode.policy.timing as cost_module
 
     model = tiny_model(0, vocab_size=40)
     clock, rng = FakeClock(), random.Random(1)

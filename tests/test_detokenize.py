@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from specdecode.detokenize import IncrementalText
+from specdecode.core.detokenize import IncrementalText
 
 from .helpers import make_tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specdecode
-from specdecode.cli import main as cli_main
+from specdecode.cli.commands import main as cli_main
 from specdecode.models import load_transformer
 from specdecode.training.distill import draft_config, init_embeddings, new_draft
 from specdecode.training.features import FeatureStore

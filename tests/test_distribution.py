@@ -18,11 +18,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specdecode.verify
-from specdecode.acceptance import AcceptanceStats
-from specdecode.engine import generate_ids
+import specdecode.core.verify
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AdaptiveK
+from specdecode.policy.speculation import AdaptiveK
 from specdecode.proposers import (
     AsyncDraftProposer,
     Drafter,
@@ -31,7 +32,6 @@ from specdecode.proposers import (
     PromptLookupProposer,
     Proposer,
 )
-from specdecode.sampling import SamplingParams
 
 from .helpers import TEST_DEVICE, FrozenCost, noisy_copy, tiny_model
 from .test_processing import reference
@@ -192,7 +192,7 @@ def test_guesses_are_informative(target: Transformer) -> None:
 @pytest.mark.parametrize("name", ["prompt-lookup-tree", "draft-top-p"])
 def test_negative_control_wrong_rule_is_detected(target, draft, monkeypatch, name: str) -> None:
     """Resampling from p itself after a rejection (skipping the residual max(0, p - q)) must be caught."""
-    monkeypatch.setattr(specdecode.verify, "residual", lambda p, x, q: p)
+    monkeypatch.setattr(specdecode.core.verify, "residual", lambda p, x, q: p)
     case = CASES[name]
     samples = 1000  # the wrong rule is off by ~0.2 in total variation: far fewer samples suffice
     counts, totals = sample_counts(target, draft, case, samples)

@@ -14,14 +14,14 @@ import torch
 
 import specdecode.proposers.eagle as eagle_module
 from specdecode import kernels
-from specdecode.cli import main as cli_main
-from specdecode.engine import generate_ids
+from specdecode.cli.commands import main as cli_main
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
 from specdecode.models.quant import quantize_linears_
-from specdecode.policy import FixedK
+from specdecode.policy.speculation import FixedK
 from specdecode.proposers import EagleProposer
-from specdecode.sampling import SamplingParams
 from specdecode.training.data import Sample, prompt_texts
 from specdecode.training.distributed import shard
 from specdecode.training.eagle import train_eagle, ttt_logits

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from specdecode import kernels
-from specdecode.engine import generate_ids
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models.halflinear import HalfEmbedding, HalfLinear, widen
 from specdecode.models.linear import Linear
 from specdecode.models.native import weight_struct
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
-from specdecode.sampling import SamplingParams
 
 from .helpers import tiny_model
 

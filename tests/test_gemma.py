@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.acceptance import AcceptanceStats
-from specdecode.engine import generate_ids
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import DraftTree
+from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer, load_transformer
 from specdecode.models.config import FULL, SLIDING, ModelConfig
 from specdecode.models.eagle import EagleConfig, EagleHead
 from specdecode.models.loading import load_gguf, quantize_
-from specdecode.policy import AdaptiveK
+from specdecode.policy.speculation import AdaptiveK
 from specdecode.proposers import (
     DraftModelProposer,
     EagleProposer,
@@ -30,8 +32,6 @@ from specdecode.proposers import (
 )
 from specdecode.proposers.layer_skip import skip_layers
 from specdecode.proposers.quantized import low_bit_copy
-from specdecode.sampling import SamplingParams
-from specdecode.tree import DraftTree
 
 from .helpers import guessing_pays, noisy_copy, randomize_, tiny_model
 from .test_distribution import ALPHA, PROMPT, V, chi_square, exact_joint

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import specdecode
-from specdecode.grammar import StructuredOutput
+from specdecode.core.grammar import StructuredOutput
 
 from .helpers import make_tokenizer, write_checkpoint
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from specdecode import kernels
-from specdecode.engine import generate_ids
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models.kquantize import quantize_k
 from specdecode.models.native import weight_struct
 from specdecode.models.quant import K_QUANTS, QuantLinear, QuantStack, round_activations
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
-from specdecode.sampling import SamplingParams
 
 from .helpers import tiny_model
 

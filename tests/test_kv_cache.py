@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from specdecode import kernels
-from specdecode.engine import generate_ids
+from specdecode.core.tree import DraftTree
+from specdecode.engine.loop import generate_ids
 from specdecode.models import BatchKVCache
 from specdecode.models.cache import KVCache, kv_dtype
-from specdecode.tree import DraftTree
 
 from .helpers import noisy_copy, tiny_model
 from .test_lossless import METHODS, NEW, PROMPTS, VOCAB
@@ -198,8 +198,8 @@ def test_a_bad_cache_dtype_is_refused_before_loading() -> None:
 
 @pytest.mark.parametrize("argv", [["generate", "hi"], ["bench", "--out"]], ids=["generate", "bench"])
 def test_the_command_line_passes_the_cache_dtype_to_the_model(argv, monkeypatch, tmp_path) -> None:
-    from specdecode import cli
     from specdecode.api import LLM
+    from specdecode.cli import commands as cli
     from specdecode.server import replica
 
     seen: list[str] = []

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.acceptance import AcceptanceStats
-from specdecode.cost import CostModel
-from specdecode.engine import generate_ids
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AdaptiveK
+from specdecode.policy.cost import CostModel
+from specdecode.policy.speculation import AdaptiveK
 from specdecode.proposers import LayerSkipProposer
 from specdecode.proposers.layer_skip import (
     DEFAULT_CALIBRATION,
@@ -26,7 +27,6 @@ from specdecode.proposers.layer_skip import (
     search_skip_layers,
     skip_layers,
 )
-from specdecode.sampling import SamplingParams
 
 from .helpers import FrozenCost, make_tokenizer, tiny_model
 from .test_distribution import ALPHA, PROMPT, Case, V, chi_square, exact_joint, sample_counts

@@ -7,16 +7,16 @@ from collections import Counter
 import pytest
 import torch
 
-from specdecode.acceptance import AcceptanceStats
-from specdecode.cost import CostModel
-from specdecode.engine import generate_ids
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import DraftTree
+from specdecode.core.verify import Verdict
+from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
-from specdecode.policy import AdaptiveK
+from specdecode.policy.cost import CostModel
+from specdecode.policy.speculation import AdaptiveK
 from specdecode.proposers import LookaheadProposer
 from specdecode.proposers.base import RequestInfo, StepOutput
-from specdecode.sampling import SamplingParams
-from specdecode.tree import DraftTree
-from specdecode.verify import Verdict
 
 from .helpers import ask, tiny_model
 from .test_distribution import ALPHA, PROMPT, STEEP, V, chi_square, exact_joint

@@ -13,11 +13,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specdecode.acceptance import AcceptanceStats
-from specdecode.cost import CostModel
-from specdecode.engine import Generation, generate_ids, start
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import Generation, generate_ids, start
 from specdecode.models import BatchKVCache, Transformer
-from specdecode.policy import AdaptiveK
+from specdecode.policy.cost import CostModel
+from specdecode.policy.speculation import AdaptiveK
 from specdecode.proposers import (
     AsyncDraftProposer,
     Drafter,
@@ -29,7 +30,6 @@ from specdecode.proposers import (
     Proposer,
 )
 from specdecode.proposers.base import RequestInfo
-from specdecode.sampling import SamplingParams
 
 from .helpers import TEST_DEVICE, ask, guessing_pays, noisy_copy, prefix_layers, resize_vocab, tiny_model
 

@@ -10,17 +10,17 @@ import torch
 from safetensors.torch import load_file
 
 import specdecode
-import specdecode.verify
-from specdecode.acceptance import AcceptanceStats
-from specdecode.cli import main as cli_main
-from specdecode.cost import CostModel
-from specdecode.engine import generate_ids
+import specdecode.core.verify
+from specdecode.cli.commands import main as cli_main
+from specdecode.core.acceptance import AcceptanceStats
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.medusa import MedusaHeads
-from specdecode.policy import AdaptiveK
+from specdecode.policy.cost import CostModel
+from specdecode.policy.speculation import AdaptiveK
 from specdecode.proposers.base import ProposalContext, RequestInfo, StepOutput
 from specdecode.proposers.medusa import PROBE_EVERY, RANKS, REQUEST_TRIALS, MedusaProposer, RankAccuracy, medusa_tree
-from specdecode.sampling import SamplingParams
 from specdecode.training.medusa import frequent_tokens
 
 from .helpers import FrozenCost, ask, make_tokenizer, tiny_model, write_checkpoint
@@ -223,7 +223,7 @@ def test_medusa_sampling_matches_target_distribution(small_target, case: Case) -
 
 def test_medusa_negative_control(small_target, monkeypatch) -> None:
     """The same test catches a wrong rejection rule on Medusa trees, so passing it means something."""
-    monkeypatch.setattr(specdecode.verify, "residual", lambda p, x, q: p)
+    monkeypatch.setattr(specdecode.core.verify, "residual", lambda p, x, q: p)
     counts, _ = sample_counts(small_target, None, SAMPLING, 500)
     pvalue, tv = chi_square(counts, exact_joint(small_target, PROMPT, SAMPLING.params, SAMPLING.tokens), 500)
     assert pvalue < 1e-6, f"the wrong rule went unnoticed: p = {pvalue:.2e}, total variation {tv:.3f}"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.core.tree import DraftTree
 from specdecode.models import ModelConfig, load_transformer
-from specdecode.tree import DraftTree
 
 from .helpers import save_hf_checkpoint, tiny_model
 

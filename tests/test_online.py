@@ -1,4 +1,4 @@
-"""Online learning of the EAGLE head (specdecode/online.py): output stays the target's whatever head serves, a
+"""Online learning of the EAGLE head (proposers/online_learning.py): output stays the target's whatever head serves, a
 new head is taken only between steps, learning raises acceptance on the served text, the guard reverts."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.cli import main as cli_main
-from specdecode.engine import generate_ids
+from specdecode.cli.commands import main as cli_main
+from specdecode.engine.loop import generate_ids
 from specdecode.models.eagle import EagleConfig, EagleHead
-from specdecode.online import OnlineConfig, OnlineHead, chunk_batch
 from specdecode.proposers import EagleProposer
+from specdecode.proposers.online_learning import OnlineConfig, OnlineHead, chunk_batch
 from specdecode.training.eagle import ttt_loss
 
 from .helpers import tiny_model

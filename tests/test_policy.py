@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.acceptance import SCORE_AHEAD, AcceptanceStats, ProposalScorer
-from specdecode.batch_cost import BatchCost, RowCost, nondecreasing
-from specdecode.cost import TABLE_VERSION, CostModel
-from specdecode.engine import generate_ids
-from specdecode.policy import (
+from specdecode.core.acceptance import SCORE_AHEAD, AcceptanceStats, ProposalScorer
+from specdecode.core.tree import DraftTree, ExtraNodes
+from specdecode.engine.loop import generate_ids
+from specdecode.policy.batch_cost import BatchCost, RowCost, nondecreasing
+from specdecode.policy.cost import TABLE_VERSION, CostModel
+from specdecode.policy.speculation import (
     FIRST_PROBE_WITHIN,
     IDLE_ASKS,
     IDLE_PROBE_MOST,
@@ -25,7 +26,6 @@ from specdecode.policy import (
     best_count,
 )
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
-from specdecode.tree import DraftTree, ExtraNodes
 
 from .helpers import FrozenCost, Oracle, ask, tiny_model
 
@@ -77,7 +77,7 @@ def test_noisy_timings_become_nondecreasing() -> None:
 def test_measured_prices_follow_the_sizes_while_the_machine_speed_swings(monkeypatch) -> None:
     """The machine's speed swings 3x every three pairs of forwards: each size is timed next to a 1-token forward,
     so the table's shape (price over a plain step's) comes out exact. Medians of unpaired timings would not."""
-    import specdecode.cost_timing as timing
+    import specdecode.policy.timing as timing
 
     model = tiny_model(0, vocab_size=40)
     clock, forwards = [0.0], [0]

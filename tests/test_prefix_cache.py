@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.engine import generate_ids
-from specdecode.prefix_cache import PrefixCache, common_prefix
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
+from specdecode.engine.prefix_cache import PrefixCache, common_prefix
 from specdecode.proposers import NoProposer, PromptLookupProposer
 from specdecode.proposers.base import Needs
-from specdecode.sampling import SamplingParams
 
 from .helpers import Oracle, guessing_pays, tiny_model
 from .test_gemma import NATIVE_FAMILIES, WINDOW, native_tiny

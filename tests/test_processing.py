@@ -11,11 +11,11 @@ from collections import Counter
 import pytest
 import torch
 
-from specdecode.engine import generate_ids, start
-from specdecode.processing import process
+from specdecode.core.logits_processing import process
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import DraftTree
+from specdecode.engine.loop import generate_ids, start
 from specdecode.proposers import DraftModelProposer, LookaheadProposer, PromptLookupProposer
-from specdecode.sampling import SamplingParams
-from specdecode.tree import DraftTree
 
 from .helpers import noisy_copy, tiny_model
 from .test_lossless import PROMPTS, VOCAB

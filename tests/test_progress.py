@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from specdecode import progress
+from specdecode.common import progress
 
 
 def test_plain_lines_say_elapsed_and_time_left_once_work_takes_a_while() -> None:

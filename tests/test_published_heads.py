@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specdecode.cli import main as cli_main
-from specdecode.drafting import SHIPPED_EAGLE, Assets
-from specdecode.engine import generate_ids
+from specdecode.cli.commands import main as cli_main
+from specdecode.engine.assets import SHIPPED_EAGLE, Assets
+from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
 from specdecode.models.medusa import MedusaHeads

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from specdecode import kernels
-from specdecode.engine import generate_ids
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models.linear import Linear
 from specdecode.models.loading import quantize_
 from specdecode.models.native import weight_struct
 from specdecode.models.quant import QuantLinear, round_activations
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer, QuantizedSelfProposer
-from specdecode.sampling import SamplingParams
 
 from .helpers import noisy_copy, tiny_model
 from .test_distribution import ALPHA, PROMPT, V, chi_square, exact_joint
@@ -467,7 +467,7 @@ def test_greedy_steps_take_the_kernels_argmax_where_nothing_processes_the_logits
     """A native forward returns each row's greedy token with the logits, and verification takes it (no argmax over
     the logits in Python); where the logits are processed (a bias), the processed ones decide. Outputs are the ones
     the logits' own argmax gives."""
-    import specdecode.verify as verify_module
+    import specdecode.core.verify as verify_module
 
     target = quantize_(tiny_model(3, dtype=torch.float32, vocab_size=56), "int8-a8")
     if kernels.native() is None:

@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from specdecode.names import METHODS
+from specdecode.common.names import METHODS
 from specdecode.proposers import (
     LookaheadProposer,
     NoProposer,

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import specdecode
-from specdecode.prefix_cache import common_prefix
+from specdecode.engine.prefix_cache import common_prefix
 
 from .server_files import CONTEXT, server_files
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.core.tree import DraftTree
 from specdecode.models import BatchKVCache
-from specdecode.tree import DraftTree
 
 from .helpers import FrozenCost, tiny_model
 
@@ -86,14 +86,14 @@ def test_batch_cache_move_packs_rows():
 
 
 # ---------------------------------------------------------------------------------- the batched decoder
-from specdecode.acceptance import AcceptanceStats  # noqa: E402
-from specdecode.batch_cost import BatchCost  # noqa: E402
-from specdecode.cost import CostModel  # noqa: E402
-from specdecode.engine import Engine, generate_ids  # noqa: E402
-from specdecode.policy import AdaptiveK, FixedK  # noqa: E402
+from specdecode.core.acceptance import AcceptanceStats  # noqa: E402
+from specdecode.core.sampling import SamplingParams  # noqa: E402
+from specdecode.engine.loop import Engine, generate_ids  # noqa: E402
+from specdecode.engine.request import Request  # noqa: E402
+from specdecode.policy.batch_cost import BatchCost  # noqa: E402
+from specdecode.policy.cost import CostModel  # noqa: E402
+from specdecode.policy.speculation import AdaptiveK, FixedK  # noqa: E402
 from specdecode.proposers import DraftModelProposer, NoProposer, PromptLookupProposer  # noqa: E402
-from specdecode.request import Request  # noqa: E402
-from specdecode.sampling import SamplingParams  # noqa: E402
 
 from .helpers import noisy_copy  # noqa: E402
 from .test_gemma import NATIVE_FAMILIES, native_tiny  # noqa: E402

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.generation import GenerationMode
 
 import specdecode
-from specdecode.batch_cost import BatchCost
+from specdecode.policy.batch_cost import BatchCost
 from specdecode.server.app import ServerConfig, create_app
 
 from .helpers import make_tokenizer, write_checkpoint

@@ -21,17 +21,17 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 import specdecode
-from specdecode import request as engine_request
-from specdecode.batch_cost import BatchCost
-from specdecode.detokenize import RequestText
-from specdecode.engine import Engine
+from specdecode.core.detokenize import RequestText
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import DraftTree
+from specdecode.engine import request as engine_request
+from specdecode.engine.loop import Engine
+from specdecode.policy.batch_cost import BatchCost
 from specdecode.proposers import NoProposer
-from specdecode.sampling import SamplingParams
 from specdecode.server import scheduler as scheduler_module
 from specdecode.server.app import ServerConfig, create_app
 from specdecode.server.cli import read_api_key
 from specdecode.server.hosts import default_allowed_hosts, host_allowed, parse_allowed_hosts
-from specdecode.tree import DraftTree
 
 from .helpers import make_tokenizer, write_checkpoint
 from .test_server_methods import cheap_guesses

@@ -14,12 +14,12 @@ import torch
 from fastapi.testclient import TestClient
 
 import specdecode
-from specdecode.batch_cost import BatchCost
-from specdecode.cost import CostModel
 from specdecode.models.eagle import EagleConfig, EagleHead
 from specdecode.models.medusa import MedusaHeads
-from specdecode.online import OnlineConfig
+from specdecode.policy.batch_cost import BatchCost
+from specdecode.policy.cost import CostModel
 from specdecode.proposers.layer_skip import SkipSearchResult, SkipStep, save_skip_layers
+from specdecode.proposers.online_learning import OnlineConfig
 from specdecode.server.app import ServerConfig, create_app
 
 from .helpers import FrozenCost, make_tokenizer, write_checkpoint

@@ -13,15 +13,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from specdecode import suffix_index
-from specdecode.cost import CostModel
-from specdecode.engine import generate_ids
-from specdecode.policy import FixedK
-from specdecode.proposers import SuffixCache, SuffixProposer
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
+from specdecode.policy.cost import CostModel
+from specdecode.policy.speculation import FixedK
+from specdecode.proposers import SuffixCache, SuffixProposer, suffix_index
 from specdecode.proposers.base import ProposalContext, RequestInfo, StepOutput
 from specdecode.proposers.suffix import GLOBAL_BUCKET, MAX_DEPTH
-from specdecode.sampling import SamplingParams
-from specdecode.suffix_index import SEPARATOR, SuffixIndex, TextIndex
+from specdecode.proposers.suffix_index import SEPARATOR, SuffixIndex, TextIndex
 
 from .helpers import FrozenCost, ask, end_request, guessing_pays, tiny_model
 from .test_distribution import ALPHA, chi_square, exact_joint
@@ -217,8 +216,8 @@ def test_the_requests_own_text_comes_before_the_global_cache() -> None:
 def test_global_searches_rest_while_they_add_nothing_and_resume_on_a_hit() -> None:
     """A global search whose guesses add no accepted token rests the next ones (0, 1, 2, 4 ... steps); a step whose
     accepted tokens only the global cache offered ends the rest."""
+    from specdecode.core.verify import Verdict
     from specdecode.proposers.suffix import GLOBAL_MAX_REST
-    from specdecode.verify import Verdict
 
     cache = SuffixCache()
     cache.index.add_sequence([1, 2, 3, 30, 31])
@@ -242,7 +241,7 @@ def test_global_searches_rest_while_they_add_nothing_and_resume_on_a_hit() -> No
 def test_the_global_cache_is_searched_only_where_it_may_hold_the_texts_last_3_tokens() -> None:
     """Its filter is never wrong about a trigram it holds (also after eviction and sorting); a text whose last 3
     tokens it never saw costs no search and no rest, yet counts as a lookup that missed."""
-    from specdecode.verify import Verdict
+    from specdecode.core.verify import Verdict
 
     rng = random.Random(0)
     index = SuffixIndex(max_tokens=20_000)

@@ -10,11 +10,12 @@ import time
 import pytest
 import torch
 
-from specdecode import kernels, threads
-from specdecode.engine import generate_ids
+from specdecode import kernels
+from specdecode.core.sampling import SamplingParams
+from specdecode.engine.loop import generate_ids
 from specdecode.models.loading import quantize_
+from specdecode.policy import threads
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
-from specdecode.sampling import SamplingParams
 
 from .helpers import noisy_copy, tiny_model
 

@@ -101,7 +101,7 @@ def test_training_ends_at_the_deadline_even_before_its_steps_are_fitted(tmp_path
 
 FLUSHED_POOL = """
 import sys, torch
-from specdecode.cli import main
+from specdecode.cli.commands import main
 torch.set_num_threads(2)
 if sys.argv[1] == "late":
     torch.ones(256, 256) @ torch.ones(256, 256)  # the worker threads start unflushed

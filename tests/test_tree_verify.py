@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from specdecode.core.sampling import SamplingParams, greedy_token, greedy_tokens
+from specdecode.core.tree import DraftTree, ExtraNodes
+from specdecode.core.verify import residual, verify
 from specdecode.proposers import DraftModelProposer, PromptLookupProposer
 from specdecode.proposers.base import ProposalContext, RequestInfo
-from specdecode.sampling import SamplingParams, greedy_token, greedy_tokens
-from specdecode.tree import DraftTree, ExtraNodes
-from specdecode.verify import residual, verify
 
 from .helpers import ask, tiny_model
 

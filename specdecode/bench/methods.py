@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from ..api import LLM
-from ..drafting import ASYNC_DRAFTS
-from ..engine import Generation
+from ..engine.assets import ASYNC_DRAFTS
+from ..engine.loop import Generation
 
 
 def output_hash(token_ids: list[int]) -> str:

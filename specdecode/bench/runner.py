@@ -14,8 +14,8 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..api import LLM
+from ..engine.prefix_cache import PrefixCache
 from ..models import resolve
-from ..prefix_cache import PrefixCache
 from .data import Question
 from .hardware import machine_description, memory_bandwidth_gbs, weight_bytes
 from .methods import Method, Runners

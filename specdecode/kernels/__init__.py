@@ -94,7 +94,7 @@ def native() -> ctypes.CDLL | None:
             reason = "SPECDECODE_NATIVE=0"
         else:
             try:
-                from ..paths import default_cache_dir
+                from ..common.paths import default_cache_dir
 
                 lib = ctypes.CDLL(str(_build(default_cache_dir())))
                 _declare(lib)

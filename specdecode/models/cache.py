@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..names import KV_CACHE_DTYPES
+from ..common.names import KV_CACHE_DTYPES
 
 
 def kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str = "float16") -> torch.dtype:

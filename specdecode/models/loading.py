@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .. import kernels
-from ..names import DTYPE_NAMES, REGISTRY, RegistryEntry
-from ..paths import default_cache_dir
+from ..common.names import DTYPE_NAMES, REGISTRY, RegistryEntry
+from ..common.paths import default_cache_dir
 from .config import ModelConfig
 from .gguf_file import GEMMA3_CHAT_TEMPLATE, trim_added_tokens
 from .gguf_file import config as gguf_config

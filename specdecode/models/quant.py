@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..names import QUANTIZATIONS
+from ..common.names import QUANTIZATIONS
 from .linear import Linear
 
 log = logging.getLogger("specdecode")

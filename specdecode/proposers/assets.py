@@ -10,11 +10,11 @@ import os
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..cost import CostModel
     from ..models import Transformer
     from ..models.eagle import EagleHead
     from ..models.medusa import MedusaHeads
-    from ..online import OnlineHead
+    from ..policy.cost import CostModel
+    from .online_learning import OnlineHead
 
 # what `draft=` names: a draft model (registry name, HF dir, .gguf file, or a loaded LLM) or trained heads' folder
 Draft = str | os.PathLike | Any | None

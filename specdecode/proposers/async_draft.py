@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams
-from ..threads import usable_cores
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..core.sampling import SamplingParams
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
+from ..policy.threads import usable_cores
 from .base import ProposalContext, Proposer, RequestInfo, StepOutput
 from .draft_model import DraftModelProposer
 

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..acceptance import AcceptanceStats
-from ..cost import ForwardCost
-from ..policy import Guessing
-from ..sampling import SamplingParams
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..core.acceptance import AcceptanceStats
+from ..core.sampling import SamplingParams
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
+from ..policy.cost import ForwardCost
+from ..policy.speculation import Guessing
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.sampling import SamplingParams, greedy_token, sample
+from ..core.tree import DraftTree
 from ..models import KVCache, Transformer
-from ..sampling import SamplingParams, greedy_token, sample
-from ..tree import DraftTree
 from .base import ProposalContext, Proposer, RequestInfo
 from .prompt_lookup import PromptLookupProposer
 

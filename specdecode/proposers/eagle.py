@@ -26,7 +26,7 @@ it catches up in one forward on the positions it has (at most HEAD_CONTEXT: its 
 The head keeps a KV cache of its own: entries for committed positions hold target features and stay;
 draft entries sit after them and are dropped at the next proposal.
 
-Learning online (`online`, see specdecode/online.py): the proposer records what the target verified, chunk by
+Learning online (`online`, see proposers/online_learning.py): the proposer records what the target verified, chunk by
 chunk, and takes the newest published head at the start of a step (its cache then restarts: entries made by
 the old head's weights would not be the new one's).
 """
@@ -41,16 +41,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..cost import ForwardCost
+from ..core.sampling import sample
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
 from ..models import Transformer
 from ..models.eagle import EagleHead
-from ..online import OnlineHead
-from ..policy import Guessing, Rest, best_count, smoothed
-from ..sampling import sample
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..policy.cost import ForwardCost
+from ..policy.speculation import Guessing, Rest, best_count, smoothed
 from .assets import is_path
 from .base import NOTHING, Needs, ProposalContext, Proposer, RequestInfo, StepOutput
+from .online_learning import OnlineHead
 
 
 def path_sum(probs: list[torch.Tensor], drafted: list[int]) -> float:

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..policy import AdaptiveK, FixedK, Guessing, Policy, StepRecord
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
+from ..policy.speculation import AdaptiveK, FixedK, Guessing, Policy, StepRecord
 from . import draft_model, layer_skip
 from .base import ProposalContext, Proposer, RequestInfo, StepOutput
 from .eagle import EagleProposer

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..cost import CostModel
+from ..common.paths import default_cache_dir
 from ..data import CALIBRATION
 from ..models import Transformer
-from ..paths import default_cache_dir
-from ..policy import Guessing
+from ..policy.cost import CostModel
+from ..policy.speculation import Guessing
 from .draft_model import DraftModelProposer
 
 MAX_K = 8  # draft depths the search considers

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..policy import Guessing
-from ..sampling import greedy_tokens
-from ..tree import DraftTree, ExtraNodes
-from ..verify import Verdict
+from ..core.sampling import greedy_tokens
+from ..core.tree import DraftTree, ExtraNodes
+from ..core.verify import Verdict
+from ..policy.speculation import Guessing
 from .base import ProposalContext, Proposer, RequestInfo, StepOutput
 
 

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..cost import ForwardCost
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
 from ..models.medusa import MedusaHeads
-from ..policy import Guessing, best_count, rate_to_beat, smoothed
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..policy.cost import ForwardCost
+from ..policy.speculation import Guessing, best_count, rate_to_beat, smoothed
 from .assets import is_path
 from .base import Needs, ProposalContext, Proposer, RequestInfo, StepOutput
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..policy import Guessing
-from ..tree import DraftTree
+from ..core.tree import DraftTree
+from ..policy.speculation import Guessing
 from .base import ProposalContext, Proposer, RequestInfo
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..names import METHODS
+from ..common.names import METHODS
 from . import base, draft_model, eagle, hybrid, layer_skip, lookahead, medusa, prompt_lookup, quantized, suffix
 from .assets import Assets, Draft
 from .async_draft import AsyncDraftProposer

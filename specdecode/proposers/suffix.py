@@ -1,7 +1,7 @@
 """Suffix decoding: guess from what followed the end of the text where it occurred before, in this request's own
 prompt and output or in earlier requests' outputs, a tree sized by how often each continuation followed.
 
-Two suffix indexes (specdecode/suffix_index.py) are searched each step: the request's own (prompt + output,
+Two suffix indexes (specdecode/proposers/suffix_index.py) are searched each step: the request's own (prompt + output,
 extended as tokens commit) and the model's global one (`SuffixCache`: the outputs of earlier requests, shared by
 every request of one model, bounded with FIFO eviction). Each finds the occurrences of the longest suffix of the
 text; their continuations merge into a trie in which a node's frequency is the share of occurrences that
@@ -33,14 +33,14 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..acceptance import AcceptanceStats, Proposal, ProposalScorer
-from ..cost import ForwardCost
-from ..holding import HoldsBack
-from ..policy import Guessing, best_count
-from ..suffix_index import SEPARATOR, SuffixIndex, TextIndex
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..core.acceptance import AcceptanceStats, Proposal, ProposalScorer
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
+from ..engine.held_back import HoldsBack
+from ..policy.cost import ForwardCost
+from ..policy.speculation import Guessing, best_count
 from .base import ProposalContext, Proposer, RequestInfo, StepOutput
+from .suffix_index import SEPARATOR, SuffixIndex, TextIndex
 
 MAX_DEPTH = 32  # deepest guess
 MATCH_CLASSES = (2, 3, 4, 6, 10, 16)  # match lengths that start a new acceptance class (1 token: class 0)

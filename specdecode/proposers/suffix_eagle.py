@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 import time
 
-from ..policy import Guessing
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
+from ..policy.speculation import Guessing
 from .base import Needs, ProposalContext, Proposer, RequestInfo, StepOutput
 from .eagle import HIDDEN_LEAD, EagleProposer
 from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer

@@ -30,16 +30,16 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from .. import chat_template as chat_templates
-from .. import request as engine_request
-from ..acceptance import AcceptanceStats
 from ..api import LLM
-from ..batch_cost import BatchCost
-from ..drafting import ASYNC_DRAFTS
-from ..engine import Engine
-from ..grammar import Constraint
-from ..policy import Pricing
-from ..sampling import SamplingParams
+from ..core import chat_template as chat_templates
+from ..core.acceptance import AcceptanceStats
+from ..core.grammar import Constraint
+from ..core.sampling import SamplingParams
+from ..engine import request as engine_request
+from ..engine.assets import ASYNC_DRAFTS
+from ..engine.loop import Engine
+from ..policy.batch_cost import BatchCost
+from ..policy.speculation import Pricing
 from . import schemas
 from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES, parse_json, read_body
 from .errors import APIError, bad_request, internal_error

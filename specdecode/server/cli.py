@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli_args import int_in, port, positive
-from ..cli_precision import add_precision_args, quantization
-from ..names import DEFAULT_METHOD, METHODS, PREFIX_CACHE_MB
+from ..cli.args import int_in, port, positive
+from ..cli.precision import add_precision_args, quantization
+from ..common.names import DEFAULT_METHOD, METHODS, PREFIX_CACHE_MB
 from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES
 from .hosts import PROTECTABLE, default_allowed_hosts, parse_allowed_hosts
 

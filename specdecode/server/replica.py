@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..api import LLM
-from ..batch_cost import BatchCost
-from ..prefix_cache import DEFAULT_MB
+from ..engine.prefix_cache import DEFAULT_MB
+from ..policy.batch_cost import BatchCost
 from .app import ServerConfig
 from .body import BODY_TIMEOUT
 from .warmup import warm_up

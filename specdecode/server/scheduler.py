@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..detokenize import RequestText
-from ..engine import Engine
-from ..request import Request
+from ..core.detokenize import RequestText
+from ..engine.loop import Engine
+from ..engine.request import Request
 from .errors import APIError, internal_error, overloaded
 from .metrics import Metrics
 from .schemas import logprob_entries

@@ -16,8 +16,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..request import MAX_LOGPROBS, TokenLogprob
-from ..sampling import MIN_REPETITION_PENALTY
+from ..core.sampling import MIN_REPETITION_PENALTY
+from ..engine.request import MAX_LOGPROBS, TokenLogprob
 from .errors import bad_request
 from .fields import screen, unknown
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..chat_template import check_turn
+from ..core.chat_template import check_turn
 
 log = logging.getLogger("specdecode.server")
 SECONDS = 2.0  # a chat template renders in milliseconds; a request's template gets this long

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Iterable
 
 from ..api import LLM, METHODS
-from ..cost import CostModel
+from ..policy.cost import CostModel
 from ..proposers.layer_skip import load_skip_search
 
 log = logging.getLogger("specdecode.server")

@@ -53,7 +53,7 @@ def answer_only(args: argparse.Namespace) -> int:
 
 def load_init(where: str, target: str):
     """--init: a trained head's folder, or 'shipped' (the head shipped for a registry name)."""
-    from ..drafting import SHIPPED_EAGLE
+    from ..engine.assets import SHIPPED_EAGLE
     from ..models.eagle import EagleHead
 
     path = SHIPPED_EAGLE.get(target.lower()) if where == "shipped" else Path(where)

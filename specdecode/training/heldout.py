@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..engine import generate_ids
+from ..engine.loop import generate_ids
 from ..models import Transformer
 from ..proposers import Proposer
 from .features import FeatureStore

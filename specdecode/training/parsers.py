@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..common.names import DTYPE_NAMES
 from ..data import train_dir
-from ..names import DTYPE_NAMES
 
 SAVE_DTYPE_NAMES = ("float32", "bfloat16")  # medusa_cli / distill_cli.SAVE_DTYPES: torch's dtypes of these names
 

@@ -19,19 +19,19 @@ from collections.abc import Collection, Generator, Iterator
 
 import torch
 
-from . import threads
-from .batch_cost import BatchCost, RowCost
-from .cost import CostModel, ForwardCost
-from .models import BatchKVCache, Transformer
-from .models.llama import BatchForwardOutput
-from .policy import AdaptiveK, Policy, joint_cut
+from ..core.sampling import SamplingParams
+from ..core.tree import DraftTree
+from ..core.verify import Verdict, verify
+from ..models import BatchKVCache, Transformer
+from ..models.llama import BatchForwardOutput
+from ..policy import threads
+from ..policy.batch_cost import BatchCost, RowCost
+from ..policy.cost import CostModel, ForwardCost
+from ..policy.speculation import AdaptiveK, Policy, joint_cut
+from ..proposers import NoProposer, Proposer
+from ..proposers.base import Needs, StepOutput
 from .prefix_cache import PrefixCache
-from .proposers import NoProposer, Proposer
-from .proposers.base import Needs, StepOutput
 from .request import MAX_DRAFT_NODES, GenerationStats, Request
-from .sampling import SamplingParams
-from .tree import DraftTree
-from .verify import Verdict, verify
 
 StepResult = tuple[Request, "list[int] | Exception"]
 # prompt tokens in one prefill forward: a chunk's activations stay within the CPU's caches, where a whole long

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .models import Transformer
+    from ..models import Transformer
 
 log = logging.getLogger("specdecode")
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .acceptance import AcceptanceStats, ProposalScorer
+from ..core.acceptance import AcceptanceStats, ProposalScorer
+from ..core.tree import DraftTree
 from .cost import ForwardCost
-from .tree import DraftTree
 
 # a guess must beat a plain step's rate by this fraction: a small size's price is known to +-3% and acceptance
 # is estimated from a few dozen guesses, and guessing is chosen when those estimates look best, so a step

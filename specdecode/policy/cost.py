@@ -19,8 +19,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..models import Transformer
 from . import threads
-from .cost_timing import (
+from .timing import (
     CALIBRATION_ROUNDS,
     CALIBRATION_SIZES,
     COST_SIZES,
@@ -32,7 +33,6 @@ from .cost_timing import (
     time_forwards,
     time_one_thread_shape,
 )
-from .models import Transformer
 
 WEIGHT_CAP = 64  # a size's price is the mean of at most this many paired timings: it follows slow changes
 PAIR_WITHIN = 4  # a step is paired with the plain steps at most this many steps before it

@@ -10,8 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .api import GenerationOutput
-from .engine import GenerationStats
+from ..api import GenerationOutput
+from ..engine.loop import GenerationStats
 
 # each line under 80 columns: what the table's columns mean, and how tau follows from the two after it
 LEGEND = ("tau: tokens per target forward (plain decoding: 1.00) = 1 + guess/fwd x kept\n"

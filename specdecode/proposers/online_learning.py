@@ -32,7 +32,7 @@ from typing import cast
 
 import torch
 
-from .models.eagle import EagleHead
+from ..models.eagle import EagleHead
 
 
 @dataclass
@@ -164,7 +164,7 @@ class OnlineHead:
         return torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def _revert(self) -> None:
-        head, state, version = self.previous  # type: ignore[misc]
+        head, state, version = self.previous
         self._restore = self.served = state  # the learner takes it at its next step (it may be mid-step now)
         self.current, self.version, self.previous = head, self.version + 1, None
         self.judged[self.version] = list(self.judged.get(version, [0.0, 0.0]))  # its record stands
@@ -187,7 +187,7 @@ class OnlineHead:
             mass = self.fade_mass().clone() if self.unpublished == 0 else None
         if mass is not None:  # a new head begins: its vocabulary first
             self.swapped += self.refresh_vocab(mass)
-        from .training.eagle import ttt_loss  # training code loads only where a head learns
+        from ..training.eagle import ttt_loss  # training code loads only where a head learns
 
         reward = self.cfg.reward if self.steps >= self.cfg.reward_after else 0.0
         batch = chunk_batch(chunks, self.learner.config.target_layers, reward, self.cfg.answers_only)

@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .grammar import Constraint
-from .policy import FixedK, Policy, Pricing, StepRecord, policy_for
-from .processing import process
-from .proposers import Proposer
-from .proposers.base import Needs, ProposalContext, RequestInfo, StepOutput
-from .sampling import SamplingParams
-from .tree import DraftTree
-from .verify import Verdict
+from ..core.grammar import Constraint
+from ..core.logits_processing import process
+from ..core.sampling import SamplingParams
+from ..core.tree import DraftTree
+from ..core.verify import Verdict
+from ..policy.speculation import FixedK, Policy, Pricing, StepRecord, policy_for
+from ..proposers import Proposer
+from ..proposers.base import Needs, ProposalContext, RequestInfo, StepOutput
 
 MAX_DRAFT_NODES = 256  # room kept in the KV cache for one step's guesses
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)

@@ -10,18 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from .cost import CostModel
-from .models import Transformer
-from .models.eagle import EagleHead
-from .models.medusa import MedusaHeads
-from .models.published_heads import load_eagle_head, load_medusa_heads
-from .online import OnlineConfig, OnlineHead
-from .proposers import SuffixCache
-from .proposers.assets import Draft, is_path
-from .proposers.async_draft import Drafter
-from .proposers.layer_skip import SkipSearchResult, load_skip_search
-from .proposers.medusa import RankAccuracy
-from .proposers.quantized import low_bit_copy
+from ..models import Transformer
+from ..models.eagle import EagleHead
+from ..models.medusa import MedusaHeads
+from ..models.published_heads import load_eagle_head, load_medusa_heads
+from ..policy.cost import CostModel
+from ..proposers import SuffixCache
+from ..proposers.assets import Draft, is_path
+from ..proposers.async_draft import Drafter
+from ..proposers.layer_skip import SkipSearchResult, load_skip_search
+from ..proposers.medusa import RankAccuracy
+from ..proposers.online_learning import OnlineConfig, OnlineHead
+from ..proposers.quantized import low_bit_copy
 
 ASYNC_DRAFTS = ("draft", "quantized", "layer-skip")  # the methods that can draft ahead (async_draft)
 # prompt lookup under k='auto' merges the continuations of the three latest matches into a tree, which the policy
@@ -105,7 +105,7 @@ class Assets:
 
     def tune_layer_skip(self, n_texts: int = 6, max_tokens: int = 128, progress=None):
         """Search the layers to skip on calibration text (never the benchmark), save and return the result."""
-        from .proposers.layer_skip import calibration_tokens, save_skip_layers, search_skip_layers
+        from ..proposers.layer_skip import calibration_tokens, save_skip_layers, search_skip_layers
 
         texts = calibration_tokens(self.tokenizer, n_texts=n_texts, max_tokens=max_tokens)
         result = search_skip_layers(self.model, texts, self.cost_model(), progress=progress)

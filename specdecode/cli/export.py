@@ -23,12 +23,12 @@ def add_export_parser(sub) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from .models.published_heads import export_head
-    from .models.published_io import LAYOUT_NAMES
+    from ..models.published_heads import export_head
+    from ..models.published_io import LAYOUT_NAMES
 
     target = None
     if args.target is not None:
-        from .api import LLM
+        from ..api import LLM
 
         target = LLM.load(args.target).model
     dtype = None if args.dtype is None else getattr(torch, args.dtype)

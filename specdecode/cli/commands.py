@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from . import __version__
-from .cli_args import Parser, int_in, positive
-from .cli_precision import add_precision_args, quantization
-from .names import DEFAULT_METHOD, METHODS, QUANTIZATIONS, check_model
-from .progress import FIRST_LINE_S
+from .. import __version__
+from ..common.names import DEFAULT_METHOD, METHODS, QUANTIZATIONS, check_model
+from ..common.progress import FIRST_LINE_S
+from .args import Parser, int_in, positive
+from .precision import add_precision_args, quantization
 
 if TYPE_CHECKING:  # the command line imports torch (seconds) only once a command runs: --help answers at once
-    from .api import LLM, GenerationOutput
+    from ..api import LLM, GenerationOutput
 
 # a log or pipe gets 120 columns unless $COLUMNS says otherwise; a terminal, its own width
 err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 120)
@@ -78,17 +78,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if wanted("tune"):
         add_tune_parser(sub)
     if wanted("train"):
-        from .training.parsers import add_train_parser
+        from ..training.parsers import add_train_parser
 
         add_train_parser(sub)
     if wanted("serve"):
-        from .server.cli import add_parser as add_serve_parser
+        from ..server.cli import add_parser as add_serve_parser
 
         add_serve_parser(sub)
     if wanted("bench"):
         add_bench_parser(sub)
     if wanted("export-head"):
-        from .cli_export import add_export_parser
+        from .export import add_export_parser
 
         add_export_parser(sub)
     return parser
@@ -221,14 +221,14 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return cmd_bench(args)
     if args.command == "export-head":
-        from .cli_export import cmd_export
+        from .export import cmd_export
 
         return cmd_export(args)
     if args.command == "train":
-        from .training.cli import cmd_train
+        from ..training.cli import cmd_train
 
         return cmd_train(args)
-    from .server.cli import cmd_serve
+    from ..server.cli import cmd_serve
 
     announce_serve_setup(args)
     return cmd_serve(args)
@@ -239,7 +239,7 @@ def announce_serve_setup(args: argparse.Namespace) -> None:
     kernels compiled, forwards timed for k='auto' by batch size: ~2 minutes measured on 2 busy cores): it says so
     first, instead of looking hung. Later starts read all of it from the cache (seconds). First start means: no
     batch table for this --max-batch in the cache (of any model: a heuristic that needs no model loaded)."""
-    from .paths import default_cache_dir
+    from ..common.paths import default_cache_dir
 
     cache = default_cache_dir()
     if any((cache / "costs").glob(f"*-batch{args.max_batch}.json")):
@@ -289,7 +289,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .api import LLM
+    from ..api import LLM
 
     prompt = args.prompt  # read and checked before the model loads (check_before_loading)
     if args.threads:
@@ -324,7 +324,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate(prompt, **options)
         print(json.dumps(output_record(out), indent=2))
         return 0
-    from .cli_report import show_stats
+    from .report import show_stats
 
     stream = llm.generate(prompt, stream=True, **options)
     for piece in stream:
@@ -338,7 +338,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def measure_costs_once(llm: LLM) -> None:
     """`--k auto` prices guesses with the target's forward costs, timed on the first run on a machine:
     say so rather than look hung."""
-    from .cost import CostModel
+    from ..policy.cost import CostModel
 
     if CostModel.cached(llm.model) is None:
         with status("timing target forwards..."):  # the library logs a line saying why and for how long
@@ -348,13 +348,13 @@ def measure_costs_once(llm: LLM) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .api import LLM
+    from ..api import LLM
 
     with status(f"loading {args.model}..."):
         llm = LLM.load(args.model, dtype=args.dtype, quantization=quantization(args),
                        kv_cache_dtype=args.kv_cache_dtype)
     if args.what == "cost":
-        from .cost import CostModel
+        from ..policy.cost import CostModel
 
         cost = CostModel.measure(llm.model)  # the thorough table (minutes; first use calibrates in seconds)
         CostModel.save(llm.model, cost)
@@ -383,9 +383,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
-    from .bench.methods import with_async
-    from .bench.workloads import load_workload
+    from ..bench import BenchConfig, load_questions, parse_methods, run_benchmark, save_results, write_report
+    from ..bench.methods import with_async
+    from ..bench.workloads import load_workload
 
     ks: list[int | str] = [k if k == "auto" else int(k) for k in args.k.split(",")]
     temperatures = [float(t) for t in args.temperature.split(",")]
@@ -416,7 +416,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -> int:
     """Plain decoding vs the chosen method on the same prompt, alternating order so drift hits both."""
-    from .cli_report import Comparison, show_comparison
+    from .report import Comparison, show_comparison
 
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")

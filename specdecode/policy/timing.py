@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .models import KVCache, Transformer
-from .paths import default_cache_dir
-from .progress import progress_bar
+from ..common.paths import default_cache_dir
+from ..common.progress import progress_bar
+from ..models import KVCache, Transformer
 
 # `specdecode tune cost`: every size up to 8 (a size between two measured ones is priced by interpolation, and
 # small forwards need not be linear in size: oneDNN picks its kernels by row count), 32 paired rounds

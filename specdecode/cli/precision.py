@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .names import DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
+from ..common.names import DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 QUANTIZATION_CHOICES = ["auto", "none", *QUANTIZATIONS]
 

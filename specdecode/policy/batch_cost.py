@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..common.progress import progress_bar
+from ..models import BatchKVCache, Transformer
 from .cost import CostModel, ForwardCost
-from .cost_timing import machine_key, nondecreasing, table_path
-from .models import BatchKVCache, Transformer
-from .progress import progress_bar
+from .timing import machine_key, nondecreasing, table_path
 
 # tokens per row in a measured batched forward: few, so that a server starts in seconds (a full batch backs off to
 # shallow guesses anyway; deeper ones are extrapolated and every batched step refines its batch size's table)
