@@ -32,7 +32,7 @@ AUTO_BRANCHES = 3
 # reads a sizeable share of what the int4 target's forward reads, and drafting cost more than verification saved
 EAGLE_BESIDE_A8 = "int8-a8"
 # EAGLE heads that ship with the package, by registry name of their target
-SHIPPED_EAGLE = {name: Path(__file__).resolve().parent / "drafts" / f"{name}-eagle"
+SHIPPED_EAGLE = {name: Path(__file__).resolve().parent.parent / "drafts" / f"{name}-eagle"
                  for name in ("smollm2-135m-instruct", "gemma3-270m")}
 
 
