@@ -19,12 +19,13 @@ from specdecode.core.sampling import SamplingParams
 from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import EagleConfig, EagleHead
+from specdecode.models.eagle_ttt import ttt_logits
 from specdecode.models.quant import quantize_linears_
 from specdecode.policy.speculation import FixedK
 from specdecode.proposers import EagleProposer
 from specdecode.training.data import Sample, prompt_texts
 from specdecode.training.distributed import shard
-from specdecode.training.eagle import train_eagle, ttt_logits
+from specdecode.training.eagle import train_eagle
 from specdecode.training.features import FeatureStore, extract_features
 from specdecode.training.loop import TrainConfig
 

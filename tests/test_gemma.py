@@ -337,7 +337,7 @@ def test_a_gemma_head_starts_at_unit_gain(target) -> None:
 def test_a_gemma_heads_block_sees_what_training_showed_it_past_the_targets_window(target, dtype) -> None:
     """The head is a Llama block with full attention, as training computes it, whatever the target's windows: its
     inference forward (PyTorch's block, or the native one) equals the training-time forward past the window."""
-    from specdecode.training.eagle import ttt_logits
+    from specdecode.models.eagle_ttt import ttt_logits
 
     model = copy.deepcopy(target).to(dtype)
     head = random_eagle(model, 2)

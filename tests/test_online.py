@@ -9,9 +9,9 @@ import torch
 from specdecode.cli.commands import main as cli_main
 from specdecode.engine.loop import generate_ids
 from specdecode.models.eagle import EagleConfig, EagleHead
+from specdecode.models.eagle_ttt import ttt_loss
 from specdecode.proposers import EagleProposer
 from specdecode.proposers.online_learning import OnlineConfig, OnlineHead, chunk_batch
-from specdecode.training.eagle import ttt_loss
 
 from .helpers import tiny_model
 from .test_lossless import PROMPTS, VOCAB

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from .. import __version__
+from ..common.command_line import Parser, add_precision_args, int_in, positive, quantization
 from ..common.names import DEFAULT_METHOD, METHODS, QUANTIZATIONS, check_model
 from ..common.progress import FIRST_LINE_S
-from .args import Parser, int_in, positive
-from .precision import add_precision_args, quantization
 
 if TYPE_CHECKING:  # the command line imports torch (seconds) only once a command runs: --help answers at once
     from ..api import LLM, GenerationOutput

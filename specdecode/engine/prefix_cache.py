@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.held_back import HoldsBack
 from ..common.names import PREFIX_CACHE_MB
-from .held_back import HoldsBack
 
 DEFAULT_MB = PREFIX_CACHE_MB  # the server's default budget
 MIN_TOKENS = 16  # shorter shared prefixes (a chat template's header) are not worth a copy

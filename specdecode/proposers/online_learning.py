@@ -33,6 +33,7 @@ from typing import cast
 import torch
 
 from ..models.eagle import EagleHead
+from ..models.eagle_ttt import ttt_loss
 
 
 @dataclass
@@ -187,8 +188,6 @@ class OnlineHead:
             mass = self.fade_mass().clone() if self.unpublished == 0 else None
         if mass is not None:  # a new head begins: its vocabulary first
             self.swapped += self.refresh_vocab(mass)
-        from ..training.eagle import ttt_loss  # training code loads only where a head learns
-
         reward = self.cfg.reward if self.steps >= self.cfg.reward_after else 0.0
         batch = chunk_batch(chunks, self.learner.config.target_layers, reward, self.cfg.answers_only)
         self.learner.train()

@@ -33,10 +33,10 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..common.held_back import HoldsBack
 from ..core.acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..core.tree import DraftTree
 from ..core.verify import Verdict
-from ..engine.held_back import HoldsBack
 from ..policy.cost import ForwardCost
 from ..policy.speculation import Guessing, best_count
 from .base import ProposalContext, Proposer, RequestInfo, StepOutput

@@ -8,8 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli.args import int_in, port, positive
-from ..cli.precision import add_precision_args, quantization
+from ..common.command_line import add_precision_args, int_in, port, positive, quantization
 from ..common.names import DEFAULT_METHOD, METHODS, PREFIX_CACHE_MB
 from .body import BODY_TIMEOUT, MAX_REQUEST_BYTES
 from .hosts import PROTECTABLE, default_allowed_hosts, parse_allowed_hosts

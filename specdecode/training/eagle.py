@@ -1,25 +1,17 @@
-"""Train an EAGLE-3-style head on cached target features, with "training-time test".
-
-At inference the head drafts several tokens deep on its own outputs: depth 1 reads the target's fused
-features, depth d > 1 reads the head's own output at the previous position. Training unrolls the same
-way (EAGLE-3's training-time test): step j feeds each position the head's step j-1 output from the
-position before, and attends exactly as a draft started j positions earlier would -- to target-feature
-entries up to that root, and to its own entries on the diagonal since. The loss at every step is the
-cross-entropy against the target's next-token distribution (top-k teacher), restricted to the draft
-vocabulary; the accuracy at step j is the greedy acceptance rate at depth j + 1 given the ones before.
-"""
+"""Train an EAGLE-3-style head on cached target features, with "training-time test" (the unroll and its loss:
+models/eagle_ttt.py, shared with online learning)."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 
 from ..models import Transformer
-from ..models.eagle import EagleConfig, EagleHead
-from ..models.llama import rotate_half
+from ..models.eagle import ARCH_EAGLE3, ARCH_OURS, EagleConfig, EagleHead
+from ..models.eagle3 import Eagle3Head, from_specdecode_head
+from ..models.eagle_ttt import ttt_loss
 from .distributed import local_batch, summed, world
 from .features import FeatureStore
 from .loop import LOG, TrainConfig, train
@@ -32,88 +24,6 @@ def choose_draft_vocab(store: FeatureStore, size: int, vocab_size: int) -> torch
     counts += 1e-3 * torch.bincount(store.tokens.cpu(), minlength=vocab_size)  # then the most frequent in text
     counts = summed(counts)
     return counts.argsort(descending=True, stable=True)[:size].sort().values
-
-
-def _shift(x: torch.Tensor, by: int, dim: int) -> torch.Tensor:
-    """x moved `by` places later along `dim`, zeros in front."""
-    if by == 0:
-        return x
-    pad = torch.zeros_like(x.narrow(dim, 0, by))
-    return torch.cat((pad, x.narrow(dim, 0, x.shape[dim] - by)), dim=dim)
-
-
-def ttt_logits(head: EagleHead, embed: torch.nn.Embedding, batch: dict, steps: int) -> list[torch.Tensor]:
-    """Draft-vocab logits [B, T-1, Vd] for each unrolled step; entry t predicts token t + 2."""
-    return [head.lm_head(state) for state in ttt_states(head, embed, batch, steps)]
-
-
-def ttt_states(head: EagleHead, embed: torch.nn.Embedding, batch: dict, steps: int) -> list[torch.Tensor]:
-    """The head's normed output [B, T-1, H] for each unrolled step, its output layer not yet applied (the loss
-    applies it to the positions it scores only: the output layer is most of a step's work)."""
-    hidden = batch["hidden"]
-    features = head.fuse_features(hidden[:, :-1])  # [B, T-1, H]: target features at t
-    embeds = embed(batch["tokens"][:, 1:])  # token t + 1
-    b, n, _ = features.shape
-    attn = head.block.attn
-    nh, nkv, d = attn.n_heads, attn.n_kv, attn.head_dim
-    cos, sin = head.rope(torch.arange(n, device=features.device))
-    causal0 = [torch.ones(n, n, dtype=torch.bool, device=features.device).tril(-j) for j in range(steps)]
-    keys, values, outputs = [], [], []
-    feat = features
-    for j in range(steps):
-        x = head.embed_input(feat, embeds)
-        q, k, v = attn.wqkv(head.block.attn_norm(x)).split(attn.split, dim=-1)
-        q = q.view(b, n, nh, d).transpose(1, 2)
-        k = k.view(b, n, nkv, d).transpose(1, 2)
-        v = v.view(b, n, nkv, d).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        keys.append(k)
-        values.append(v)
-        scale = 1.0 / math.sqrt(d)
-        parts = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal0[j], float("-inf"))]
-        for i in range(1, j + 1):  # the draft's own entries: step i at position t - (j - i)
-            parts.append((q * _shift(keys[i], j - i, dim=2)).sum(-1, keepdim=True) * scale)
-        scores = torch.cat(parts, dim=-1)
-        weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
-        out = weights[..., :n] @ values[0]
-        for i in range(1, j + 1):
-            out = out + weights[..., n + i - 1 : n + i] * _shift(values[i], j - i, dim=2)
-        x = x + attn.wo(out.transpose(1, 2).reshape(b, n, nh * d))
-        x = x + head.block.mlp(head.block.mlp_norm(x))
-        outputs.append(head.norm(x))
-        feat = _shift(x, 1, dim=1)  # next step reads the head's own output one position back (same draft root)
-    return outputs
-
-
-def ttt_loss(head: EagleHead, embed: torch.nn.Embedding, t2d: torch.Tensor, batch: dict, steps: int,
-             decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted sum over steps (decay^j) of the soft cross-entropy to the teacher; per-step accuracies. A negative
-    teacher weight marks a token to push down (a guess the target rejected, online learning): its term is the
-    unlikelihood -w log(1 - q), which stops pulling once q is small (a replay buffer repeats old rejections)."""
-    states = ttt_states(head, embed, batch, steps)
-    ids, probs = batch["teacher_ids"][:, 1:], batch["teacher_probs"][:, 1:]  # teacher for token t + 2
-    draft_ids = t2d[ids]  # -1: outside the draft vocabulary (weight dropped)
-    weight = probs * (draft_ids >= 0)
-    gather_ids = draft_ids.clamp_min(0)
-    base = batch["mask"][:, 1:]
-    positions = torch.arange(base.shape[1], device=base.device)
-    total, metrics = 0.0, {}
-    for j, state in enumerate(states):
-        valid = base & (positions >= j)
-        count = valid.sum().clamp_min(1)
-        logits = head.lm_head(state[valid])  # [valid positions, Vd]
-        w = weight[valid]
-        logp = logits.float().log_softmax(-1).gather(-1, gather_ids[valid])
-        terms = w.clamp_min(0) * logp
-        if bool((w < 0).any()):
-            terms = terms - w.clamp_max(0) * torch.log1p(-logp.exp().clamp_max(1 - 1e-6))
-        loss = -terms.sum() / count
-        hit = head.d2t[logits.argmax(-1)] == ids[valid][..., 0]
-        total = total + decay**j * loss
-        metrics[f"acc{j + 1}"] = float(hit.sum() / count)
-    return total / sum(decay**j for j in range(steps)), metrics
 
 
 @torch.no_grad()
@@ -149,18 +59,25 @@ def train_eagle(
     log=print,
     init: EagleHead | None = None,
     vocab_swaps: int = 0,
+    arch: str | None = None,
 ) -> EagleHead:
     """Train a head for `target` on cached features (which must hold the head's layers); save it in out_dir.
     init: a trained head to fine-tune instead (its layers and vocabulary size; up to `vocab_swaps` of its draft
-    vocabulary's rows go to tokens these answers use that it lacks, `EagleHead.swap_vocab`)."""
+    vocabulary's rows go to tokens these answers use that it lacks, `EagleHead.swap_vocab`). arch: "specdecode"
+    (EagleHead) or "eagle3" (EAGLE-3's architecture, Eagle3Head; a specdecode `init` is converted as a warm
+    start, `from_specdecode_head`); default: init's, else "specdecode"."""
     device = store.hidden.device
     if init is None:
-        eagle_cfg = EagleConfig.for_target(target.config, draft_vocab)
-        head = EagleHead(eagle_cfg).to(device)
+        eagle_cfg = EagleConfig.for_target(target.config, draft_vocab, arch=arch or ARCH_OURS)
+        head = (Eagle3Head(eagle_cfg) if eagle_cfg.arch == ARCH_EAGLE3 else EagleHead(eagle_cfg)).to(device)
         vocab = choose_draft_vocab(store, eagle_cfg.draft_vocab_size, target.config.vocab_size).to(device)
         head.init_from_target(target, vocab)  # float32 copies of its weights (dequantized where quantized)
     else:
         init.check_target(target)
+        if arch not in (None, init.config.arch):
+            if arch != ARCH_EAGLE3:
+                raise ValueError(f"an {init.config.arch} head cannot be fine-tuned into a {arch} one")
+            init = from_specdecode_head(init)
         head, eagle_cfg = init.float_copy().to(device), init.config
     layer_idx = [store.layer_index(i) for i in eagle_cfg.target_layers]
     embed = torch.nn.Embedding.from_pretrained(target.embed.weight.detach().float().clone()).to(device)
