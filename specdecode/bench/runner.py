@@ -135,7 +135,7 @@ def run_benchmark(cfg: BenchConfig, llm: LLM | None = None) -> dict:
 def run_round(runners: Runners, methods: list[Method], prompt: list[int], max_new_tokens: int,
               temperature: float, seed: int, rng: random.Random) -> dict[str, dict]:
     """Every method once on a prompt. Ours advance one step at a time, in a fresh random order each
-    round of steps, so load that comes and goes (a shared machine's bursts last seconds, a step ~50 ms)
+    round of steps, so load that comes and goes (a shared machine's bursts outlast many steps)
     hits them all alike and their ratios stay sharp; each is timed by the sum of its own steps (prefill
     included). Peers (transformers' generate, llama.cpp) cannot be stepped: they run whole, in random order, first."""
     records = {}

@@ -234,9 +234,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def announce_serve_setup(args: argparse.Namespace) -> None:
-    """A server's first start on a machine prepares for minutes before it listens (the tokenizer converted, the
-    kernels compiled, forwards timed for k='auto' by batch size: ~2 minutes measured on 2 busy cores): it says so
-    first, instead of looking hung. Later starts read all of it from the cache (seconds). First start means: no
+    """A server's first start on a machine prepares for a while before it listens (the tokenizer converted, the
+    kernels compiled, forwards timed for k='auto' by batch size): it says so first, instead of looking hung. Later
+    starts read all of it from the cache. First start means: no
     batch table for this --max-batch in the cache (of any model: a heuristic that needs no model loaded)."""
     from ..common.paths import default_cache_dir
 
@@ -250,8 +250,8 @@ def announce_serve_setup(args: argparse.Namespace) -> None:
 
 
 def check_before_loading(args: argparse.Namespace) -> None:
-    """What can be refused in milliseconds is refused before the model loads (tens of seconds on a first run): a
-    model name or path that is not there, a draft model likewise, an empty prompt, a port the server cannot
+    """What can be refused without the model is refused before it loads (loading is the slow part of a first run):
+    a model name or path that is not there, a draft model likewise, an empty prompt, a port the server cannot
     take."""
     if args.command == "generate" and args.online_draft and args.method not in ("eagle", "hybrid"):
         raise ValueError(f"--online-draft trains the EAGLE head: use it with --method eagle or hybrid, not "

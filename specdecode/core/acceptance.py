@@ -27,7 +27,7 @@ class AcceptanceStats:
     max_depth: int = 16
     decay: float = 0.97
     # decayed counts per bucket and depth, in plain lists: a step touches a dozen floats, and numpy's small
-    # operations right after a forward cost more than the Python loops (choose + observe: 0.2 ms a step)
+    # operations right after a forward cost more than the Python loops (benchmarks/results/comment-timings.md)
     hits: dict[int, list[float]] = field(default_factory=dict)
     trials: dict[int, list[float]] = field(default_factory=dict)
     prior: dict[int, float] = field(default_factory=dict)  # per bucket, the first depth's; 0.5 where missing
@@ -78,7 +78,7 @@ class AcceptanceStats:
         """[d - 1]: the chance that guesses 1..d all match (the running product of `rates(bucket, rates(floor))`),
         up to the first depth under `until` (included): what a proposer that sends nothing less likely asks each
         step, at a fraction of the deep rows' work. One plain loop over both classes' counts (suffix decoding asks
-        it every step): `_conditional`'s two nested generators took 1.6-1.9x as long."""
+        it every step), cheaper than `_conditional`'s two nested generators."""
         hits, trials = self._rows(bucket)
         floor_hits: Iterable[float]
         floor_trials: Iterable[float]

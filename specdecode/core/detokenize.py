@@ -25,8 +25,8 @@ class IncrementalText:
         self._emitted = 0  # characters already returned by ready()
         self._checked = 0  # text before this holds no stop string
         self._stale = False  # tokens added since the text was last decoded
-        # decoding reads a window, not the whole text (each step's decode of every token made a request quadratic:
-        # ~40 us a step at 300 tokens, ~90 at 1000): the window starts at _start, CONTEXT tokens before the last
+        # decoding reads a window, not the whole text (each step's decode of every token made a request quadratic
+        # in its length): the window starts at _start, CONTEXT tokens before the last
         # final text's end; `_context` is those tokens' text decoded alone (a tokenizer may read a text's first
         # token differently), `_done` the final text up to its end
         self._done, self._start, self._context = "", 0, ""

@@ -1,7 +1,7 @@
 """Structured output: a JSON schema, any JSON object, a regular expression or a choice of strings constrains the
-target's tokens, through llguidance (the grammar engine of llama.cpp and vLLM). On our CPUs its token masks cost
-~10 us a token for a JSON schema (xgrammar's ~3 us, beside it in benchmarks/grammar_masks.py, but xgrammar needs
-triton installed; both are far below a decode step).
+target's tokens, through llguidance (the grammar engine of llama.cpp and vLLM): its token masks cost far less than a
+decode step and it needs no GPU toolchain (xgrammar, beside it in benchmarks/grammar_masks.py, needs triton; their
+costs: benchmarks/results/grammar-masks.md).
 
 Lossless with speculation: verification walks down the draft tree and masks the target's logits at each node it
 reaches with the grammar's state there (the committed tokens, then the accepted path), so the committed tokens

@@ -91,8 +91,8 @@ SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingParams)) - {"tempera
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's first maximal index (NaN counts as the maximum), as torch.argmax gives it, through NumPy on the
-    CPU: PyTorch's CPU argmax is not vectorised (65 us for one row of 49k logits, NumPy's 2-3 us; a whole plain step
-    takes ~4 ms). logits: [n, V]."""
+    CPU: PyTorch's CPU argmax is not vectorised, NumPy's is, and a plain step is short enough for the difference to
+    show (benchmarks/results/comment-timings.md). logits: [n, V]."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return logits.detach().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -5,8 +5,8 @@ occurrence first. With `branches` > 1 the continuations of several matches form 
 Guesses are point masses (q = 1 on the guessed token), which keeps sampling exact.
 
 Every n-gram's end positions are kept in a dict, extended as tokens commit, so a step costs a few
-dictionary lookups whatever the text's length (scanning the text for the n-gram each step cost 0.2 ms
-of a 4.5 ms step on an int4 target).
+dictionary lookups whatever the text's length: proposing must stay a small part of a step, and a scan of the whole
+text grows with it (what the scan cost: benchmarks/results/comment-timings.md).
 """
 
 from __future__ import annotations

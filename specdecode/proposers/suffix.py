@@ -14,13 +14,11 @@ form a tree at every prefix (a child never beats its parent), and with a cost mo
 that maximises expected tokens per second of the target's forward, none when a plain step is better
 (`policy.best_count`); without one, `k` nodes. Ties go to the request's own text, which is searched first.
 
-Proposing costs 1-2% of a step (~100 us right after SmolLM2 int4's 5-7 ms forward, whose weights push the proposer's
-data out of the CPU's caches; ~40 us warm: the request's own text searched in dicts, a trie of a few dozen nodes,
-prompt lookup's 10-27 us), so the proposer runs every step, as prompt lookup does: resting while its steps
-did not pay (up to 4 steps, when a step's proposing took 200-350 us) cost it a twentieth of prompt lookup's tau in
-Spec-Bench summarization, RAG and math reasoning. The global cache is searched only where it probably holds the
-text's last 3 tokens (a filter, ~1 us: its 1-2 token matches added no tau), and not while its matches add no
-accepted token (up to GLOBAL_MAX_REST steps).
+Proposing is a small share of a step (the request's own text searched in dicts, a trie of a few dozen nodes), so
+the proposer runs every step, as prompt lookup does: resting while its steps did not pay lost more tau than it saved
+time. The global cache is searched only where a filter says it probably holds the text's last 3 tokens (its 1-2
+token matches added no tau), and not while its matches add no accepted token (up to GLOBAL_MAX_REST steps). The
+measurements behind these rules: benchmarks/results/comment-timings.md.
 
 Guesses are point masses (q = 1), so greedy and sampled verification are exact through the one verify core.
 The global cache changes speed only: every committed token is the target's.
@@ -277,7 +275,7 @@ class SuffixProposer(Proposer):
         self.searched_global = self.cache is not None and not self.global_rest
         if self.searched_global and not self.cache.index.may_have(tokens[-3:]):
             self.cache.count(False)  # it cannot match 3 tokens (shorter matches added no tau in replay), and a
-            self.searched_global = False  # search costs ~150 us right after a forward; no rest follows a miss here
+            self.searched_global = False  # search costs far more than the filter; no rest follows a miss here
         if self.searched_global:
             sources.append((GLOBAL, self.cache.index, GLOBAL_BUCKET))
         elif self.global_rest:

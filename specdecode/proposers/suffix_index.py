@@ -20,8 +20,8 @@ Memory is bounded by `max_tokens`: the oldest sequences are evicted first (FIFO)
 Every public method holds the index's lock, so the server's threads and a library user's may share one index.
 
 `TextIndex` answers the same question for one request's own text (a few thousand tokens, one thread) from plain
-dicts and lists: numpy's small operations cost more there than the Python loops they replace (suffix decoding's
-proposing 194 -> 153 us a step on average from this alone), which is what prompt lookup's dict of n-grams had shown.
+dicts and lists: numpy's small operations cost more there than the Python loops they replace (as prompt lookup's dict
+of n-grams had shown; what it saved: benchmarks/results/comment-timings.md).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class _Level:
 
 class _FilteredLevel(_Level):
     """A level with a one-hash Bloom filter of its keys in a bytearray, which answers "was this key ever filed?" in
-    pure Python (a numpy search costs ~20 us right after a forward, the filter a microsecond). Only the trigram
+    pure Python (right after a forward a numpy search costs many times what the filter does). Only the trigram
     level has one: it alone is asked."""
 
     def __init__(self) -> None:
@@ -303,8 +303,8 @@ class SuffixIndex:
 
     def may_have(self, last3: Sequence[int]) -> bool:
         """False when these 3 tokens never occurred together, so `match` could not match 3 tokens of a context
-        ending with them; True when they probably did (a filter: ~1 us, where a `match` takes ~150 us right after
-        a forward). Lock-free: a stale answer only costs or spares one search."""
+        ending with them; True when they probably did (a filter, far cheaper than a `match`). Lock-free: a stale
+        answer only costs or spares one search."""
         return len(last3) == 3 and self._trigrams.may_have(_trigram(*last3))
 
     def _longest(self, candidates: np.ndarray, backwards: np.ndarray) -> tuple[int, np.ndarray]:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 MAX_DEPTH = 32  # no field of any route nests deeper than a few levels
 MAX_REQUEST_BYTES = 2 * 1024 * 1024  # default limit: a full 8k-token context is ~40 KB of text or ids
-BODY_TIMEOUT = 30.0  # default seconds a body may take to arrive in full (a 2 MiB body over a slow link: ~1 s)
+BODY_TIMEOUT = 30.0  # default seconds a body may take to arrive in full: ample for the largest allowed body
 
 
 def too_large(limit: int) -> APIError:
