@@ -12,7 +12,7 @@ import pytest
 import specdecode.engine.loop as engine_module
 from specdecode.core.acceptance import AcceptanceStats
 from specdecode.engine.loop import generate_ids
-from specdecode.policy.batch_cost import STEP_SIZES, BatchCost
+from specdecode.policy.batch_cost import EXTRA_TOKENS, STEP_SIZES, BatchCost
 from specdecode.policy.cost import (
     CALIBRATION_ROUNDS,
     CALIBRATION_SIZES,
@@ -118,10 +118,16 @@ def test_server_batch_tables_take_a_bounded_number_of_forwards(monkeypatch) -> N
         return real(tokens, cache, **kwargs)
 
     monkeypatch.setattr(model, "forward_batch", counted)
-    cost = BatchCost.measure(model, 16, smallest=2)
-    assert cost.batch_sizes == [2, 4, 8, 16]
-    assert len(calls) == 1 + 2 * 4 * 2 * len(STEP_SIZES)  # warm-up; 2 repeats of 4 batch sizes x 2 contexts x sizes
-    assert all(t.weight == [2.0] * len(STEP_SIZES) for t in cost.tables)  # priced with a margin until refined
+    for ragged in (False, True):  # padded batches: rows of STEP_SIZES tokens; ragged: EXTRA_TOKENS up to 7 a row
+        calls.clear()
+        cost = BatchCost.measure(model, 16, smallest=2, ragged=ragged)
+        assert cost.batch_sizes == [2, 4, 8, 16] and cost.ragged == ragged
+        grid = [[1, *(1 + e for e in EXTRA_TOKENS if e <= 7 * b)] if ragged else list(STEP_SIZES)
+                for b in cost.batch_sizes]
+        assert [t.sizes for t in cost.tables] == grid  # type: ignore[attr-defined]
+        # warm-up; 3 repeats of every batch size x 2 contexts x size past 1, each paired with a plain step
+        assert len(calls) == 1 + 3 * 2 * 2 * sum(len(sizes) - 1 for sizes in grid)
+        assert all(t.weight == [3.0] * len(t.sizes) for t in cost.tables)  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------------- the margin of doubt

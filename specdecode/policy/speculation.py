@@ -354,32 +354,57 @@ def nearly_free(seconds: Callable[[int, int], float], tokens: int, extra: int, c
     return seconds(tokens + extra, context) <= (1 + MARGIN) * seconds(tokens, context)
 
 
-def joint_cut(policies: Sequence[Policy], proposals: Sequence[DraftTree], contexts: Sequence[int],
-              seconds: Callable[[int, int], float]) -> list[DraftTree]:
-    """How much of each row's proposal a batch verifies; seconds(width, context): the batch's forward at that width.
+def ragged_pricing(policies: Sequence[Policy]) -> bool:
+    """Do these rows' forwards run ragged (each row's real tokens, no padding: the native blocks)? Read from the
+    batch's cost the adaptive policies price with (`batch_cost.RowCost.ragged`); a lone request's own table: no."""
+    return any(isinstance(p, AdaptiveK) and getattr(p.cost, "ragged", False) for p in policies)
 
-    Cheap proposals under an adaptive policy share one depth cap D, picked to maximise expected committed tokens
-    of the whole batch per second of the batched forward, whose width is the largest row's (padding costs as much
-    as a token); D = 0 unless guessing beats plain steps by MARGIN. A row then also fills the padding it would pay
-    for anyway. A lookahead window rides along only where it is nearly free (`nearly_free`). Other rows (fixed k,
-    or a model draft already paid for) are verified as their policy says.
+
+def joint_cut(policies: Sequence[Policy], proposals: Sequence[DraftTree], contexts: Sequence[int],
+              seconds: Callable[..., float], ragged: bool | None = None) -> list[DraftTree]:
+    """How much of each row's proposal a batch verifies; seconds(width, context): the batch's forward with every row
+    `width` tokens wide (ragged: fractional, rows x width tokens in all, however they are shared out).
+
+    Cheap proposals under an adaptive policy are cut for the batch as a whole, to maximise expected committed tokens
+    of the whole batch per second of the batched forward; guessing must beat plain steps by MARGIN for each row that
+    guesses (a lone row: its own MARGIN, as alone). Ragged batches (`ragged_pricing`; the native blocks) cost by
+    their tokens: each row gets its own depth, its guesses taken best first while their expected gain pays for their
+    marginal cost (`ragged_cut`). Padded batches cost by the widest row (padding costs as much as a token): one
+    depth cap D shared by the rows, each row then also filling the padding it pays for anyway. A lookahead window
+    rides along only where it is nearly free (`nearly_free`). Other rows (fixed k, or a model draft already paid
+    for) are verified as their policy says.
     With one row this is the adaptive policy's own choice of depth for its tree."""
-    context = max(contexts)
-    trees: list[DraftTree | None] = [None] * len(proposals)
+    if ragged is None:
+        ragged = ragged_pricing(policies)
+    context, rows = max(contexts), len(proposals)
+    trees: list[DraftTree | None] = [None] * rows
     proposals = list(proposals)
-    floor, fixed_gain, free = 1, 0.0, []
+    # a row's n tokens beside plain rows (ragged) or a batch n tokens wide (padded)
+    def wide(total: int) -> float:  # a ragged batch of `total` tokens as a width (an int where it is one)
+        return total // rows if total % rows == 0 else total / rows
+
+    width_seconds = (lambda n, c: seconds(wide(rows - 1 + n), c)) if ragged else seconds
+    floor, fixed_gain, fixed_tokens, free = 1, 0.0, 0, []
     for i, (policy, tree) in enumerate(zip(policies, proposals, strict=True)):
         if isinstance(policy, AdaptiveK) and policy.cheap:
             if tree.num_drafted:
-                if tree.extra is not None and not nearly_free(seconds, len(tree), len(tree.extra.tokens), context):
+                if tree.extra is not None and not nearly_free(width_seconds, len(tree), len(tree.extra.tokens),
+                                                              context):
                     proposals[i] = tree.without_extra()
                 free.append(i)
                 continue
             tree = DraftTree.root_only(tree.tokens[0])  # nothing to verify: a lookahead window alone only costs
         chosen = trees[i] = tree if isinstance(policy, AdaptiveK) else policy.choose(tree, contexts[i])
-        floor = max(floor, len(chosen) + (len(chosen.extra.tokens) if chosen.extra else 0))
+        tokens = len(chosen) + (len(chosen.extra.tokens) if chosen.extra else 0)
+        floor, fixed_tokens = max(floor, tokens), fixed_tokens + tokens
         fixed_gain += 1.0
-    if free:
+    if free and ragged:
+        depths = ragged_cut([proposals[i].forward_sizes() for i in free],
+                            [policies[i].stats.expected_accepted(proposals[i].bucket)  # type: ignore[attr-defined]
+                             for i in free], fixed_gain, fixed_tokens, lambda total: seconds(wide(total), context))
+        for i, depth in zip(free, depths, strict=True):
+            trees[i] = proposals[i].cut(depth)
+    elif free:
         nodes = {i: proposals[i].forward_sizes() for i in free}
         expected = {i: policies[i].stats.expected_accepted(proposals[i].bucket) for i in free}  # type: ignore[attr-defined]
         top = max(len(n) - 1 for n in nodes.values())
@@ -398,3 +423,53 @@ def joint_cut(policies: Sequence[Policy], proposals: Sequence[DraftTree], contex
             fits = [d for d, n in enumerate(nodes[i]) if n <= best_width]
             trees[i] = proposals[i].cut(max(min(best, len(nodes[i]) - 1), fits[-1]))
     return trees  # type: ignore[return-value]
+
+
+def ragged_cut(nodes: Sequence[Sequence[int]], expected: Sequence[Sequence[float]], fixed_gain: float,
+               fixed_tokens: int, seconds: Callable[[int], float]) -> list[int]:
+    """Depths for the free rows of a ragged batch: nodes[r][d], row r's forward tokens at depth d (nodes[r][0] = 1,
+    the root); expected[r][d], its expected accepted guesses there; the other rows hold `fixed_tokens` tokens and
+    count `fixed_gain` tokens a step; seconds(total): the batch's forward at that many tokens.
+
+    The rows' next depths are taken in turn, best expected gain per added token first (a row's depths in order),
+    and the batch keeps the prefix of that order whose rate, tokens committed per second, minus MARGIN of a plain
+    step's rate for each row that guesses, is highest (the plain step included: no row guesses). So one row's good
+    guesses pay in a full batch where they beat the marginal cost of their tokens, and a row that guesses badly
+    guesses nothing, whatever the others do."""
+    import heapq
+
+    rows = len(nodes)
+    depth = [0] * rows
+    gain, total = fixed_gain + rows, fixed_tokens + rows
+    prices: dict[int, float] = {}
+
+    def price(tokens: int) -> float:
+        if tokens not in prices:
+            prices[tokens] = seconds(tokens)
+        return prices[tokens]
+
+    plain = price(total)
+    tops = [min(len(n), len(e)) - 1 for n, e in zip(nodes, expected, strict=True)]
+
+    def step(r: int) -> tuple[float, int, float]:
+        d = depth[r] + 1
+        added = nodes[r][d] - nodes[r][d - 1]
+        gained = float(expected[r][d]) - float(expected[r][d - 1])
+        return gained, added, gained / max(added, 1)
+
+    heap = [(-step(r)[2], r) for r in range(rows) if tops[r] >= 1]
+    heapq.heapify(heap)
+    best_score, best = gain / plain, list(depth)
+    guessing = 0
+    while heap and heap[0][0] < 0:  # a guess that adds nothing expected cannot pay for its tokens
+        _, r = heapq.heappop(heap)
+        gained, added, _ = step(r)
+        guessing += depth[r] == 0
+        depth[r] += 1
+        gain, total = gain + gained, total + added
+        score = gain / price(total) - MARGIN * guessing / plain
+        if score > best_score:
+            best_score, best = score, list(depth)
+        if depth[r] < tops[r]:
+            heapq.heappush(heap, (-step(r)[2], r))
+    return best
