@@ -27,6 +27,9 @@ from .quant import quantize_linears_
 
 CONFIG = "eagle_config.json"
 WEIGHTS = "eagle.safetensors"
+ARCH_OURS, ARCH_EAGLE3 = "specdecode", "eagle3"  # this module's head; EAGLE-3's own (eagle3.py)
+INT8_BLOCK = 32  # weights stored as int8 per block of 32 with a float16 scale (GGUF's Q8_0, as quantize_ rounds)
+SCALE = ".int8_scale"  # the key suffix of a stored int8 weight's scales
 
 
 @dataclass
@@ -34,24 +37,29 @@ class EagleConfig:
     target_layers: list[int]  # target layers whose outputs are fused (low, mid, high)
     draft_vocab_size: int
     block: ModelConfig  # the decoder layer's shape (num_layers = 1); the target's hidden size
+    arch: str = ARCH_OURS  # which head computes it: EagleHead (ARCH_OURS) or eagle3.Eagle3Head (ARCH_EAGLE3)
 
     @classmethod
-    def for_target(cls, target: ModelConfig, draft_vocab_size: int, target_layers: list[int] | None = None):
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, target_layers: list[int] | None = None,
+                   arch: str = ARCH_OURS):
         n = target.num_layers
         layers = target_layers or sorted({min(2, n - 1), n // 2, max(n - 3, 0)})
         # a Llama block whatever the target's (Gemma's options and window are its own model's, not the head's): it
         # attends to all its entries, as training computes it
         block = dataclasses.replace(target.plain(), num_layers=1, sliding_window=None)
-        return cls(layers, min(draft_vocab_size, target.vocab_size), block)
+        if arch not in (ARCH_OURS, ARCH_EAGLE3):
+            raise ValueError(f"unknown EAGLE head architecture {arch!r}: {ARCH_OURS} or {ARCH_EAGLE3}")
+        return cls(layers, min(draft_vocab_size, target.vocab_size), block, arch)
 
     def to_json(self) -> str:
+        extra = {} if self.arch == ARCH_OURS else {"arch": self.arch}  # older readers' files stay as they were
         return json.dumps({"target_layers": self.target_layers, "draft_vocab_size": self.draft_vocab_size,
-                           "block": dataclasses.asdict(self.block)}, indent=1)
+                           "block": dataclasses.asdict(self.block), **extra}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> EagleConfig:
         d = json.loads(text)
-        return cls(d["target_layers"], d["draft_vocab_size"], ModelConfig(**d["block"]))
+        return cls(d["target_layers"], d["draft_vocab_size"], ModelConfig(**d["block"]), d.get("arch", ARCH_OURS))
 
 
 @torch.no_grad()
@@ -169,6 +177,21 @@ class EagleHead(nn.Module):
     def embed_input(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         return self.input(torch.cat((self.embed_norm(token_embeds), self.feature_norm(features)), dim=-1))
 
+    # the decoder layer's parts as training's unrolled steps use them (training/eagle.py ttt_states; Eagle3Head's
+    # differ): the attention, (what q/k/v read, the residual stream), the MLP's residual step, the output's norm
+    def attention(self):
+        return self.block.attn
+
+    def attn_input(self, features: torch.Tensor, token_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed_input(features, token_embeds)
+        return self.block.attn_norm(x), x
+
+    def mlp_step(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block.mlp(self.block.mlp_norm(x))
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -217,13 +240,19 @@ class EagleHead(nn.Module):
         return native.runner(self, [self.block], self.norm, self.lm_head)
 
     # ---------------------------------------------------------------------------------- persistence
-    def save(self, out_dir: Path | str, dtype: torch.dtype = torch.float32) -> None:
-        """Weights as safetensors (`dtype`: bfloat16 halves a shipped head; a draft's precision only
-        affects how often it guesses right, never the output) and the config as JSON."""
+    def save(self, out_dir: Path | str, dtype: torch.dtype = torch.float32, int8: bool = False) -> None:
+        """Weights as safetensors (`dtype`: bfloat16 halves a shipped head; `int8`: the matrices as int8 blocks of
+        32 with float16 scales, a quarter, and beside an int4 target exactly what quantize_("int8-a8") runs anyway;
+        a draft's precision only affects how often it guesses right, never the output) and the config as JSON."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(dtype).cpu().contiguous() if v.is_floating_point() else v.cpu().contiguous()
-                 for k, v in self.state_dict().items()}
+        state: dict[str, torch.Tensor] = {}
+        for k, v in self.float_copy().state_dict().items() if int8 else self.state_dict().items():
+            v = v.detach().cpu()
+            if int8 and v.dim() == 2 and v.is_floating_point() and v.shape[1] % INT8_BLOCK == 0:
+                state[k], state[k + SCALE] = int8_blocks(v)
+            else:
+                state[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
         save_file(state, str(out / WEIGHTS))
         (out / CONFIG).write_text(self.config.to_json())
 
@@ -234,9 +263,20 @@ class EagleHead(nn.Module):
             raise FileNotFoundError(
                 f"{path} is not an EAGLE head: expected {CONFIG} and {WEIGHTS} "
                 "(train one with `specdecode train eagle --out DIR`)")
-        head = cls(EagleConfig.from_json((path / CONFIG).read_text()))
-        head.load_state_dict({k: v.float() if v.is_floating_point() else v
-                              for k, v in load_file(str(path / WEIGHTS)).items()})
+        cfg = EagleConfig.from_json((path / CONFIG).read_text())
+        head: EagleHead
+        if cfg.arch == ARCH_EAGLE3:
+            from .eagle3 import Eagle3Head  # it builds on this module
+
+            head = Eagle3Head(cfg)
+        elif cfg.arch == ARCH_OURS:
+            head = cls(cfg)
+        else:
+            raise ValueError(f"{path / CONFIG}: unknown head architecture {cfg.arch!r} (a newer specdecode's?)")
+        stored = load_file(str(path / WEIGHTS))
+        state = {k: int8_weight(v, stored[k + SCALE]) if k + SCALE in stored else v.float() if v.is_floating_point()
+                 else v for k, v in stored.items() if not k.endswith(SCALE)}
+        head.load_state_dict(state)
         return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
     def check_target(self, target: Transformer) -> None:
@@ -247,3 +287,22 @@ class EagleHead(nn.Module):
                 f"this EAGLE head was trained for a target with hidden size {b.hidden_size}, vocabulary "
                 f"{b.vocab_size} and layers {self.config.target_layers}; the target has {t.hidden_size}, "
                 f"{t.vocab_size} and {t.num_layers} layers: train a head for this target")
+
+
+def int8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float matrix [out, in] as int8 [out, in] and float16 scales [out, in / 32]: each block's absmax is 127,
+    the rounding quant.QuantLinear's int8 uses, so a head stored so and quantized again at load is unchanged."""
+    out, inp = w.shape
+    blocks = w.float().reshape(out, inp // INT8_BLOCK, INT8_BLOCK)
+    d = (blocks.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(d == 0, torch.zeros_like(d, dtype=torch.float32), 1.0 / d.float())
+    q = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(out, inp).contiguous(), d.contiguous()
+
+
+def int8_weight(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8_blocks' inverse: float32 [out, in]."""
+    if q.dtype != torch.int8 or q.dim() != 2 or d.shape != (q.shape[0], q.shape[1] // INT8_BLOCK):
+        raise ValueError(f"an int8 weight {list(q.shape)} {q.dtype} with scales {list(d.shape)}: expected int8 "
+                         f"[out, in] and scales [out, in / {INT8_BLOCK}]")
+    return (q.float().reshape(q.shape[0], -1, INT8_BLOCK) * d.float()[..., None]).reshape(q.shape)

@@ -21,11 +21,13 @@ SpecForge's `eagle_config.eagle_aux_hidden_state_layer_ids` name layer outputs (
 top-level `eagle_aux_hidden_state_layer_ids` (vLLM's speculators configs) names layers entered. Every engine
 captures them in layer order, once each, and so does this reader.
 
-Our own EAGLE head cannot be written in the EAGLE-3 layout (see docs/GUIDE.md, "Use a published head"): its
-residual stream starts at a linear map of both normed inputs and its attention reads that stream through a norm,
-where EAGLE-3's residual is the fused feature itself and its q/k/v read the two normed inputs directly; no choice
-of EAGLE-3 weights computes the same function. Medusa heads can (`save_medusa`), when their draft vocabulary is
-the whole vocabulary (a published head's linear layer has no way to rule a token out).
+Our first EAGLE head (eagle.EagleHead) cannot be written in the EAGLE-3 layout (see docs/GUIDE.md, "Use a published
+head"): its residual stream starts at a linear map of both normed inputs and its attention reads that stream
+through a norm, where EAGLE-3's residual is the fused feature itself and its q/k/v read the two normed inputs
+directly; no choice of EAGLE-3 weights computes the same function. Heads trained with `--arch eagle3`
+(eagle3.Eagle3Head, EAGLE-3's own architecture) are written and read back exactly. Medusa heads can
+(`save_medusa`), when their draft vocabulary is the whole vocabulary (a published head's linear layer has no way
+to rule a token out).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import nn
 from .cache import KVCache
 from .config import ModelConfig
 from .eagle import EagleConfig, EagleHead
+from .eagle3 import Eagle3Head, Fuse, wide_attention  # noqa: F401 - where callers found them before they moved
 from .linear import Linear
 from .llama import MLP, Attention, Transformer
 from .medusa import MedusaConfig, MedusaHeads
@@ -86,13 +89,6 @@ def head_block(config: dict[str, Any], target: Transformer, layers: int) -> Mode
                                tie_word_embeddings=False)
 
 
-def wide_attention(block: ModelConfig, width: int) -> Attention:
-    """A Llama attention whose q/k/v read `width` inputs (EAGLE-3's 2 * hidden), o_proj back to hidden."""
-    attn = Attention(block)
-    attn.wqkv = Linear(width, sum(attn.split), bias=block.attention_bias)
-    return attn
-
-
 def check_embedding(state: dict[str, torch.Tensor], target: Transformer, problems: list[str]) -> None:
     """A head that ships an embedding was made with its target's, frozen (EAGLE and SpecForge copy it from the
     target): the target's is used, and one that differs beyond a bfloat16 copy's rounding says the head was made
@@ -113,91 +109,6 @@ def check_embedding(state: dict[str, torch.Tensor], target: Transformer, problem
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE-3
-
-
-class Fuse(nn.Module):
-    """EAGLE-3's fc over the concatenated target hidden states, after SpecForge's per-state norms where set."""
-
-    def __init__(self, states: int, hidden: int, norms: bool, eps: float) -> None:
-        super().__init__()
-        self.states = states
-        self.fc = Linear(states * hidden, hidden, bias=False)
-        self.norms = nn.ModuleList(nn.RMSNorm(hidden, eps=eps) for _ in range(states)) if norms else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.norms is not None:
-            x = torch.cat([norm(part) for norm, part in zip(self.norms, x.chunk(self.states, -1), strict=True)], -1)
-        return self.fc(x)
-
-
-class Eagle3Head(EagleHead):
-    """A published EAGLE-3 head (module docstring) behind EagleHead's interface: fuse, forward, d2t, new_cache."""
-
-    def __init__(self, cfg: EagleConfig, source: dict[str, Any], fc_norm: bool = False,
-                 norm_output: bool = True) -> None:
-        nn.Module.__init__(self)
-        self.config, self.source = cfg, source  # source: the config.json it came with, written back by save
-        b = cfg.block
-        h, eps = b.hidden_size, b.rms_norm_eps
-        self.fuse = Fuse(len(cfg.target_layers), h, fc_norm, eps)
-        self.embed_norm = nn.RMSNorm(h, eps=eps)  # midlayer.input_layernorm
-        self.feature_norm = nn.RMSNorm(h, eps=eps)  # midlayer.hidden_norm
-        self.attn = wide_attention(b, 2 * h)
-        self.mlp_norm = nn.RMSNorm(h, eps=eps)  # midlayer.post_attention_layernorm
-        self.mlp = MLP(b)
-        self.norm = nn.RMSNorm(h, eps=eps)
-        self.norm_output = norm_output
-        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
-        self._rope = None
-
-    @torch.inference_mode()
-    def forward(self, features, token_embeds, cache: KVCache, positions, mask=None, logits_at=slice(None)):
-        start, n = cache.length, features.shape[1]
-        cos, sin = self.rope(positions)
-        if mask is None and n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-        if mask is not None:
-            mask = mask.to(self.device)
-        x = features.to(self.dtype)
-        wide = torch.cat((self.embed_norm(token_embeds.to(self.dtype)), self.feature_norm(x)), dim=-1)
-        x = x + self.attn(wide, cos, sin, cache, 0, start, mask)  # the fused feature is the residual
-        x = x + self.mlp(self.mlp_norm(x))
-        cache.length = start + n
-        out = x[:, logits_at]
-        return self.lm_head(self.norm(out) if self.norm_output else out), x
-
-    def float_copy(self) -> EagleHead:
-        raise ValueError("online learning (online_draft) trains heads in specdecode's own layout; a published "
-                         "EAGLE-3 head drafts as published: drop online_draft, or train a head with "
-                         "`specdecode train eagle`")
-
-    def save(self, out_dir: Path | str, dtype: torch.dtype | None = None) -> None:
-        save_eagle3(self, out_dir, dtype)
-
-    def state_published(self) -> dict[str, torch.Tensor]:
-        """The weights under EAGLE-3's names: q/k/v and gate/up split back out, d2t as offsets, t2d as a mask."""
-        q, k, v = self.attn.wqkv.weight.split(self.attn.split, dim=0)
-        gate, up = self.mlp.w13.weight.chunk(2, dim=0)
-        vocab = self.config.block.vocab_size
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[self.d2t.cpu()] = True
-        state = {"fc.weight": self.fuse.fc.weight, "midlayer.input_layernorm.weight": self.embed_norm.weight,
-                 "midlayer.hidden_norm.weight": self.feature_norm.weight,
-                 "midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
-                 "midlayer.self_attn.v_proj.weight": v, "midlayer.self_attn.o_proj.weight": self.attn.wo.weight,
-                 "midlayer.post_attention_layernorm.weight": self.mlp_norm.weight,
-                 "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
-                 "midlayer.mlp.down_proj.weight": self.mlp.w2.weight, "norm.weight": self.norm.weight,
-                 "lm_head.weight": self.lm_head.weight,
-                 "d2t": (self.d2t.cpu() - torch.arange(len(self.d2t))).long(), "t2d": t2d}
-        if self.attn.wqkv.bias is not None:
-            for name, bias in zip("qkv", self.attn.wqkv.bias.split(self.attn.split), strict=True):
-                state[f"midlayer.self_attn.{name}_proj.bias"] = bias
-        if self.fuse.norms is not None:
-            for i, norm in enumerate(self.fuse.norms):
-                state[f"fc_norm.{i}.weight"] = norm.weight
-        return state
 
 
 def eagle3_layers(config: dict[str, Any], target: Transformer) -> tuple[list[int], str]:
@@ -265,6 +176,7 @@ def load_eagle3(path: Path, target: Transformer) -> Eagle3Head:
     problems += shape_problems(ours, head)
     refuse(path, EAGLE3, target, problems, "Use an EAGLE-3 head published for this target model")
     head.load_state_dict({**ours, "d2t": ids}, strict=True)
+    head.published = True
     return head
 
 
@@ -310,7 +222,8 @@ def save_eagle3(head: EagleHead, out_dir: Path | str, dtype: torch.dtype | None 
     read it. Only heads that are EAGLE-3 heads can be (see the module docstring for why ours cannot)."""
     if not isinstance(head, Eagle3Head):
         raise ValueError(
-            "specdecode's own EAGLE head cannot be written in the EAGLE-3 layout: its residual stream starts at a "
+            "specdecode's first EAGLE head (train with --arch eagle3 for one that can) cannot be written in the "
+            "EAGLE-3 layout: its residual stream starts at a "
             "linear map of the normed embedding and feature, and its attention reads that stream through a norm, "
             "where EAGLE-3's residual is the fused feature and its q/k/v read the normed inputs directly, so no "
             "EAGLE-3 weights compute what it computes (docs/GUIDE.md, 'Use a published head')")
@@ -393,7 +306,7 @@ class Eagle1Head(EagleHead):
         raise ValueError("online learning (online_draft) trains heads in specdecode's own layout; a published "
                          "EAGLE-1/2 head drafts as published: drop online_draft")
 
-    def save(self, out_dir: Path | str, dtype: torch.dtype | None = None) -> None:
+    def save(self, out_dir: Path | str, dtype: torch.dtype | None = None, int8: bool = False) -> None:
         raise ValueError("an EAGLE-1/2 head is read as published; it is not written back")
 
 
@@ -573,6 +486,7 @@ def export_head(path: Path | str, out_dir: Path | str, target: Transformer | Non
         return MEDUSA
     if layout == OURS_EAGLE:
         save_eagle3(EagleHead.load(path), out_dir, dtype)
+        return EAGLE3
     if target is None:
         raise ValueError(f"{path} holds {LAYOUT_NAMES[layout]}: reading it needs its target model (--target)")
     if layout == EAGLE3:

@@ -73,12 +73,13 @@ def train_eagle_cmd(args: argparse.Namespace) -> int:
     from ..api import LLM  # noqa: F401 - fail early if the package is broken
 
     init = None if args.init is None else load_init(args.init, args.target)
-    config = init.config if init else EagleConfig.for_target(target_config(args.target), args.draft_vocab)
+    config = init.config if init else EagleConfig.for_target(target_config(args.target), args.draft_vocab,
+                                                             arch=getattr(args, "arch", None) or "specdecode")
     layers = config.target_layers
     llm, store, heldout = prepare(args, layers)
     train_eagle(llm.model, store, heldout, out, train_config(args), draft_vocab=args.draft_vocab,
                 ttt_steps=args.ttt_steps, batch_size=args.batch_size, max_len=args.max_len, log=err.print,
-                init=init, vocab_swaps=args.vocab_swaps)
+                init=init, vocab_swaps=args.vocab_swaps, arch=getattr(args, "arch", None))
     trained_on = samples_trained_on(store)  # every worker's shard
     if not world().main:
         return 0

@@ -22,6 +22,9 @@ def add_train_parser(sub) -> None:
     e.add_argument("--init", help="fine-tune this trained head (its folder, or 'shipped': the one shipped for the "
                                   "target) on the answers to --data's prompts, your traffic's; its layers and draft "
                                   "vocabulary size stay (--draft-vocab is not used)")
+    e.add_argument("--arch", choices=["specdecode", "eagle3"],
+                   help="the head's architecture: specdecode's first (the default) or EAGLE-3's own, which other "
+                        "engines load (`specdecode export-head`); with --init specdecode's, a warm start from it")
     e.add_argument("--vocab-swaps", type=int, default=512,
                    help="with --init: draft vocabulary rows the head may give to tokens of these answers it lacks")
     add_medusa_parser(kinds, "medusa")
