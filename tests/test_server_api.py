@@ -1,16 +1,12 @@
 """The OpenAI-compatible server as a client meets it: a real `specdecode serve` process on loopback, a tiny
-checkpoint with a real BPE tokenizer, the official `openai` client (streaming and not), concurrency with no
-cross-talk between batch rows, disconnects, bad inputs, a full queue and graceful shutdown."""
+checkpoint with a real BPE tokenizer, the official `openai` client (streaming and not), output equal to the
+library's, concurrency with no cross-talk between batch rows, disconnects, logprobs, structured output, n choices
+and metrics. What it refuses: test_server_requests.py; how it stops: test_server_shutdown.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,96 +14,27 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-import specdecode
 from specdecode.engine.prefix_cache import common_prefix
 
-from .server_files import CONTEXT, server_files
-
-KEY = "test-key"
-MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, checkpoint: Path, cache: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = cache / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(checkpoint), "--served-model-name",
-               MODEL, "--dtype", "float64", "--threads", "1", "--port", str(self.port), "--api-key", KEY,
-               "--log-level", "warning", *args]
-        env = {**os.environ, "SPECDECODE_CACHE": str(cache)}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log.read_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(self.log.read_text())
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health").json()
-
-    def metric(self, name: str, **labels: str) -> float:
-        """The sum of the samples called `name` whose labels include `labels` (also given as 'name{a="b"}')."""
-        if "{" in name:
-            name, _, rest = name.partition("{")
-            labels.update(re.findall(r'(\w+)="([^"]*)"', rest))
-        total = 0.0
-        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
-            for sample in family.samples:
-                if sample.name == name and labels.items() <= sample.labels.items():
-                    total += sample.value
-        return total
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-SERVER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
-REQUEST_TEMPLATE = "{% for m in messages %}{{ m['content'] }} | {% endfor %}"
+from .server_files import CONTEXT
+from .server_process import (
+    CHAT,
+    COMPLETION,
+    KEY,
+    MODEL,
+    PROMPTS,
+    chat,
+    post,
+    rss_mb,
+    started,
+)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """Two servers started together on the tiny checkpoint: the main one and a one-slot one without a queue."""
-    checkpoint, cache, llm = server_files(tmp_path_factory.mktemp("server"), max_batches=(16, 1))
-    main = ServerProcess(checkpoint, cache, "--max-batch", "16", "--max-queue", "16")
-    template = checkpoint.parent / "template.jinja"
-    template.write_text(SERVER_TEMPLATE)
-    small = ServerProcess(checkpoint, cache, "--max-batch", "1", "--max-queue", "0", "--shutdown-timeout", "20",
-                          "--chat-template", str(template), "--trust-request-chat-template")
-    try:
-        main.wait_ready()
-        small.wait_ready()
-        yield main, small, llm
-    finally:
-        main.stop()
-        small.stop()
+    with started(tmp_path_factory.mktemp("server"), ("--max-batch", "16", "--max-queue", "16")) as (procs, llm):
+        yield procs[0], llm
 
 
 @pytest.fixture(scope="module")
@@ -117,31 +44,7 @@ def server(setup):
 
 @pytest.fixture(scope="module")
 def llm(setup):
-    return setup[2]
-
-
-PROMPTS = [
-    "the quick brown fox jumps over the lazy dog. the quick brown",
-    "def add(a, b):\n    return a + b\n",
-    "Hello, world! How are you today?",
-    "speculative decoding guesses tokens",
-]
-
-
-def chat(client, prompt, max_tokens=40, stream=False, **extra):
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                  temperature=0, extra_body={"ignore_eos": True, **extra})
-    if not stream:
-        r = client.chat.completions.create(**kwargs)
-        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
-    text, finish, usage = [], None, None
-    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            text.append(choice.delta.content or "")
-            finish = choice.finish_reason or finish
-    return "".join(text), finish, usage
+    return setup[1]
 
 
 def test_models_health_and_auth(server):
@@ -280,11 +183,6 @@ def test_concurrent_requests_equal_each_served_alone(server):
     assert server.health()["running"] == 0
 
 
-def rss_mb(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
-
-
 def test_32_mixed_requests_at_once_equal_their_solo_runs_and_memory_comes_back(server):
     """Long and short prompts, streamed and not, plain and speculative, JSON and choice grammars, penalties, and
     clients that go away mid-stream, 32 at once (16 rows, 16 queued): each finished output equals its solo run,
@@ -342,46 +240,18 @@ def test_disconnect_mid_stream_frees_the_row(server):
     assert chat(server.client(), PROMPTS[2], max_tokens=5)[1] == "length"  # still serving
 
 
-@pytest.mark.parametrize("body,param", [
-    ("{not json", None),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
-    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
-    ({"model": MODEL, "prompt": "word " * 1200}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
-    ({"model": MODEL, "prompt": ""}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "speculation": {"method": "telepathy"}}, "speculation"),
-    ({"model": MODEL, "prompt": "hi", "speculation": {"method": "draft"}}, "speculation"),
-    ({"model": MODEL}, "prompt"),
-    ([1, 2], None),
-])
-def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, param):
-    data = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(server.url + "/v1/completions", content=data,
-                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["message"]
-    if param:
-        assert error["param"] == param
-    assert chat(server.client(), PROMPTS[3], max_tokens=3)[1] == "length"
-
-
-def test_errors_for_chat_and_unknown_routes(server):
-    client = server.client()
-    with pytest.raises(openai.BadRequestError, match="context"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 1200}])
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[])
-    r = httpx.get(server.url + "/v1/nothing")
-    assert r.status_code == 404 and "error" in r.json()
-
-
-def post(server, path: str, body, **kwargs) -> httpx.Response:
-    data = json.dumps(body) if isinstance(body, dict | list) else body  # else text, bytes or chunks
-    return httpx.post(server.url + path, content=data, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kwargs)
+def test_non_streaming_client_that_disconnects_frees_its_row(server):
+    cancelled = server.metric('specdecode_requests_total{outcome="cancelled"}')
+    body = {**COMPLETION, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "speculation": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 10
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.health()["running"] == 0
+    assert server.metric('specdecode_requests_total{outcome="cancelled"}') == cancelled + 1
 
 
 def test_bias_penalties_and_stop_token_ids_are_honoured_with_speculation(server, llm):
@@ -509,151 +379,6 @@ def test_n_choices_streamed_and_not(server, llm):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
-
-
-@pytest.mark.parametrize("route,field,value", [
-    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("chat", "tool_choice", "required"),
-    ("chat", "functions", [{"name": "f"}]),
-    ("chat", "guided_grammar", "start: 'a'"),
-    ("completion", "structured_outputs", {"json": {"type": "object"}}),
-    ("completion", "best_of", 3),
-    ("completion", "echo", True),
-    ("completion", "suffix", "end"),
-])
-def test_unsupported_fields_are_400s_naming_them(server, route, field, value):
-    """Every field the audit found silently ignored: a 400 that names it and says it is not supported."""
-    path, base = ("/v1/chat/completions", CHAT) if route == "chat" else ("/v1/completions", COMPLETION)
-    r = post(server, path, {**base, field: value})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == field and error["code"] == "unsupported_parameter"
-    assert f"`{field}` is not supported" in error["message"]
-
-
-def test_neutral_values_and_harmless_fields_are_accepted(server):
-    """Clients send defaults explicitly (n=1, logprobs=false, penalties 0, tools=null) and echo assistant
-    messages back with their null fields: none of that is refused."""
-    client = server.client()
-    first = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=4, n=1, logprobs=False,
-        presence_penalty=0, frequency_penalty=0, response_format={"type": "text"}, user="u1",
-        metadata={"k": "v"}, store=False, parallel_tool_calls=True,
-        extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True})
-    echoed = first.choices[0].message.model_dump()  # role, content, refusal, annotations, audio, tool_calls...
-    r = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
-        {"role": "user", "content": PROMPTS[2]}, echoed, {"role": "user", "content": "go on", "name": "me"}])
-    assert r.choices[0].finish_reason in ("length", "stop")
-    c = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=None, echo=False, best_of=1)
-    assert c.choices[0].finish_reason in ("length", "stop")
-
-
-@pytest.mark.parametrize("route,body,param,guess", [
-    ("completion", {**COMPLETION, "max_tokenz": 5}, "max_tokenz", "max_tokens"),
-    ("chat", {**CHAT, "temprature": 0}, "temprature", "temperature"),
-    ("chat", {**CHAT, "messages": [{"role": "user", "contnet": "hi"}]}, "messages[0].contnet", "content"),
-    ("chat", {**CHAT, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", None),
-    ("completion", {**COMPLETION, "speculation": {"methd": "none"}}, "speculation.methd", None),
-])
-def test_unknown_fields_are_400s_with_a_guess(server, route, body, param, guess):
-    r = post(server, "/v1/chat/completions" if route == "chat" else "/v1/completions", body)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and "unrecognized request argument" in error["message"]
-    if guess:
-        assert f"did you mean `{guess}`" in error["message"]
-
-
-def test_limits_on_size_depth_and_stops(server):
-    deep = "[" * 100_000 + "]" * 100_000  # json's recursion limit: once a 500
-    r = post(server, "/v1/completions", deep)
-    assert r.status_code == 400 and "nests" in r.json()["error"]["message"]
-    nested: object = "x"
-    for _ in range(40):
-        nested = {"a": nested}
-    r = post(server, "/v1/completions", {**COMPLETION, "metadata": nested})
-    assert r.status_code == 400 and "nests" in r.json()["error"]["message"]
-    big = json.dumps({**COMPLETION, "prompt": "x" * (3 << 20)})
-    r = post(server, "/v1/completions", big)  # announced by Content-Length
-    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
-    r = post(server, "/v1/completions", iter([big[i:i + 65536].encode() for i in range(0, len(big), 65536)]))
-    assert r.status_code == 413  # chunked: counted as it arrives
-    for stop, why in ((["a", "b", "c", "d", "e"], "at most 4"), ("x" * 257, "1 to 256"), ([""], "1 to 256")):
-        r = post(server, "/v1/completions", {**COMPLETION, "stop": stop})
-        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
-        assert r.json()["error"]["param"] == "stop"
-    assert chat(server.client(), PROMPTS[3], max_tokens=3)[1] == "length"
-
-
-def test_unknown_model_is_404_and_model_routes(server):
-    client = server.client()
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-4", prompt="hi")
-    assert client.models.retrieve(MODEL).id == MODEL
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("gpt-4")
-    assert httpx.get(server.url + "/version").json()["version"] == specdecode.__version__
-
-
-def test_tokenize_and_detokenize(server, llm):
-    r = post(server, "/tokenize", {"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True}).json()
-    assert r["tokens"] == llm.encode(PROMPTS[0]) and r["count"] == len(r["tokens"]) and r["max_model_len"] == CONTEXT
-    assert len(r["token_strs"]) == r["count"]
-    assert post(server, "/detokenize", {"model": MODEL, "tokens": r["tokens"]}).json()["prompt"].endswith("brown")
-    messages = [{"role": "user", "content": PROMPTS[1]}]
-    tokens = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
-    assert tokens == llm.encode(messages, chat=True)
-    usage = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
-    assert usage.prompt_tokens == len(tokens)
-    assert post(server, "/tokenize", {"model": "gpt-4", "prompt": "hi"}).status_code == 404
-    assert post(server, "/detokenize", {"tokens": [10 ** 6]}).json()["error"]["param"] == "tokens"
-    assert post(server, "/tokenize", {"prompt": "hi", "add_special_tokenz": True}).status_code == 400
-
-
-def test_a_method_not_set_up_is_refused_naming_methods(server):
-    r = post(server, "/v1/completions", {**COMPLETION, "speculation": {"method": "eagle"}})
-    assert r.status_code == 400 and "--methods" in r.json()["error"]["message"]
-    assert r.json()["error"]["param"] == "speculation"
-
-
-def test_a_large_body_is_refused_by_its_size_while_the_server_keeps_answering(server):
-    """~1.5 MB of prompt is more text than the context's tokens can stand for: a 400 found out from its bytes (no
-    tokenizing), read and parsed in a worker thread while /health keeps answering."""
-    body = {**COMPLETION, "prompt": "word " * 300_000}
-    outcome = {}
-
-    def big() -> None:
-        outcome["response"] = post(server, "/v1/completions", body)
-
-    with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(big)
-        while not future.done():
-            assert httpx.get(server.url + "/health", timeout=60).status_code == 200
-            time.sleep(0.05)
-    r = outcome["response"]
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    assert "bytes" in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
-
-
-def test_non_streaming_client_that_disconnects_frees_its_row(server):
-    cancelled = server.metric('specdecode_requests_total{outcome="cancelled"}')
-    body = {**COMPLETION, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
-            "speculation": False}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=httpx.Timeout(60, read=0.3))
-    deadline = time.monotonic() + 10
-    while server.health()["running"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.health()["running"] == 0
-    assert server.metric('specdecode_requests_total{outcome="cancelled"}') == cancelled + 1
-
-
 def test_vllm_metrics_with_model_and_method_labels(server):
     client = server.client()
     for prompt in PROMPTS:  # greedy text of the tiny model repeats itself: prompt lookup guesses some of it right
@@ -677,72 +402,16 @@ def test_vllm_metrics_with_model_and_method_labels(server):
     assert 0 <= server.metric("vllm:kv_cache_usage_perc", model_name=MODEL) <= 1
 
 
-def test_chat_templates_of_the_server_and_of_a_request(setup, server, llm):
-    """--chat-template replaces the tokenizer's; a request's own template only with --trust-request-chat-template;
-    continue_final_message continues the assistant's last message instead of opening a new turn."""
-    small = setup[1]  # started with --chat-template and --trust-request-chat-template
-    messages = [{"role": "user", "content": PROMPTS[0]}]
-    tokens = httpx.post(small.url + "/tokenize", json={"model": MODEL, "messages": messages},
-                        headers={"Authorization": f"Bearer {KEY}"}).json()["tokens"]
-    assert tokens == llm.encode(messages, chat=True, chat_template=SERVER_TEMPLATE)
-    own = small.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
-                                                  extra_body={"chat_template": REQUEST_TEMPLATE})
-    assert own.usage.prompt_tokens == len(llm.encode(messages, chat=True, chat_template=REQUEST_TEMPLATE))
-    r = post(server, "/v1/chat/completions", {**CHAT, "chat_template": REQUEST_TEMPLATE})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
-    assert "--trust-request-chat-template" in r.json()["error"]["message"]
-    r = post(small, "/v1/chat/completions", {**CHAT, "chat_template": "{% for m in messages %}"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
-    partial = [*messages, {"role": "assistant", "content": "The fox"}]
-    cont = server.client().chat.completions.create(
-        model=MODEL, messages=partial, max_tokens=4, temperature=0,
-        extra_body={"continue_final_message": True, "add_generation_prompt": False})
-    expected = llm.encode(partial, chat=True, add_generation_prompt=False, continue_final_message=True)
-    assert cont.usage.prompt_tokens == len(expected) and llm.tokenizer.decode(expected).endswith("The fox")
-    r = post(server, "/v1/chat/completions", {**CHAT, "continue_final_message": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
-
-
-def test_full_queue_then_graceful_shutdown(setup):
-    """One slot, no queue: a second request while the first streams gets 503; on SIGINT the running stream
-    still ends with [DONE] and the process exits cleanly."""
-    small = setup[1]
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(base_url=small.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http, \
-            http.stream("POST", "/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-        busy = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
-        assert busy.status_code == 503 and busy.json()["error"]["code"] == "queue_full"
-        small.proc.send_signal(signal.SIGINT)
-        rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    last = json.loads(rest[-2][len("data: "):])
-    assert last["choices"][0]["finish_reason"] == "length"
-    assert small.proc.wait(30) == 0
-    assert "Traceback" not in small.log.read_text()
-
-
-def test_streams_still_running_at_the_shutdown_deadline_end_with_an_error_and_done(tmp_path):
-    """SIGTERM with --shutdown-timeout 0.5: a stream that cannot finish in time gets a final error event (code
-    shutting_down) and [DONE], not a cut body; the process logs no traceback and exits 1 (a stop that cut work)."""
-    checkpoint, cache, _ = server_files(tmp_path)
-    proc = ServerProcess(checkpoint, cache, "--shutdown-timeout", "0.5")
-    try:
-        proc.wait_ready()
-        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": CONTEXT - 64, "temperature": 0, "stream": True,
-                "ignore_eos": True}
-        with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http, \
-                http.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            proc.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        error = json.loads(rest[-2][len("data: "):])["error"]
-        assert error["code"] == "shutting_down", rest[-2]
-        assert proc.proc.wait(30) == 1
-        assert "Traceback" not in proc.log.read_text()
-    finally:
-        proc.stop()
+def test_tokenize_and_detokenize(server, llm):
+    r = post(server, "/tokenize", {"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True}).json()
+    assert r["tokens"] == llm.encode(PROMPTS[0]) and r["count"] == len(r["tokens"]) and r["max_model_len"] == CONTEXT
+    assert len(r["token_strs"]) == r["count"]
+    assert post(server, "/detokenize", {"model": MODEL, "tokens": r["tokens"]}).json()["prompt"].endswith("brown")
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    tokens = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert tokens == llm.encode(messages, chat=True)
+    usage = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
+    assert usage.prompt_tokens == len(tokens)
+    assert post(server, "/tokenize", {"model": "gpt-4", "prompt": "hi"}).status_code == 404
+    assert post(server, "/detokenize", {"tokens": [10 ** 6]}).json()["error"]["param"] == "tokens"
+    assert post(server, "/tokenize", {"prompt": "hi", "add_special_tokenz": True}).status_code == 400

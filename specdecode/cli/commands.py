@@ -16,7 +16,8 @@ from rich.console import Console
 
 from .. import __version__
 from ..common.command_line import Parser, add_precision_args, int_in, positive, quantization
-from ..common.names import DEFAULT_METHOD, METHODS, QUANTIZATIONS, check_model
+from ..common.method_options import add_method_flags, all_options, method_options
+from ..common.names import DEFAULT_METHOD, METHODS, check_model
 from ..common.progress import FIRST_LINE_S
 
 if TYPE_CHECKING:  # the command line imports torch (seconds) only once a command runs: --help answers at once
@@ -104,29 +105,7 @@ def add_generate_parser(sub) -> None:
                    "model); --method medusa: heads' folder, ours or Medusa's")
     g.add_argument("--k", default="auto", help="tokens guessed per step (tree depth), or 'auto': the cost model "
                    "picks each step's depth from measured forward cost and acceptance")
-    g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram matched")
-    g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram matched")
-    g.add_argument("--branches", type=int, help="prompt-lookup: continuations merged into a tree (default: "
-                   "3 with --k auto, which verifies as much of the tree as pays; 1 with a fixed k)")
-    g.add_argument("--window", type=int, default=4, help="lookahead: Jacobi window columns")
-    g.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size (levels = ngram - 1)")
-    g.add_argument("--guesses", type=int, default=4, help="lookahead: pool n-grams verified per step")
-    g.add_argument("--skip-layers", help="layer-skip: comma list of layers to skip (default: searched once, cached)")
-    g.add_argument("--topk", type=int, default=4, help="eagle: children per expanded tree node")
-    g.add_argument("--online-draft", action="store_true",
-                   help="eagle, hybrid: the EAGLE head learns from what the target verifies while it runs")
-    g.add_argument("--async-draft", action="store_true",
-                   help="draft, quantized, layer-skip: the draft drafts the next step while the target verifies this "
-                        "one (a worker thread; output unchanged)")
-    g.add_argument("--draft-threads", type=positive, default=1,
-                   help="--async-draft: threads of the drafter (the target's forwards keep the other cores)")
-    g.add_argument("--cascade", choices=["prompt-lookup"],
-                   help="draft, quantized, layer-skip: prompt lookup guesses for the draft model, which checks its "
-                        "guesses in one forward")
-    g.add_argument("--nodes", type=int, default=24,
-                   help="eagle, suffix: most guessed tokens a step (the cost model picks how many are worth verifying)")
-    g.add_argument("--low-bit", default="int4-a8", choices=list(QUANTIZATIONS),
-                   help="quantized: the precision of the target's copy that drafts")
+    add_method_flags(g)  # every method's options (common/method_options.py)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
@@ -303,20 +282,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = dict(
         method=args.method, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-        chat=args.chat, max_ngram=args.max_ngram, min_ngram=args.min_ngram, branches=args.branches,
-        window=args.window, ngram=args.ngram, guesses=args.guesses, low_bit=args.low_bit,
-        skip_layers=[int(i) for i in args.skip_layers.split(",")] if args.skip_layers else None,
+        chat=args.chat, **method_options(args),
     )
-    if args.method == "eagle":
-        options.update(topk=args.topk, nodes=args.nodes)
-    if args.online_draft:
-        options.update(online_draft=True)
-    if args.async_draft:
-        options.update(async_draft=True, draft_threads=args.draft_threads)
-    if args.cascade:
-        options.update(cascade=args.cascade)
-    if args.method == "suffix":
-        options.update(nodes=args.nodes)
     if args.compare:
         return compare(llm, prompt, options, args.repeats, as_json=args.json)
     if args.json:
@@ -419,8 +386,7 @@ def compare(llm: LLM, prompt: str, options: dict, repeats: int, as_json: bool) -
 
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    plain_options = {**{k: v for k, v in options.items() if k not in ("async_draft", "draft_threads", "cascade")},
-                     "method": "none"}
+    plain_options = {**{k: v for k, v in options.items() if k not in all_options()}, "method": "none"}
     with status("warming up (first calls pay one-off costs)..."):
         llm.generate(prompt, **{**options, "max_new_tokens": 8})
         llm.generate(prompt, **{**plain_options, "max_new_tokens": 8})

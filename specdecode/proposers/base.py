@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..common.method_options import NoOptions
 from ..core.acceptance import AcceptanceStats
 from ..core.sampling import SamplingParams
 from ..core.tree import DraftTree
@@ -116,11 +117,6 @@ class NoProposer(Proposer):
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """Plain decoding takes no options."""
 
 
 def build(assets: Assets, options: NoOptions, draft: Draft, k: int | str) -> Proposer:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..common.method_options import DraftOptions
 from ..core.sampling import SamplingParams, greedy_token, sample
 from ..core.tree import DraftTree
 from ..models import KVCache, Transformer
@@ -157,11 +157,6 @@ class DraftModelProposer(Proposer):
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class DraftOptions:
-    """A model draft takes no options besides `draft` (the model)."""
 
 
 def build(assets: Assets, options: DraftOptions, draft: Draft, k: int | str) -> DraftModelProposer:

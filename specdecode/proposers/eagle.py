@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ..common.method_options import EagleOptions
 from ..core.sampling import sample
 from ..core.tree import DraftTree
 from ..core.verify import Verdict
@@ -440,13 +440,6 @@ class EagleProposer(Proposer):
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class EagleOptions:
-    topk: int = 4  # children per expanded tree node
-    nodes: int = 24  # most guesses a step (the cost model sizes the tree within them and the depth k)
-    online_draft: bool = False  # the head keeps learning from what the target verifies (`Assets.online_head`)
 
 
 def build(assets: Assets, options: EagleOptions, draft: Draft, k: int | str) -> EagleProposer:

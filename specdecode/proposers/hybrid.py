@@ -18,10 +18,10 @@ ones before it, whatever distribution each sibling came from.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..common.method_options import HybridOptions
 from ..core.tree import DraftTree
 from ..core.verify import Verdict
 from ..policy.speculation import AdaptiveK, FixedK, Guessing, Policy, StepRecord
@@ -86,17 +86,6 @@ class HybridProposer(Proposer):
         self.draft_policy.observe(StepRecord(chain, chain, len(before), committed, len(before) - 1, seconds,
                                              per_guess))
         self.draft_policy.remember()
-
-
-@dataclass(frozen=True)
-class HybridOptions:
-    max_ngram: int = 3  # prompt lookup beside a model draft: longest n-gram matched
-    min_ngram: int = 1  # ... shortest
-    branches: int | None = None  # ... continuations merged (None: 1)
-    skip_layers: Sequence[int] | None = None  # the layer-skipped target as the model draft: layers left out
-    topk: int = 4  # the EAGLE head beside suffix decoding: children per expanded node
-    nodes: int = 24  # ... and suffix decoding: most guesses a step
-    online_draft: bool = False  # the EAGLE head keeps learning from what the target verifies
 
 
 def build(assets: Assets, options: HybridOptions, draft: Draft, k: int | str) -> Proposer:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..common.method_options import LayerSkipOptions
 from ..common.paths import default_cache_dir
 from ..data import CALIBRATION
 from ..models import Transformer
@@ -269,11 +270,6 @@ def calibration_tokens(
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class LayerSkipOptions:
-    skip_layers: Sequence[int] | None = None  # layers left out (None: searched once per model and machine, cached)
 
 
 def build(assets: Assets, options: LayerSkipOptions, draft: Draft, k: int | str) -> LayerSkipProposer:

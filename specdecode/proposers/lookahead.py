@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..common.method_options import LookaheadOptions
 from ..core.sampling import greedy_tokens
 from ..core.tree import DraftTree, ExtraNodes
 from ..core.verify import Verdict
@@ -125,13 +125,6 @@ def window_layout(window: int, levels: int) -> tuple[list[int], torch.Tensor]:
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class LookaheadOptions:
-    window: int = 4  # Jacobi window columns
-    ngram: int = 3  # n-gram size (levels = ngram - 1)
-    guesses: int = 4  # pool n-grams verified per step
 
 
 def build(assets: Assets, options: LookaheadOptions, draft: Draft, k: int | str) -> Proposer:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..common.method_options import MedusaOptions
 from ..core.tree import DraftTree
 from ..core.verify import Verdict
 from ..models.medusa import MedusaHeads
@@ -261,11 +262,6 @@ class MedusaProposer(Proposer):
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class MedusaOptions:
-    """Medusa takes no options besides `draft` (the trained heads' folder); the cost model sizes its trees."""
 
 
 def build(assets: Assets, options: MedusaOptions, draft: Draft, k: int | str) -> MedusaProposer:

@@ -11,9 +11,9 @@ text grows with it (what the scan cost: benchmarks/results/comment-timings.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..common.method_options import PromptLookupOptions
 from ..core.tree import DraftTree
 from ..policy.speculation import Guessing
 from .base import ProposalContext, Proposer, RequestInfo
@@ -78,14 +78,6 @@ class PromptLookupProposer(Proposer):
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class PromptLookupOptions:
-    max_ngram: int = 3  # longest n-gram matched
-    min_ngram: int = 1  # shortest n-gram matched
-    # continuations merged into a tree (None: `Assets.auto_branches` under k="auto", else 1)
-    branches: int | None = None
 
 
 def build(assets: Assets, options: PromptLookupOptions, draft: Draft, k: int | str) -> Proposer:

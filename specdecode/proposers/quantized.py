@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ..common.method_options import QuantizedOptions
 from ..models import Transformer
 from ..models.quant import QUANTIZATIONS, QuantLinear
 from .draft_model import DraftModelProposer
@@ -72,12 +72,6 @@ class QuantizedSelfProposer(DraftModelProposer):
         draft = low_bit if low_bit is not None else low_bit_copy(target, kind)
         super().__init__(skip_layers(draft, skipped) if skipped else draft, target.config.vocab_size)
         self.kind, self.skipped = kind, list(skipped)
-
-
-@dataclass(frozen=True)
-class QuantizedOptions:
-    low_bit: str = "int4-a8"  # the precision of the target's copy that drafts
-    skip_layers: Sequence[int] | None = None  # layers the copy also leaves out
 
 
 def build(assets: Assets, options: QuantizedOptions, draft: Draft, k: int | str) -> QuantizedSelfProposer:

@@ -1,6 +1,7 @@
 """Method selection as a table: each method's name -> its options (a dataclass whose fields are the method's keyword
-options, with their defaults) and its builder; both live beside the method's proposer. `build` makes a fresh
-proposer from the table, and wraps a model draft where asked (a cascade, asynchronous drafting)."""
+options, with their defaults and help: common/method_options.py, torch-free, so the command line's flags and the
+server's request fields are generated from them) and its builder, beside the method's proposer. `build` makes a
+fresh proposer from the table, and wraps a model draft where asked (a cascade, asynchronous drafting)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..common.method_options import OPTIONS, WrapOptions, all_options
 from ..common.names import METHODS
 from . import base, draft_model, eagle, hybrid, layer_skip, lookahead, medusa, prompt_lookup, quantized, suffix
 from .assets import Assets, Draft
@@ -26,35 +28,17 @@ class Method:
         return tuple(f.name for f in fields(self.options))
 
 
-TABLE: dict[str, Method] = {
-    "none": Method(base.NoOptions, base.build),
-    "prompt-lookup": Method(prompt_lookup.PromptLookupOptions, prompt_lookup.build),
-    "draft": Method(draft_model.DraftOptions, draft_model.build),
-    "lookahead": Method(lookahead.LookaheadOptions, lookahead.build),
-    "layer-skip": Method(layer_skip.LayerSkipOptions, layer_skip.build),
-    "eagle": Method(eagle.EagleOptions, eagle.build),
-    "medusa": Method(medusa.MedusaOptions, medusa.build),
-    "quantized": Method(quantized.QuantizedOptions, quantized.build),
-    "suffix": Method(suffix.SuffixOptions, suffix.build),
-    "hybrid": Method(hybrid.HybridOptions, hybrid.build),
+BUILDERS: dict[str, Callable[[Assets, Any, Draft, int | str], Proposer]] = {
+    "none": base.build, "prompt-lookup": prompt_lookup.build, "draft": draft_model.build, "lookahead": lookahead.build,
+    "layer-skip": layer_skip.build, "eagle": eagle.build, "medusa": medusa.build, "quantized": quantized.build,
+    "suffix": suffix.build, "hybrid": hybrid.build,
 }
-
-
-@dataclass(frozen=True)
-class WrapOptions:
-    """Options of any model draft (draft, quantized, layer-skip): what wraps the proposer its method builds."""
-
-    cascade: str | None = None  # 'prompt-lookup': lookup guesses for the model draft, which checks them in one forward
-    async_draft: bool = False  # the draft drafts the next step while the target verifies this one (async_draft.py)
-    draft_threads: int = 1  # threads of the drafter that drafts ahead
+TABLE: dict[str, Method] = {name: Method(OPTIONS[name], build) for name, build in BUILDERS.items()}
 
 
 def option_names() -> set[str]:
     """Every keyword option some method (or the wrapping of a model draft) takes."""
-    names = {f.name for f in fields(WrapOptions)}
-    for method in TABLE.values():
-        names.update(method.option_names())
-    return names
+    return set(all_options())
 
 
 def build(assets: Assets, method: str, draft: Draft = None, *, k: int | str = "auto", **options: Any) -> Proposer:

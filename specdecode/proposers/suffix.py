@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..common.held_back import HoldsBack
+from ..common.method_options import SuffixOptions
 from ..core.acceptance import AcceptanceStats, Proposal, ProposalScorer
 from ..core.tree import DraftTree
 from ..core.verify import Verdict
@@ -337,11 +337,6 @@ class SuffixProposer(Proposer):
 
 if TYPE_CHECKING:
     from .assets import Assets, Draft
-
-
-@dataclass(frozen=True)
-class SuffixOptions:
-    nodes: int = 24  # most guesses a step (sized by the cost model under k="auto")
 
 
 def build(assets: Assets, options: SuffixOptions, draft: Draft, k: int | str) -> SuffixProposer:

@@ -116,18 +116,19 @@ class Server:
         self.acceptance: dict[str, AcceptanceStats] = {}  # long-run acceptance per method, across requests
 
     # -------------------------------------------------------------------------------- requests
-    def speculation(self, req: schemas.Common) -> tuple[str, int | str]:
+    def speculation(self, req: schemas.Common) -> tuple[str, int | str, dict[str, Any]]:
+        """The request's method, k and the method options it sets (schemas.SpeculationBase)."""
         spec, cfg = req.speculation, self.config
         if spec is False:
-            return "none", 0
+            return "none", 0, {}
         if spec is None or spec is True:
-            return cfg.method, cfg.k
+            return cfg.method, cfg.k, {}
         method = spec.method or cfg.method
         if method not in cfg.allowed:
             raise bad_request(f"speculation.method {method!r} is not enabled on this server; it runs "
                               f"{', '.join(cfg.allowed)} (the server's --methods option chooses which, and sets "
                               "them up at start)", param="speculation", code="method_not_enabled")
-        return method, cfg.k if spec.k is None else spec.k
+        return method, cfg.k if spec.k is None else spec.k, spec.options()
 
     def prepare(self, raw: bytes, cls: schemas.RequestType) -> Prepared:
         """Body -> validated request -> prompt tokens -> Request (a worker thread: all of it may take a while)."""
@@ -161,7 +162,7 @@ class Server:
         if req.min_tokens is not None and req.min_tokens > limit:
             raise bad_request(f"min_tokens ({req.min_tokens}) is more than max_tokens ({limit}): lower it",
                               param="min_tokens")
-        method, k = self.speculation(req)
+        method, k, options = self.speculation(req)
         temperature = 1.0 if req.temperature is None else req.temperature
         try:
             bias, stop_ids = req.token_ids(self.llm.model.config.vocab_size)
@@ -174,7 +175,7 @@ class Server:
             online = self.config.online_draft and method in ("eagle", "hybrid")
             ahead = self.config.async_draft and method in ASYNC_DRAFTS
             proposer = self.llm.proposer(method, self.config.draft, k=k, online_draft=online,  # set up at start
-                                         async_draft=ahead)
+                                         async_draft=ahead, **options)
             acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
                                                                  AcceptanceStats())
             return method, engine_request.Request(

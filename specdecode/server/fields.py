@@ -126,16 +126,7 @@ def screen(body: dict, honoured: set[str], chat: bool) -> dict:
     """The body less harmless and neutral fields; a 400 for a field with a value we cannot honour or a name
     nobody defines. `honoured`: the fields the request model reads."""
     table = {**UNSUPPORTED, **(UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION)}
-    kept = {}
-    for name, value in body.items():
-        if name in honoured:
-            kept[name] = value
-        elif name in table:
-            neutral, why = table[name]
-            if not neutral(value):
-                raise unsupported(name, value, why)
-        elif name not in HARMLESS:
-            raise unknown(name, honoured | set(table) | HARMLESS)
+    kept = sift(body, honoured, table, HARMLESS)
     if chat and isinstance(kept.get("messages"), list):
         kept["messages"] = [screen_message(m, i) for i, m in enumerate(kept["messages"])]
     return kept
@@ -144,15 +135,21 @@ def screen(body: dict, honoured: set[str], chat: bool) -> dict:
 def screen_message(message: Any, index: int) -> Any:
     if not isinstance(message, dict):
         return message  # pydantic says what is wrong with it
+    return sift(message, MESSAGE_FIELDS, UNSUPPORTED_MESSAGE, HARMLESS_MESSAGE, f"messages[{index}].")
+
+
+def sift(fields: dict, honoured: set[str] | frozenset[str], unsupported_fields: dict[str, tuple[Neutral, str]],
+         harmless: frozenset[str], where: str = "") -> dict:
+    """The honoured fields of `fields`; the others dropped where harmless or neutral, else a 400 naming the field
+    as `where` + its name."""
     kept = {}
-    for name, value in message.items():
-        param = f"messages[{index}].{name}"
-        if name in MESSAGE_FIELDS:
+    for name, value in fields.items():
+        if name in honoured:
             kept[name] = value
-        elif name in UNSUPPORTED_MESSAGE:
-            neutral, why = UNSUPPORTED_MESSAGE[name]
+        elif name in unsupported_fields:
+            neutral, why = unsupported_fields[name]
             if not neutral(value):
-                raise unsupported(param, value, why)
-        elif name not in HARMLESS_MESSAGE:
-            raise unknown(param, MESSAGE_FIELDS | set(UNSUPPORTED_MESSAGE) | HARMLESS_MESSAGE)
+                raise unsupported(where + name, value, why)
+        elif name not in harmless:
+            raise unknown(where + name, honoured | set(unsupported_fields) | harmless)
     return kept

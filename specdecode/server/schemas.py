@@ -14,8 +14,9 @@ import uuid
 from collections.abc import Collection
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from ..common.method_options import all_options
 from ..core.sampling import MIN_REPETITION_PENALTY
 from ..engine.request import MAX_LOGPROBS, TokenLogprob
 from .errors import bad_request
@@ -24,6 +25,7 @@ from .fields import screen, unknown
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # a stop string is held back from a stream until it cannot match: keep that short
 MAX_K = 64  # guesses per step a request may fix (a draft model proposes them one forward at a time)
+MAX_OPTION = 64  # the largest value of a request's method option (each sizes a step's proposing work)
 MAX_LOGIT_BIAS = 300  # as OpenAI
 MAX_STOP_TOKEN_IDS = 64
 MAX_GRAMMAR_CHARS = 8192  # a regular expression's length
@@ -39,8 +41,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class Speculation(Strict):
-    """Per-request extension: `"speculation": {"method": "prompt-lookup", "k": "auto"}` or `false` (plain)."""
+class SpeculationBase(Strict):
+    """Per-request extension: `"speculation": {"method": "prompt-lookup", "k": "auto", "max_ngram": 2}` or `false`
+    (plain). Besides the method and k, the method options a request may set (common/method_options.py,
+    `per_request`): one field each, generated below; None leaves the method's default."""
 
     method: str | None = None
     k: int | Literal["auto"] | None = Field(None)
@@ -51,6 +55,19 @@ class Speculation(Strict):
         if isinstance(k, int) and not 0 <= k <= MAX_K:
             raise ValueError(f"k must be 'auto' or an integer in [0, {MAX_K}]")
         return k
+
+    def options(self) -> dict[str, Any]:
+        """The method options this request sets."""
+        return {name: value for name in PER_REQUEST if (value := getattr(self, name)) is not None}
+
+
+PER_REQUEST = {o.name: o for o in all_options().values() if o.per_request}
+if any(type(o.default) not in (int, type(None)) for o in PER_REQUEST.values()):
+    raise TypeError("a per-request method option that is not a count needs its own field type here")
+_OPTION_FIELDS: dict[str, Any] = {
+    name: (int | None, Field(None, ge=1, le=MAX_OPTION, description=f"{', '.join(o.methods)}: {o.help}"))
+    for name, o in PER_REQUEST.items()}
+Speculation = create_model("Speculation", __base__=SpeculationBase, **_OPTION_FIELDS)
 
 
 class JsonSchema(Strict):
@@ -90,7 +107,7 @@ class Common(Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI sends it: a string) -> bias in [-100, 100]
     # extensions (vLLM's names)
-    speculation: Speculation | bool | None = None
+    speculation: Speculation | bool | None = None  # type: ignore[valid-type]
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10)
