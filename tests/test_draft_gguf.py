@@ -88,3 +88,20 @@ def test_a_gguf_draft_with_another_vocabulary_is_refused(llm, files) -> None:
     with pytest.raises(ValueError, match=r"tokenizer does not match the target's: vocabularies differ \(300 vs 300 "
                                          r"tokens; e\.g\. .*Use a draft trained with the target's tokenizer"):
         llm.generate(PROMPTS[0], max_new_tokens=4, method="draft", draft=files["other"])
+
+
+def test_any_thread_count_gives_the_same_tokens(llm, files, monkeypatch) -> None:
+    """The kernels and the step split work over any thread count (users' machines have 4-32 cores): plain decoding
+    and GGUF-draft speculation give the same tokens on 1, 2 and 4 threads (the rows' sums are their outputs' own)."""
+    monkeypatch.setenv("SPECDECODE_ADAPTIVE_THREADS", "0")  # the count set here is the count used
+    before = torch.get_num_threads()
+    outputs = set()
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            for method in ("none", "draft"):
+                out = llm.generate(PROMPTS[1], max_new_tokens=12, method=method, draft=files["draft"], k=3)
+                outputs.add(tuple(out.token_ids))
+    finally:
+        torch.set_num_threads(before)
+    assert len(outputs) == 1
