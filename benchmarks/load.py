@@ -168,6 +168,8 @@ def serve_args(args, modes: list[str]) -> list[str]:
         out += ["--methods", ",".join(dict.fromkeys([args.method, "none", *named]))]
     if args.draft:
         out += ["--draft", args.draft]
+    if args.threads:
+        out += ["--threads", str(args.threads)]
     if args.replicas:
         out += ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
     return out
@@ -194,14 +196,18 @@ def report(results: dict, command: str) -> str:
         f"Model {results['model']}, method `{results['method']}` with k=auto when on, `\"speculation\": false` "
         f"when off, a method by name with k=auto, all on the same server (--max-batch {results['max_batch']}); "
         f"{prompts}, greedy, up to {results['max_tokens']} new tokens each, streamed; {results['rounds']} rounds "
-        f"per level, the modes' order rotated each round.{warm} Machine: {results['machine']}.",
+        f"per level, the modes' order rotated each round.{warm} "
+        f"Server threads: {results.get('threads') or 'torch default'}. "
+        f"Machine: {results['machine']}.",
         "",
-        f"Speedup: tokens/s over `{base}`'s at the same level. Latencies in ms. ITL: gap between streamed chunks (a "
-        "chunk may carry several tokens when guesses are accepted); TPOT: (end-to-end - TTFT) / (tokens - 1).",
+        f"Speedup: tokens/s over `{base}`'s at the same level (prefills included); decode: `{base}`'s TPOT p50 over "
+        "the mode's (a request's pace once its first token is out: what speculation changes, apart from the prefills "
+        "a loaded machine makes long). Latencies in ms. ITL: gap between streamed chunks (a chunk may carry several "
+        "tokens when guesses are accepted); TPOT: (end-to-end - TTFT) / (tokens - 1).",
         "",
-        "| concurrency | speculation | requests | tokens/s | speedup | tau | accept | TTFT p50/p90/p99 | "
+        "| concurrency | speculation | requests | tokens/s | speedup | decode | tau | accept | TTFT p50/p90/p99 | "
         "ITL p50/p90/p99 | TPOT p50/p90/p99 | E2E p50/p90/p99 |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---|---|---|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for level in results["levels"]:
         reference = level[base]["tokens_per_second"]
@@ -213,7 +219,8 @@ def report(results: dict, command: str) -> str:
 
             lines.append(
                 f"| {level['concurrency']} | {mode} | {s['requests']} | {s['tokens_per_second']:.1f} | "
-                f"{s['tokens_per_second'] / reference:.2f}x | {s['tau']:.2f} | {s['acceptance_rate']:.2f} | "
+                f"{s['tokens_per_second'] / reference:.2f}x | {level[base]['tpot_p50'] / s['tpot_p50']:.2f}x | "
+                f"{s['tau']:.2f} | {s['acceptance_rate']:.2f} | "
                 f"{ms('ttft')} | {ms('itl')} | {ms('tpot')} | {ms('e2e')} |")
     same = all(level["outputs_match"] for level in results["levels"])
     lines += ["", f"Greedy outputs equal across the modes: {'yes' if same else 'NO'}."]
@@ -254,6 +261,9 @@ def main() -> int:
     p.add_argument("--prefix-cache-mb", type=int, default=0,
                    help="the server's prefix cache (default off: the modes send the same prompts, and a mode must not "
                         "find another's prefill)")
+    p.add_argument("--threads", type=int, help="the server's CPU threads for its forwards (default: torch's "
+                   "choice; 1 on a machine whose cores other processes keep busy: threads that wait on each other "
+                   "there lose more than a second core gains)")
     p.add_argument("--replicas", type=int, help="serve on Ray Serve with this many replicas (see README)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs per replica")
     p.add_argument("--rounds", type=int, default=2)
@@ -271,7 +281,7 @@ def main() -> int:
     prompts, warm = everything[: len(everything) - args.warm], everything[len(everything) - args.warm :]
     proc, url = (None, args.url) if args.url else start_server(serve_args(args, modes))
     results = {"model": args.model, "method": args.method, "modes": modes, "workload": args.workload,
-               "warm": args.warm, "max_batch": args.max_batch, "replicas": args.replicas,
+               "warm": args.warm, "max_batch": args.max_batch, "replicas": args.replicas, "threads": args.threads,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine_description(), "levels": []}
     try:
         asyncio.run(run_level(url, args.model, prompts[:2], 2, 16, None, args.api_key))  # warm-up

@@ -168,3 +168,21 @@ def test_ragged_steps_teach_the_table_only_what_their_width_says() -> None:
     cost.observe(ROWS, 1, 100, 1.5)
     cost.observe_tokens(ROWS, ROWS + 4, 100, 1.7)
     assert learned == [(1, 1.5), (5, 1.7)]
+
+
+def test_ragged_tables_are_one_line_through_every_batch_sizes_points() -> None:
+    """Measured points a + slope x tokens at every batch size, one of them hit by a burst (5x): the tables are the
+    line through them all, the burst left out, and b rows of s table size cost what b + s - 1 tokens do."""
+    from specdecode.policy.batch_cost import pooled
+    from specdecode.policy.cost import CostModel
+
+    sizes = [2, 4, 8]
+    grid = {b: [1, 2, 3, 5, 9] for b in sizes}
+    tables = [CostModel(grid[b], CONTEXTS, [[0.01 + 0.002 * (b + s - 1) * (1 + (c > 0)) for s in grid[b]]
+                                            for c in CONTEXTS]) for b in sizes]
+    tables[1].seconds[0][2] *= 5  # a burst of another process's load in one timing
+    lines = pooled(sizes, grid, CONTEXTS, tables, None, 3)  # type: ignore[arg-type]
+    for b, table in zip(sizes, lines, strict=True):
+        assert table.sizes == grid[b]
+        assert table.seconds[0] == pytest.approx([0.01 + 0.002 * (b + s - 1) for s in grid[b]])
+        assert table.seconds[1] == pytest.approx([0.01 + 0.004 * (b + s - 1) for s in grid[b]])

@@ -35,7 +35,7 @@ STEP_SIZES = (1, 2, 4, 8)
 # full batch makes are about its first few dozen guessed tokens, which a per-row grid (16, 32, 64 tokens for 16 rows)
 # priced only by interpolation; past the last, linear
 EXTRA_TOKENS = (1, 2, 4, 8, 16, 32)
-BATCH_TABLE_VERSION = 2  # version 1: padded tables only, the fastest of 2 unpaired timings
+BATCH_TABLE_VERSION = 3  # 1: padded tables only, the fastest of 2 unpaired timings; 2: ragged, per size
 
 
 @dataclass
@@ -206,6 +206,8 @@ class BatchCost:
                                                          for s in grid[b][1:])]))
             tables.append(CostModel(grid[b], contexts, seconds, machine=machine_key(model),
                                     weight=[float(repeats)] * len(grid[b])))
+        if ragged:  # a ragged forward costs by its tokens, whatever the rows: one line through every batch size's
+            tables = pooled(batch_sizes, grid, contexts, tables, model, repeats)  # points (module docstring)
         return cls(batch_sizes, list(tables), ragged=ragged)
 
     @classmethod
@@ -243,6 +245,29 @@ class BatchCost:
         tables = [t.table() for t in self.tables if isinstance(t, CostModel)]
         path.write_text(json.dumps({"batch_sizes": self.batch_sizes, "tables": tables, "ragged": self.ragged,
                                     "version": BATCH_TABLE_VERSION}, indent=1))
+
+
+def pooled(batch_sizes: list[int], grid: dict[int, list[int]], contexts: list[int], tables: list[CostModel],
+           model: Transformer, repeats: int) -> list[CostModel]:
+    """Ragged tables from one line per context through all of them: the native blocks run a batch's tokens side by
+    side, so b rows holding T tokens cost about what any rows holding T tokens cost, a + slope x T. The slope is the
+    median of the pairwise slopes between the measured points (Theil-Sen: a third of the points may be bursts of
+    another process's load without moving it), the intercept the median of what is left. Per batch size and pair
+    of sizes, a few timings on a busy machine priced one guessed token in a batch of 8 above a whole row's share;
+    the line through every batch size's points prices it as the rows' own tokens cost."""
+    out = []
+    for b, table in zip(batch_sizes, tables, strict=True):
+        seconds = []
+        for ci in range(len(contexts)):
+            points = [(bb + s - 1, t.seconds[ci][i]) for bb, t in zip(batch_sizes, tables, strict=True)
+                      for i, s in enumerate(t.sizes)]
+            slopes = [(y2 - y1) / (x2 - x1) for k, (x1, y1) in enumerate(points) for x2, y2 in points[k + 1:]
+                      if x2 != x1]
+            slope = max(statistics.median(slopes), 0.0)
+            base = statistics.median(y - slope * x for x, y in points)
+            seconds.append([max(base + slope * (b + s - 1), 1e-6) for s in grid[b]])
+        out.append(CostModel(grid[b], contexts, seconds, machine=table.machine, weight=table.weight))
+    return out
 
 
 def shared_out(rows: int, extra: int) -> list[int]:
