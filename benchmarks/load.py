@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -75,6 +76,8 @@ async def one_request(client: httpx.AsyncClient, model: str, messages: list[dict
                     chunk_times.append(time.perf_counter() - started)
                     text.append(content)
     end = time.perf_counter() - started
+    if usage is None:
+        raise RuntimeError("the stream ended without its usage chunk")
     tokens = usage["completion_tokens"]
     ttft = chunk_times[0] if chunk_times else end
     return {
@@ -280,7 +283,7 @@ def main() -> int:
     everything = workload_prompts(args.workload, measured + args.warm)
     prompts, warm = everything[: len(everything) - args.warm], everything[len(everything) - args.warm :]
     proc, url = (None, args.url) if args.url else start_server(serve_args(args, modes))
-    results = {"model": args.model, "method": args.method, "modes": modes, "workload": args.workload,
+    results: dict[str, Any] = {"model": args.model, "method": args.method, "modes": modes, "workload": args.workload,
                "warm": args.warm, "max_batch": args.max_batch, "replicas": args.replicas, "threads": args.threads,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine_description(), "levels": []}
     try:
@@ -291,7 +294,7 @@ def main() -> int:
                                   ignore_eos))
         offset = 0
         for c, n in zip(levels, counts, strict=True):
-            level = {"concurrency": c, "runs": {mode: [] for mode in modes}}
+            level: dict[str, Any] = {"concurrency": c, "runs": {mode: [] for mode in modes}}
             for r in range(args.rounds):
                 batch = [prompts[(offset + i) % len(prompts)] for i in range(n)]
                 offset += n

@@ -25,7 +25,7 @@ import torch
 
 from ..common.progress import progress_bar
 from ..models import BatchKVCache, Transformer
-from .cost import CostModel, ForwardCost
+from .cost import WEIGHT_CAP, CostModel, ForwardCost
 from .timing import machine_key, nondecreasing, table_path
 
 # tokens per row in a measured padded batched forward: few, so that a server starts in seconds (a full batch backs off
@@ -35,7 +35,7 @@ STEP_SIZES = (1, 2, 4, 8)
 # full batch makes are about its first few dozen guessed tokens, which a per-row grid (16, 32, 64 tokens for 16 rows)
 # priced only by interpolation; past the last, linear
 EXTRA_TOKENS = (1, 2, 4, 8, 16, 32)
-BATCH_TABLE_VERSION = 3  # 1: padded tables only, the fastest of 2 unpaired timings; 2: ragged, per size
+BATCH_TABLE_VERSION = 4  # 1: padded only, fastest of 2 unpaired timings; 2: ragged, per size; 3: few weights
 
 
 @dataclass
@@ -254,7 +254,10 @@ def pooled(batch_sizes: list[int], grid: dict[int, list[int]], contexts: list[in
     median of the pairwise slopes between the measured points (Theil-Sen: a third of the points may be bursts of
     another process's load without moving it), the intercept the median of what is left. Per batch size and pair
     of sizes, a few timings on a busy machine priced one guessed token in a batch of 8 above a whole row's share;
-    the line through every batch size's points prices it as the rows' own tokens cost."""
+    the line through every batch size's points prices it as the rows' own tokens cost. Its weight is the paired
+    timings behind the line (every point's `repeats`): a size's margin of doubt (CostModel.margin, a share of the
+    whole forward's price) is for a price known from a few timings; in a batch of 16 a 7% margin on the forward was a
+    whole row's step, more than a guessed token costs."""
     out = []
     for b, table in zip(batch_sizes, tables, strict=True):
         seconds = []
@@ -266,7 +269,8 @@ def pooled(batch_sizes: list[int], grid: dict[int, list[int]], contexts: list[in
             slope = max(statistics.median(slopes), 0.0)
             base = statistics.median(y - slope * x for x, y in points)
             seconds.append([max(base + slope * (b + s - 1), 1e-6) for s in grid[b]])
-        out.append(CostModel(grid[b], contexts, seconds, machine=table.machine, weight=table.weight))
+        behind = float(min(repeats * sum(len(t.sizes) for t in tables), WEIGHT_CAP))
+        out.append(CostModel(grid[b], contexts, seconds, machine=table.machine, weight=[behind] * len(grid[b])))
     return out
 
 
