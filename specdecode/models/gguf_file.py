@@ -10,9 +10,12 @@ factor): `config` reads it back into the HF "llama3" rope_scaling it was made fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +70,12 @@ def reader(path: Path):
     """(reader, architecture) of a GGUF file this runtime can run."""
     import gguf
 
-    r = gguf.GGUFReader(str(path))
+    from .gguf_header import Header, NotFast
+
+    try:  # the header alone, quickly (see gguf_header); else the package's reader
+        r: Any = Header(path)
+    except NotFast:
+        r = gguf.GGUFReader(str(path))
     arch = field(r, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})")
@@ -88,6 +96,9 @@ def tensors(path: Path):
     n_kv = field(r, f"{arch}.attention.head_count_kv", n_heads)
     names = ARCH_BLOCK_NAMES.get(arch, BLOCK_NAMES)
     splits = fused_splits(ModelConfig.from_hf(_shape(r, arch))) if arch == "phi3" else {}
+    # the metadata read (the config reads it apart): a 128k-token vocabulary's fields are ~250 MB of small arrays,
+    # freed now rather than held through the whole load
+    r.fields.clear()
     for t in r.tensors:
         name, rows = t.name, None
         if name == ROPE_FREQS:
@@ -113,6 +124,23 @@ def tensors(path: Path):
                              "checkpoint instead")
         shift = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
         yield name, t, rows, shift
+
+
+def release(t) -> None:
+    """Drop a GGUF tensor's (or an array of its bytes') pages from this process's memory map of the file (madvise
+    DONTNEED; the page cache keeps them, a later read maps them back): a load converts the tensors one by one into
+    the kernels' layout, and without this every page it has read stays counted in the process's resident memory
+    until the reader is gone, the file's size on top of the converted weights at the end of a load. Nothing where
+    the data is not a memory map (or the platform has no madvise)."""
+    data = t if isinstance(t, np.ndarray) else t.data
+    mapped = getattr(data, "_mmap", None)  # numpy memmaps and their views hold the file's mmap
+    if not isinstance(mapped, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or not data.nbytes:
+        return
+    start = data.__array_interface__["data"][0] - np.frombuffer(mapped, np.uint8).__array_interface__["data"][0]
+    page = mmap.PAGESIZE
+    first, end = start // page * page, start + data.nbytes  # whole pages: a neighbour's only maps back in
+    with contextlib.suppress(OSError, ValueError):
+        mapped.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def dense(t, rows: torch.Tensor | None = None, shift: float = 0.0) -> torch.Tensor:

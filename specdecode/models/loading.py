@@ -29,7 +29,7 @@ from .. import kernels
 from ..common.names import DTYPE_NAMES, REGISTRY, RegistryEntry
 from ..common.paths import default_cache_dir
 from .config import ModelConfig
-from .gguf_file import GEMMA3_CHAT_TEMPLATE, trim_added_tokens
+from .gguf_file import GEMMA3_CHAT_TEMPLATE, release, trim_added_tokens
 from .gguf_file import config as gguf_config
 from .gguf_file import dense as gguf_dense
 from .gguf_file import read as read_gguf
@@ -275,6 +275,35 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
     return model
 
 
+CHUNK_BYTES = 8 << 20  # a large matrix converts this many of the file's bytes at a time (its temporaries: ~10x)
+
+
+def _from_gguf_rows(raw, stored: str) -> QuantLinear:
+    """QuantLinear.from_gguf of a tensor's bytes [rows, bytes], a few rows at a time into tensors allocated once:
+    converting a large matrix (a 128k-token vocabulary's embedding or output layer) at once made temporaries
+    several times its size, the peak of a whole load."""
+    rows = raw.shape[0]
+    step = max(1, CHUNK_BYTES // max(1, raw.shape[1]))
+    if rows <= step:
+        return QuantLinear.from_gguf(raw, stored)
+    first = QuantLinear.from_gguf(raw[:step], stored)
+    fields = {name: t for name, t in (("qs", first.qs), ("d", first.d), ("m", first.m)) if t is not None}
+    full = {name: torch.empty((rows, *t.shape[1:]), dtype=t.dtype) for name, t in fields.items()}
+    for name, t in fields.items():
+        full[name][:step] = t
+    del first, fields
+    release(raw[:step])
+    for start in range(step, rows, step):
+        chunk = QuantLinear.from_gguf(raw[start:start + step], stored)
+        for name in full:
+            full[name][start:start + chunk.qs.shape[0]] = getattr(chunk, name)
+        release(raw[start:start + step])  # the file's pages read so far: out of the resident set
+    layer = QuantLinear(K_QUANTS[stored][0] if stored in K_QUANTS else GGUF_BLOCKS[stored][0], full["qs"],
+                        full["d"], full.get("m"))
+    layer.act8 = stored in K_QUANTS
+    return layer
+
+
 def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str = "cpu", kind: str | None = None,
               act8: bool = False) -> Transformer:
     """A GGUF file's model, its Q4_0 / Q4_1 / Q5_0 / Q8_0 tensors loaded as they are stored (and with `act8` its
@@ -300,14 +329,19 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
         stored = t.tensor_type.name
         if stored in HALF_TYPES and half and len(t.shape) == 2 and not shift:
             parts[name] = HalfLinear.from_gguf(t.data, stored, rows)
+            release(t)
             continue
         if stored in as_stored and stored not in HALF_TYPES:  # as stored, whatever `kind` says: re-rounding
             # rounded weights only loses
-            layer = QuantLinear.from_gguf(t.data, stored)
+            layer = _from_gguf_rows(t.data, stored)
             layer.act8 = act8
             parts[name] = layer if rows is None else layer.rows(rows)
+            release(t)  # its pages out of this process's map of the file: see gguf_file.release
+            if t.n_bytes > CHUNK_BYTES // 4:
+                trim_heap()  # the conversion's freed temporaries back to the system, not kept for the next's
             continue
         w = gguf_dense(t, rows, shift)
+        release(t)
         # `kind` rounds float matrices only: a K-quant's weights were rounded once already
         rounds = kind is not None and w.dim() == 2 and stored in ("F32", "F16", "BF16")
         parts[name] = QuantLinear.quantize(w, kind + ("-a8" if act8 else "")) if rounds else w
@@ -315,14 +349,15 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
         model = Transformer(cfg)
 
     def linear(names: list[str], biases: list[str] | None = None) -> nn.Module:
-        weights = [parts[n] for n in names]
-        bias = torch.cat([parts[b] for b in biases]) if biases else None
+        # popped: a fused copy replaces its parts one layer at a time, never all layers' parts and copies at once
+        weights = [parts.pop(n) for n in names]
+        bias = torch.cat([parts.pop(b) for b in biases]) if biases else None
         if all(isinstance(w, HalfLinear) for w in weights) and len({w.bf16 for w in weights}) == 1:
             fused_half = weights[0] if len(weights) == 1 else HalfLinear.cat(weights)
             fused_half.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             return fused_half
-        if QuantLinear.fusable(weights):  # stored alike, or a K-quant mix (a QuantStack)
-            fused = QuantLinear.cat(weights)
+        if QuantLinear.fusable(weights):  # stored alike, or a K-quant mix (a QuantStack); one layer as it is
+            fused = weights[0] if len(weights) == 1 else QuantLinear.cat(weights)
             fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
             return fused
         dense = torch.cat([w.dequantize() if isinstance(w, QuantLinear | HalfLinear) else w for w in weights])
@@ -343,7 +378,8 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
         block.mlp.w2 = linear([mlp + "down_proj.weight"])
         for mine, hf in norm_names(cfg).items():
             norms[f"layers.{i}.{mine}.weight"] = norm_weight(parts[p + f"{hf}.weight"], cfg)
-    embed = parts["model.embed_tokens.weight"]
+        trim_heap()  # the parts just fused: their memory back to the system, not kept in the C heap
+    embed = parts.pop("model.embed_tokens.weight")
     if isinstance(embed, QuantLinear | HalfLinear):
         model.embed = QuantEmbedding(embed) if isinstance(embed, QuantLinear) else HalfEmbedding(embed)
         model.lm_head = embed if cfg.tie_word_embeddings else linear(["lm_head.weight"])
