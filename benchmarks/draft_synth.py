@@ -44,6 +44,7 @@ from specdecode.policy.cost import CostModel  # noqa: E402
 from specdecode.policy.speculation import AdaptiveK  # noqa: E402
 from specdecode.proposers import DraftModelProposer  # noqa: E402
 
+COST_SIZES = (1, 2, 3, 4, 5, 6, 8)  # the forwards k='auto' prices here (a chain of up to 7 guesses)
 PROMPTS = [  # chat prompts of ordinary length (the text does not matter to random weights: its length does)
     "Write a short story about a robot who learns to paint, in three paragraphs.",
     "Explain how a hash table handles collisions, with a small example in Python.",
@@ -63,6 +64,8 @@ class Config:
     drafted: int = 0
     verified: int = 0  # guesses verified up to the first wrong one (fixed k: exact; auto: the chains drafted)
     right: int = 0
+    draft_seconds: float = 0.0  # the draft model's share of the decode time
+    forwards: int = 0  # target forwards (steps)
 
     @property
     def name(self) -> str:
@@ -96,9 +99,11 @@ def run_config(target, draft_model, config: Config, prompt: list[int], truth: li
                              seed=len(config.times))
     k: int | AdaptiveK = int(config.k) if config.k != "auto" else policies[config.name]
     out, stats = generate_ids(target, prompt, proposer=emulated, k=k, max_new_tokens=tokens)
-    if prompt + out != truth:
+    if prompt + out != truth[: len(prompt) + tokens]:
         raise AssertionError(f"{config.name}: output differs from plain decoding")
     config.accepted += stats.accepted
+    config.draft_seconds += stats.draft_seconds
+    config.forwards += stats.target_forwards
     config.drafted += stats.drafted
     verified, right = emulated.tally()
     config.verified, config.right = config.verified + verified, config.right + right
@@ -117,6 +122,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--plain-every", type=int, default=3, help="a plain run after this many configurations")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cost-rounds", type=int, default=2, help="k='auto': paired timings per size of the cost table")
     ap.add_argument("--dir", default="/tmp/x/draftsynth")
     ap.add_argument("--llama-bin", help="llama.cpp's bin folder (llama-server): its draft speculation beside ours")
     ap.add_argument("--out")
@@ -136,8 +142,10 @@ def main() -> None:
     policies: dict[str, AdaptiveK] = {}
     if any(c.k == "auto" for c in configs):
         started = time.perf_counter()
-        print("the target's cost table for k='auto' (calibrated once, cached) ...", flush=True)
-        cost = CostModel.for_model(target)
+        print(f"the target's cost table for k='auto' ({args.cost_rounds} rounds; the steps refine it) ...",
+              flush=True)
+        cost = CostModel.measure(target, args.cost_rounds, sizes=COST_SIZES, long=512, sparse_above=None,
+                                 bounded=True, description="timing target forwards")
         print(f"  {time.perf_counter() - started:.0f} s", flush=True)
         for c in configs:  # each configuration's long-run statistics, as a server keeps them per method
             if c.k == "auto":
@@ -148,7 +156,8 @@ def main() -> None:
     for c in configs:  # a short untimed request each: k='auto' learns the draft's cost and acceptance first
         if c.k == "auto":
             run_config(target, draft_llms[c.draft].model, c, prompts[0], truths[0], 16, policies, cost)
-            c.accepted = c.drafted = c.verified = c.right = 0
+            c.accepted = c.drafted = c.verified = c.right = c.forwards = 0
+            c.draft_seconds = 0.0
     plain_times: list[float] = []
     started = time.perf_counter()
     total = args.rounds * len(prompts) * len(configs)
@@ -188,8 +197,8 @@ def report(args, paths: dict[str, Path], configs: list[Config], plain_times: lis
         "",
         f"Plain decoding: median {plain_tps:.2f} tok/s over {len(plain_times)} runs of {args.tokens} tokens.", "",
         "| draft | a | k | speedup vs plain (paired) | per-run ratios min-max | measured a (verified) | "
-        "accepted / drafted | tok/s |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "accepted / drafted | tokens per step | draft's share of the time | tok/s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in configs:
         ratios = [p / t for p, t in zip(c.plain, c.times, strict=True)]
@@ -197,6 +206,7 @@ def report(args, paths: dict[str, Path], configs: list[Config], plain_times: lis
         measured = c.right / c.verified if c.verified else 0.0
         lines.append(f"| {c.draft} | {c.rate:.1f} | {c.k} | **{speedup:.2f}x** | {min(ratios):.2f}-{max(ratios):.2f} "
                      f"| {measured:.2f} ({c.verified}) | {c.accepted}/{c.drafted} | "
+                     f"{args.tokens * len(c.times) / max(c.forwards, 1):.2f} | {c.draft_seconds / sum(c.times):.0%} | "
                      f"{args.tokens * len(c.times) / sum(c.times):.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
