@@ -24,12 +24,14 @@ from ..core.tree import DraftTree
 from ..core.verify import Verdict, verify
 from ..models import BatchKVCache, Transformer
 from ..models.llama import BatchForwardOutput
+from ..models.paged import OutOfBlocks, PagedKVCache
 from ..policy import threads
 from ..policy.batch_cost import BatchCost, RowCost
 from ..policy.cost import CostModel, ForwardCost
 from ..policy.speculation import AdaptiveK, Policy, joint_cut
 from ..proposers import NoProposer, Proposer
 from ..proposers.base import Needs, StepOutput
+from .blocks import Paging, pool_for
 from .prefix_cache import PrefixCache
 from .request import MAX_DRAFT_NODES, GenerationStats, Request
 
@@ -41,12 +43,22 @@ PREFILL_CHUNK = 256
 
 
 class Engine:
-    def __init__(self, model: Transformer, cost: BatchCost, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(self, model: Transformer, cost: BatchCost, prefix_cache: PrefixCache | None = None, *,
+                 kv_memory: int | None = None, block_size: int = 16) -> None:
+        """kv_memory: bytes of a paged KV cache (blocks of `block_size` tokens: admission, preemption, blocks shared
+        by prefix where a prefix cache is given, see blocks.py); None: one tensor that grows by rows and positions."""
         cfg = model.config
         self.model, self.cost, self.prefix_cache = model, cost, prefix_cache
         self.view = RowCost(cost)  # forward cost at the batch's current size: every request's policy prices by it
-        self.cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, dtype=model.kv_dtype,
-                                  device=model.device, limit=cfg.max_position_embeddings + MAX_DRAFT_NODES)
+        self.cache: BatchKVCache | PagedKVCache
+        self.paging: Paging | None = None
+        if kv_memory is not None:
+            self.cache = PagedKVCache(pool_for(model, kv_memory, block_size))
+            sharing = prefix_cache is not None and prefix_cache.max_bytes > 0
+            self.paging = Paging(self, self.cache, sharing)
+        else:
+            self.cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 256, dtype=model.kv_dtype,
+                                      device=model.device, limit=cfg.max_position_embeddings + MAX_DRAFT_NODES)
         self.rows: list[Request] = []
         self.pending: Request | None = None  # a request whose prompt is being cached, in the row after the batch's
         self.last_depths: list[int] = []  # per row, the depth verified in the last step (tests, metrics)
@@ -71,7 +83,12 @@ class Engine:
             raise RuntimeError("one prompt is prefilled at a time: finish or cancel the pending one first")
         prompt, row = request.tokens, len(self.rows)
         check_tokens(prompt, self.model.config.vocab_size)
+        if self.paging is not None:
+            self.paging.check(request)
         request.begin(len(prompt) + request.max_new_tokens + MAX_DRAFT_NODES)
+        if self.paging is not None:
+            self._start_paged(request, row, like)
+            return
         self.cache.reserve(row + 1, len(prompt) + MAX_DRAFT_NODES)
         self.cache.lengths[row] = 0
         needs = request.needs
@@ -89,6 +106,27 @@ class Engine:
         self.pending = request
         if self.cache.lengths[row] >= len(prompt) - 1:  # the cache holds every committed token but the last
             self._join()
+
+    def _start_paged(self, request: Request, row: int, like: Request | None) -> None:
+        """start's paged cache: a sibling's prompt blocks shared (copy on write), else kept blocks of the same
+        beginning shared and fresh ones for the rest (OutOfBlocks: nothing taken; see `admits`)."""
+        assert self.paging is not None and isinstance(self.cache, PagedKVCache)
+        prompt = request.tokens
+        if like is not None and not request.needs.hidden_layers and like.tokens[: len(prompt)] == prompt \
+                and len(prompt) > 1:
+            self.cache.share(self.rows.index(like), row, len(prompt) - 1)
+            self.cache.grow(row, len(prompt))
+            self.paging.order[id(request)] = self.paging.admissions
+            self.paging.admissions += 1
+        else:
+            self.paging.place(request, row)
+        self.pending = request
+        if self.cache.lengths[row] >= len(prompt) - 1:
+            self._join()
+
+    def admits(self, request: Request) -> bool:
+        """Whether `request` may start now (a paged cache holds its prompt; see blocks.Paging.admits)."""
+        return self.paging is None or self.paging.admits(request)
 
     def prefill(self, tokens: int) -> int:
         """Cache up to `tokens` more of the pending request's prompt, at most PREFILL_CHUNK in one forward (a
@@ -113,6 +151,8 @@ class Engine:
     def _join(self) -> None:
         request, self.pending = self.pending, None
         assert request is not None
+        if self.paging is not None:
+            self.paging.joined(len(self.rows), request)
         self.rows.append(request)
         request.stats.prefill_seconds = time.perf_counter() - request.started
 
@@ -120,6 +160,8 @@ class Engine:
         """The pending request leaves before joining (its partly cached prompt is dropped)."""
         request, self.pending = self.pending, None
         if request is not None:
+            if isinstance(self.cache, PagedKVCache):
+                self.cache.free_row(len(self.rows))
             self.cache.lengths[len(self.rows)] = 0
             if not self.rows:
                 self.cache.release()
@@ -129,8 +171,13 @@ class Engine:
         """Drop a request (its cache row is freed now, its entries kept in the prefix cache unless a step `failed`
         it); the last row moves into its place (and a pending prompt's row after it); an empty batch gives its cache
         memory back."""
+        if self.paging is not None and request not in self.rows and self.paging.forget(request):
+            request.finish()  # preempted, waiting to be prefilled anew: it holds no blocks
+            return
         i, last = self.rows.index(request), len(self.rows) - 1
-        if self.prefix_cache is not None and not failed:  # entries of every committed token but (often) the last
+        if self.paging is not None:
+            self.paging.leave(i, request, failed)
+        elif self.prefix_cache is not None and not failed:  # entries of every committed token but (often) the last
             n = min(self.cache.lengths[i], len(request.tokens))
             self.prefix_cache.store(request.tokens[:n], self.cache.kv[:, :, i])
         self.cache.move(last, i)
@@ -154,7 +201,15 @@ class Engine:
         """One step of every request: its newly committed tokens, or the exception that failed it (it has left).
         prefill: up to this many tokens of the pending request's prompt cached in the same forward (where the
         model carries a chunk along: the native blocks; else in a forward of their own)."""
+        if self.paging is not None:  # preempted requests come back first, where blocks have freed up
+            self.paging.resume()
         proposals, results, drafting_ahead = self._plan()  # every row proposes; a row that fails to leaves now
+        if self.paging is not None and self.rows:
+            try:  # every row's blocks hold what it writes: the youngest rows wait (preempted) while they cannot
+                proposals = self.paging.make_room(proposals)
+            except OutOfBlocks as e:  # a lone row the budget cannot hold: it fails alone
+                results.append((self.rows[0], e))
+                self.remove(self.rows[0], failed=True)
         if not self.rows:
             return results
         b, pending = len(self.rows), self.pending if prefill else None
