@@ -244,3 +244,52 @@ def test_trees_are_verified_through_the_block_table():
     out = model.forward_batch(tokens, cache, positions=positions, sizes=sizes, tree_masks=masks)
     for b in range(4):
         torch.testing.assert_close(out.logits[b], single_logits(model, kept[b], second[b]), rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture(params=["", "portable"], ids=["native", "portable"])
+def lib(request, monkeypatch):
+    from specdecode import kernels
+
+    monkeypatch.setenv("SPECDECODE_NATIVE", request.param or "1")
+    kernels.reset()
+    found = kernels.native()
+    if found is None or (kernels.simd() == "scalar" and request.param != "portable"):
+        pytest.skip("no native kernels (or no AVX2 here: the portable build only)")
+    yield found
+    kernels.reset()
+
+
+@pytest.mark.parametrize("kv", ["float16", "float32"])
+def test_native_blocks_read_through_the_block_table_bit_for_bit(lib, kv):
+    """A float32 model's batch in the native kernel over a paged cache (blocks scattered, rows preempted and prefilled
+    anew) decodes exactly what the contiguous cache decodes, and the kernel did read through the tables."""
+    from specdecode.models import native
+
+    model = tiny_model(5, vocab_size=24, dtype=torch.float32)
+    model.kv_cache_dtype = kv
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (3, 17, 1, 9, 30, 6)]
+
+    def run(engine: Engine) -> list[list[int]]:
+        rows = [make_row(model, p, "lookup", 3, max_new=40) for p in prompts]
+        run_in_turn(engine, rows) if engine.paging else run_contiguous(engine, rows)
+        return [row.new_tokens for row in rows]
+
+    def run_contiguous(engine: Engine, rows: list) -> None:
+        for row in rows:
+            engine.add(row)
+        while engine.rows:
+            for row, new in engine.step():
+                assert not isinstance(new, Exception), new
+                if row.finish_reason:
+                    engine.remove(row)
+
+    expected = run(Engine(model, flat_cost()))
+    paged = paged_engine(model, 16)
+    tables = []
+    original = native.NativeBlocks.run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native.NativeBlocks, "run", lambda self, lib, x, kv, spans, *a, **k:
+                   tables.append(all(s.table is not None for s in spans)) or original(self, lib, x, kv, spans, *a, **k))
+        assert run(paged) == expected
+    assert tables and all(tables) and paged.paging.preemptions > 0

@@ -157,10 +157,11 @@ class View(ctypes.Structure):
 class Span(ctypes.Structure):
     """One sequence's tokens in the call (a batch's row): first, n, start (tokens cached before), kv_offset (floats
     from a layer's keys to the row's), and per View the tree mask [n, n] (NULL: a chain) and the mask over all keys
-    [n, start + n] (NULL: every cached key visible)."""
+    [n, start + n] (NULL: every cached key visible); table: the row's block table (int32; NULL: its keys contiguous at
+    kv_offset)."""
 
     _fields_ = [("first", ctypes.c_int), ("n", ctypes.c_int), ("start", ctypes.c_int), ("kv_offset", ctypes.c_int64),
-                ("masks", ctypes.c_void_p * 2), ("full_masks", ctypes.c_void_p * 2)]
+                ("masks", ctypes.c_void_p * 2), ("full_masks", ctypes.c_void_p * 2), ("table", ctypes.c_void_p)]
 
 
 class Output(ctypes.Structure):
@@ -182,7 +183,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_h_matmul.restype = None
     q = ctypes.c_int64
     lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, ctypes.POINTER(View),
-                                      ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output)]
+                                      ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output), q]
     lib.specdecode_blocks.restype = i
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f, i]  # last: float16 keys
     lib.specdecode_attention.restype = i

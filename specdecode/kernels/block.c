@@ -104,6 +104,20 @@ static inline float dot(const float *a, const float *b, int len) {
     return total;
 }
 
+/* Where a sequence's key (or value) rows lie for one kv head: contiguous (table NULL: row j at head + j * hd), or
+   paged (row j in block table[j >> shift], `bstride` elements apart, at head + (j & mask) * hd within it; blocks hold
+   a power of two >= 8 rows, so the 8 rows a group of keys reads are contiguous) */
+typedef struct {
+    const int32_t *table;
+    int64_t bstride, head;
+    int shift;
+} Rows;
+
+static inline __attribute__((always_inline)) int64_t row_at(const Rows *r, int j, int hd) {
+    if (!r->table) return r->head + (int64_t)j * hd;
+    return (int64_t)r->table[j >> r->shift] * r->bstride + r->head + (int64_t)(j & ((1 << r->shift) - 1)) * hd;
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* e^x for x <= 0, 8 at a time (Cephes' expf: range reduction by ln 2, a degree-5 polynomial), to ~2 ulp */
 static inline __m256 exp8(__m256 x) {
@@ -149,8 +163,9 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
    lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart. A query's sums
    are the same whatever ranges its keys are taken in (a range stores and reloads them exactly). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *vals, int64_t at,
-                                                               int64_t stride, int j0, int j1, float *acc_mem,
-                                                               float *total, const int NV, const int half) {
+                                                               const Rows *rows, int hd, int j0, int j1,
+                                                               float *acc_mem, float *total, const int NV,
+                                                               const int half) {
     __m256 acc[16];
     float sum = *total;
     for (int e = 0; e < NV; e++) acc[e] = _mm256_loadu_ps(acc_mem + 8 * e);
@@ -158,7 +173,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
         if (p[j] == 0.0f) continue;
         sum += p[j];
         const __m256 pj = _mm256_set1_ps(p[j]);
-        const int64_t vj = at + j * stride;
+        const int64_t vj = at + row_at(rows, j, hd);
         for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, load_kv8(vals, vj + 8 * e, half), acc[e]);
     }
     for (int e = 0; e < NV; e++) _mm256_storeu_ps(acc_mem + 8 * e, acc[e]);
@@ -192,13 +207,13 @@ static inline float kv_at(const void *base, int64_t at, int half) {
     return half ? half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
 }
 
-/* Rows row..row+count of a cache block (hd elements each) into out as floats (exact) */
-static void widen_rows(const void *base, int64_t row, int count, int hd, int half, float *out) {
+/* count consecutive cache rows (hd elements each) from element `at` into out as floats (exact) */
+static void widen_rows(const void *base, int64_t at, int count, int hd, int half, float *out) {
     if (!half) {
-        memcpy(out, (const float *)base + row * hd, sizeof(float) * (size_t)count * hd);
+        memcpy(out, (const float *)base + at, sizeof(float) * (size_t)count * hd);
         return;
     }
-    for (int64_t e = 0; e < (int64_t)count * hd; e++) out[e] = kv_at(base, row * hd + e, 1);
+    for (int64_t e = 0; e < (int64_t)count * hd; e++) out[e] = kv_at(base, at + e, 1);
 }
 
 /* f rounded to float16, to nearest even (IEEE's default, F16C's and PyTorch's): overflow to infinity, subnormals
@@ -223,27 +238,27 @@ static inline uint16_t float_to_half(float f) {
 /* Scores of one query over the keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it applies (a
    key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8 (pad: 8 * hd
    floats) */
-static void scores(const float *q, const void *keys, int half, int L, int max_len, int hd, float scale, float *p,
-                   float *pad, int j0, int j1) {
+static void scores(const float *q, const void *keys, const Rows *rows, int half, int L, int max_len, int hd,
+                   float scale, float *p, float *pad, int j0, int j1) {
 #if FAST_ATTENTION
     if (hd % 8 == 0) {
         for (int j = j0; j < j1; j += 8) {
             __m256 s;
-            if (j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
+            if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
                 memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
-                widen_rows(keys, j, max_len - j, hd, half, pad);
+                widen_rows(keys, row_at(rows, j, hd), max_len - j, hd, half, pad);
                 s = dot8(q, pad, 0, hd, 0);
-            } else if (half) s = dot8(q, keys, (int64_t)j * hd, hd, 1);
-            else s = dot8(q, keys, (int64_t)j * hd, hd, 0);
+            } else if (half) s = dot8(q, keys, row_at(rows, j, hd), hd, 1);
+            else s = dot8(q, keys, row_at(rows, j, hd), hd, 0);
             _mm256_storeu_ps(p + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
         }
         return;
     }
 #endif
     for (int j = j0; j < j1 && j < L; j++) {
-        const float *k = (const float *)keys + (int64_t)j * hd;
+        const float *k = (const float *)keys + row_at(rows, j, hd);
         if (half) {  /* widened into pad first: dot reads floats */
-            widen_rows(keys, j, 1, hd, 1, pad);
+            widen_rows(keys, row_at(rows, j, hd), 1, hd, 1, pad);
             k = pad;
         }
         p[j] = dot(q, k, hd) * scale;
@@ -298,10 +313,13 @@ static void softmax_weights(float *p, int L, int start, int n, int i, const uint
    so each block is read from L2 (or memory) once for all of them, not once per head (at n = 8 the attention was
    bound by those reads). Each query computes exactly what it computes alone. Returns 1 when scratch memory ran
    out. */
-int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
-                         const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half) {
-    const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
+/* table (NULL: each kv head's rows contiguous, max_len of them): the sequence's block table, blocks of max_len rows
+   (a power of two >= 8) `bstride` elements apart; same numbers either way (only where a row lies changes) */
+static int attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
+                     const void *v_cache, int max_len, int start, int n, const uint8_t *mask, const uint8_t *full_mask,
+                     int n_heads, int n_kv, int hd, float scale, int kv_half, const int32_t *table, int64_t bstride) {
+    int shift = 0;
+    while (table && (1 << shift) < max_len) shift++;
     const int L = start + n, Lp = (L + 7) & ~7;
     int failed = 0;
     const int group = n_heads / n_kv, per_task = n > 1 ? group : 1, tasks = n > 1 ? n_kv * n : n_heads;
@@ -320,13 +338,13 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
         for (int task = 0; task < tasks; task++) {
             if (!p || !pad || !acc || !totals) continue;  /* this thread's scratch is missing: `failed` says so */
             const int h0 = n > 1 ? (task / n) * group : task, i = n > 1 ? task % n : 0, g = h0 / group;
-            const void *keys = (const char *)k_cache + (int64_t)g * max_len * hd * esize;
-            const void *vals = (const char *)v_cache + (int64_t)g * max_len * hd * esize;
+            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
+            const void *keys = k_cache, *vals = v_cache;
 #define QUERY(h) (qs + (int64_t)i * q_stride + (int64_t)(h0 + (h)) * hd)
 #define WEIGHTS(h) (p + (size_t)(h) * (Lp + 8))
             for (int j = 0; j < Lp; j += block)
                 for (int h = 0; h < per_task; h++)
-                    scores(QUERY(h), keys, kv_half, L, max_len, hd, scale, WEIGHTS(h), pad, j,
+                    scores(QUERY(h), keys, &rows, kv_half, L, max_len, hd, scale, WEIGHTS(h), pad, j,
                            j + block < Lp ? j + block : Lp);
             for (int h = 0; h < per_task; h++) softmax_weights(WEIGHTS(h), L, start, n, i, mask, full_mask);
 #if FAST_ATTENTION
@@ -340,10 +358,10 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
                         for (int e = 0; e < hd; e += width) {
                             float *a = acc + (size_t)h * hd + e, *t = totals + h * passes + e / width;
                             /* each a call with constant NV and half: the loops unroll, the loads fold */
-                            if (width == 64 && kv_half) weigh_values(WEIGHTS(h), vals, 0, hd, j, j1, a, t, 8, 1);
-                            else if (width == 64) weigh_values(WEIGHTS(h), vals, 0, hd, j, j1, a, t, 8, 0);
-                            else if (kv_half) weigh_values(WEIGHTS(h), vals, e, hd, j, j1, a, t, 16, 1);
-                            else weigh_values(WEIGHTS(h), vals, e, hd, j, j1, a, t, 16, 0);
+                            if (width == 64 && kv_half) weigh_values(WEIGHTS(h), vals, 0, &rows, hd, j, j1, a, t, 8, 1);
+                            else if (width == 64) weigh_values(WEIGHTS(h), vals, 0, &rows, hd, j, j1, a, t, 8, 0);
+                            else if (kv_half) weigh_values(WEIGHTS(h), vals, e, &rows, hd, j, j1, a, t, 16, 1);
+                            else weigh_values(WEIGHTS(h), vals, e, &rows, hd, j, j1, a, t, 16, 0);
                         }
                 }
                 for (int h = 0; h < per_task; h++) {
@@ -367,7 +385,8 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
                 for (int j = 0; j < L; j++) {
                     if (w[j] == 0.0f) continue;
                     const float pj = w[j];
-                    for (int e = 0; e < hd; e++) o[e] += pj * kv_at(vals, (int64_t)j * hd + e, kv_half);
+                    const int64_t vj = row_at(&rows, j, hd);
+                    for (int e = 0; e < hd; e++) o[e] += pj * kv_at(vals, vj + e, kv_half);
                 }
                 for (int e = 0; e < hd; e++) o[e] *= inv;
             }
@@ -380,6 +399,13 @@ int specdecode_attention(const float *qs, int q_stride, float *att, int att_stri
         free(totals);
     }
     return failed;
+}
+
+int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
+                         const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
+                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half) {
+    return attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask, n_heads,
+                     n_kv, hd, scale, kv_half, NULL, 0);
 }
 
 /* out = gelu(gate) * up, tanh-GELU: 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), tanh from e^(-2|y|) <= 1
@@ -418,6 +444,7 @@ typedef struct {
     int first, n, start;
     int64_t kv_offset;
     const uint8_t *masks[2], *full_masks[2];
+    const int32_t *table;  /* NULL: the row's [kv_heads, max_len, head_dim] at kv_offset; else its block table */
 } Span;
 
 typedef struct {
@@ -462,7 +489,9 @@ static void store_kv(void *base, int64_t at, const float *row, int hd, int half)
 
 static int block(float *x, int n, int H, const Layer *l, const View *v, const Span *spans, int n_spans,
                  void *k_layer, void *v_layer, int kv_half, int max_len, int n_heads, int n_kv, int hd, int inter,
-                 float scale, const Scratch *s) {
+                 float scale, const Scratch *s, int64_t bstride) {
+    int shift = 0;
+    while ((1 << shift) < max_len) shift++;
     const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
     const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
 
@@ -473,6 +502,7 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
         const Span *sp = spans + r;
         void *k_cache = (char *)k_layer + sp->kv_offset * (int64_t)esize;
         void *v_cache = (char *)v_layer + sp->kv_offset * (int64_t)esize;
+        const Rows rows0 = {sp->table, bstride, 0, shift};
         for (int i = 0; i < sp->n; i++) {
             const int t = sp->first + i;
             float *row = s->big + (int64_t)t * qkv_dim;
@@ -485,14 +515,14 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
             for (int g = 0; g < n_kv; g++) {
                 float *k = row + q_dim + g * hd;
                 rope(k, c, sn, hd);
-                const int64_t at = ((int64_t)g * max_len + sp->start + i) * hd;
+                const int64_t at = (int64_t)g * max_len * hd + row_at(&rows0, sp->start + i, hd);
                 store_kv(k_cache, at, k, hd, kv_half);
                 store_kv(v_cache, at, row + q_dim + kv_dim + g * hd, hd, kv_half);
             }
         }
-        if (specdecode_attention(s->big + (int64_t)sp->first * qkv_dim, qkv_dim, s->att + (int64_t)sp->first * q_dim,
-                                 q_dim, k_cache, v_cache, max_len, sp->start, sp->n, sp->masks[l->view],
-                                 sp->full_masks[l->view], n_heads, n_kv, hd, scale, kv_half))
+        if (attention(s->big + (int64_t)sp->first * qkv_dim, qkv_dim, s->att + (int64_t)sp->first * q_dim, q_dim,
+                      k_cache, v_cache, max_len, sp->start, sp->n, sp->masks[l->view], sp->full_masks[l->view],
+                      n_heads, n_kv, hd, scale, kv_half, sp->table, bstride))
             return 1;
     }
     if (linear(l->wo, s->att, n, s->out, s->scratch)) return 1;
@@ -576,12 +606,14 @@ int specdecode_argmax(const float *x, int len) {
 /* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
    step. x [n, H]: the tokens of every span (one sequence, or each row of a batch: the same numbers as each alone).
    Layer i's keys start at kv + i * layer_stride (a span's row kv_offset elements further), its values v_offset
-   elements after them (one [kv_heads, max_len, head_dim] block per row; elements: float32, float16 if kv_half), and it reads views[layer.view]; scale: the
+   elements after them (one [kv_heads, max_len, head_dim] block per row; elements: float32, float16 if kv_half; a span
+   with a block table: blocks of max_len rows, block_stride elements apart), and it reads views[layer.view]; scale: the
    attention scores' (Llama: hd^-0.5); states[i], where given (not NULL), receives x after layer i; output, where
    given, the logits of some rows (x itself stays the last block's output). Returns 1 when memory ran out. */
 int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, void *kv, int64_t layer_stride,
                       int64_t v_offset, int max_len, int kv_half, const View *views, const Span *spans, int n_spans, int n_heads,
-                      int n_kv, int hd, int inter, float scale, float *const *states, const Output *output) {
+                      int n_kv, int hd, int inter, float scale, float *const *states, const Output *output,
+                      int64_t block_stride) {
     const int q_dim = n_heads * hd, qkv_dim = q_dim + 2 * n_kv * hd;
     const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
     Scratch s = {malloc(sizeof(float) * (size_t)n * (H > inter ? H : inter)), malloc(sizeof(float) * (size_t)n * widest),
@@ -593,7 +625,7 @@ int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers,
         const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
         char *k = (char *)kv + (int64_t)i * layer_stride * (int64_t)esize;
         failed = block(x, n, H, layers + i, views + layers[i].view, spans, n_spans, k, k + v_offset * (int64_t)esize,
-                       kv_half, max_len, n_heads, n_kv, hd, inter, scale, &s);
+                       kv_half, max_len, n_heads, n_kv, hd, inter, scale, &s, block_stride);
         if (!failed && states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
     }
     if (!failed && output && output->n > 0) {

@@ -23,6 +23,7 @@ from .cache import BatchKVCache, KVCache, kv_dtype
 from .config import ModelConfig
 from .linear import Linear
 from .masks import attention_mask, padded_masks, ragged_mask
+from .paged import PagedKVCache, PagedRow
 
 
 @dataclass
@@ -270,7 +271,7 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | PagedRow,
         *,
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
@@ -303,7 +304,7 @@ class Transformer(nn.Module):
             flat = x.reshape(n, -1).float().contiguous()
             types = blocks.types  # full first, then sliding
             masks = [self._native_masks(start, positions, tree_mask, t, n) for t in types]
-            span = native.RowSpan(0, n, start, 0, masks)
+            span = native.RowSpan(0, n, start, 0, masks, native.table_of(cache, 0))
             outputs = {i: torch.empty_like(flat) for i in wanted}
             # the logits in the same call where the kernel runs the output layer (a slice of rows; else all rows, then
             # the ones asked: every forward's logits come from the same code, whichever rows it wants)
@@ -365,7 +366,7 @@ class Transformer(nn.Module):
     def forward_batch(
         self,
         tokens: torch.Tensor,
-        cache: BatchKVCache,
+        cache: BatchKVCache | PagedKVCache,
         *,
         positions: torch.Tensor | None,
         sizes: list[int],
@@ -440,12 +441,12 @@ class Transformer(nn.Module):
         return BatchForwardOutput(list(logits.split(sizes)), hidden)
 
     @torch.inference_mode()  # as forward_batch runs
-    def carries_prefill(self, tokens: torch.Tensor, cache: BatchKVCache) -> bool:
+    def carries_prefill(self, tokens: torch.Tensor, cache: BatchKVCache | PagedKVCache) -> bool:
         """Whether forward_batch can cache a prefill chunk in the same call (the native blocks run it)."""
         return self._native_blocks(tokens, cache) is not None
 
-    def _native_batch(self, native_run, tokens: torch.Tensor, cache: BatchKVCache, positions: torch.Tensor | None,
-                      sizes: list[int], tree_masks, hidden_layers: Sequence[int],
+    def _native_batch(self, native_run, tokens: torch.Tensor, cache: BatchKVCache | PagedKVCache,
+                      positions: torch.Tensor | None, sizes: list[int], tree_masks, hidden_layers: Sequence[int],
                       prefill: list[int] | None = None) -> BatchForwardOutput:
         """forward_batch in the native blocks: the rows' real tokens side by side (no padding), each row attending
         to its own cache row, then the prefill chunk of row B; every operation is row-invariant, so a row's
@@ -470,12 +471,13 @@ class Transformer(nn.Module):
             mask = None if mask is None else mask[:m, :m]
             pos = flat_positions[first : first + m]
             masks = [self._native_masks(start, pos, mask, t, m) for t in types]
-            spans.append(native.RowSpan(first, m, start, i, masks))
+            spans.append(native.RowSpan(first, m, start, i, masks, native.table_of(cache, i)))
             first += m
         if chunk:  # a prompt's next tokens: a causal chain after its cached ones
             pos = flat_positions[first:]
             spans.append(native.RowSpan(first, len(chunk), done, b,
-                                        [self._native_masks(done, pos, None, t, len(chunk)) for t in types]))
+                                        [self._native_masks(done, pos, None, t, len(chunk)) for t in types],
+                                        native.table_of(cache, b)))
         wanted = [i % len(self.layers) for i in hidden_layers]
         outputs = {i: torch.empty_like(x) for i in wanted}
         found = None if blocks.head is None else self._kernel_greedy(first)

@@ -20,6 +20,7 @@ from .. import kernels
 from .cache import BatchKVCache, KVCache
 from .halflinear import HalfLinear
 from .linear import Linear
+from .paged import PagedKVCache, PagedRow
 from .quant import QuantLinear, QuantStack, trim_heap
 
 
@@ -73,6 +74,7 @@ class RowSpan:
     start: int
     row: int
     masks: list[Masks]  # per View (full layers', then sliding layers' where the model has both)
+    table: torch.Tensor | None = None  # a paged cache's block table for the row (int32), None: a contiguous row
 
 
 class NativeBlocks:
@@ -127,9 +129,9 @@ class NativeBlocks:
                                          (views[0], views[-1])))
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         rows = (kernels.Span * len(spans))(*(kernels.Span(
-            span.first, span.n, span.start, span.row * kv.stride(2),
-            (ptr(span.masks[0][0]), ptr(span.masks[-1][0])), (ptr(span.masks[0][1]), ptr(span.masks[-1][1])))
-            for span in spans))
+            span.first, span.n, span.start, 0 if span.table is not None else span.row * kv.stride(2),
+            (ptr(span.masks[0][0]), ptr(span.masks[-1][0])), (ptr(span.masks[0][1]), ptr(span.masks[-1][1])),
+            ptr(span.table)) for span in spans))
         scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
         outputs = None
         if states:
@@ -151,7 +153,8 @@ class NativeBlocks:
         failed = lib.specdecode_blocks(
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
             kv.shape[4], int(kv.dtype == torch.float16), described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, cfg.intermediate_size, scale, outputs, None if output is None else ctypes.byref(output))
+            cfg.head_dim, cfg.intermediate_size, scale, outputs, None if output is None else ctypes.byref(output),
+            kv.stride(2))
         if failed:
             raise MemoryError("the native block could not allocate its scratch memory")
         return logits
@@ -189,10 +192,17 @@ def runner(owner: torch.nn.Module, layers: Sequence[torch.nn.Module], norm: torc
     return None if blocks is None else (lib, blocks)
 
 
+def table_of(cache, row: int) -> torch.Tensor | None:
+    """Row `row`'s block table where the cache is paged (the kernel reads keys through it), else None."""
+    return cache.block_table(row) if isinstance(cache, PagedKVCache | PagedRow) else None
+
+
 def cache_fits(cache) -> bool:
     """The kernel reads each layer's keys (and values) of a sequence (a row of a batch's cache) as one [kv_heads,
-    max_len, head_dim] block, of float32 or float16 elements."""
-    if not isinstance(cache, KVCache | BatchKVCache) or cache.kv.dtype not in (torch.float32, torch.float16):
+    max_len, head_dim] block, or through its block table (a paged cache: blocks of [kv_heads, block_size,
+    head_dim]), of float32 or float16 elements."""
+    if not isinstance(cache, KVCache | BatchKVCache | PagedKVCache | PagedRow) or \
+            cache.kv.dtype not in (torch.float32, torch.float16):
         return False
     # kv[0, 0, 0].is_contiguous() read off the strides: no view made each forward
     (*_, heads, length, dim), stride = cache.kv.shape, cache.kv.stride()
@@ -202,5 +212,5 @@ def cache_fits(cache) -> bool:
 
 def applies(model: torch.nn.Module, tokens: torch.Tensor, cache) -> bool:
     """Whether this forward can take the native path (before looking at the layers)."""
-    return (tokens.device.type == "cpu" and (tokens.shape[0] == 1 or isinstance(cache, BatchKVCache))
+    return (tokens.device.type == "cpu" and (tokens.shape[0] == 1 or isinstance(cache, BatchKVCache | PagedKVCache))
             and model.dtype == torch.float32 and not torch.is_grad_enabled() and cache_fits(cache))
