@@ -15,14 +15,37 @@ Rules:
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..models.paged import BlockPool, OutOfBlocks, PagedKVCache
 from ..proposers.base import StepOutput
-from .request import Request
+from .request import MAX_DRAFT_NODES, Request
 
 # prompt tokens per forward when a preempted request is prefilled anew (as the engine's PREFILL_CHUNK)
 RESUME_CHUNK = 256
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_memory(model, max_batch: int, block_size: int) -> int:
+    """The server's KV budget when none is given: what `max_batch` full contexts need, at most half the memory the
+    machine has free, but at least one full context (so a lone request never outgrows it)."""
+    cfg = model.config
+    per_block = BlockPool.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, model.kv_dtype)
+    context = -(-(cfg.max_position_embeddings + MAX_DRAFT_NODES) // block_size) * per_block
+    return max(context, min(max_batch * context, available_memory() // 2))
 
 
 def pool_for(model, memory: int, block_size: int) -> BlockPool:
@@ -57,14 +80,16 @@ class Paging:
         return max(reusable, 0) if self.share else 0
 
     def check(self, request: Request) -> None:
-        """A request the pool could never hold alone is refused (ValueError) instead of waiting forever."""
-        need = self.cache.blocks_for(len(request.tokens) + request.max_new_tokens)
+        """A request whose prompt the whole pool could not hold is refused (ValueError) instead of waiting forever.
+        (One that outgrows the pool alone while it decodes fails then: the server's default budget holds a whole
+        context.)"""
+        need = self.cache.blocks_for(len(request.tokens) + 1)
         if need > self.pool.num_blocks:
             raise ValueError(
                 f"the KV cache budget holds {self.pool.num_blocks * self.pool.block_size} tokens "
                 f"({self.pool.num_blocks} blocks of {self.pool.block_size}); this request's prompt "
-                f"({len(request.tokens)} tokens) and max_new_tokens ({request.max_new_tokens}) need {need} blocks: "
-                "raise --kv-cache-memory, or shorten the prompt or max_new_tokens")
+                f"({len(request.tokens)} tokens) and its first new token need {need} blocks: raise "
+                "--kv-cache-memory or shorten the prompt")
 
     def blocks_to_start(self, request: Request) -> int:
         """Blocks a request takes to start: its tokens' positions, less the kept blocks it shares."""
@@ -178,7 +203,7 @@ class Paging:
             if request.finished:  # cancelled while it waited
                 self.preempted.pop(0)
                 continue
-            if self.blocks_to_start(request) + len(engine.rows) + 1 > self.pool.available:
+            if self.blocks_to_start(request) + len(engine.rows) > self.pool.available:
                 return
             row = len(engine.rows)
             if engine.pending is not None:  # the pending prompt's row moves one down

@@ -42,9 +42,13 @@ class BlockPool:
                              f"got {block_size}")
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
-        # torch.zeros of a large size maps pages lazily: memory becomes resident as blocks are written
-        self.kv = torch.zeros((num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim), dtype=dtype,
+        # not zeroed here (that would make the whole budget resident at once): a block is zeroed when first handed
+        # out, so memory becomes resident as blocks are used, and padding read by a batched PyTorch forward (masked,
+        # but multiplied by a zero weight) is never a stale NaN
+        self.kv = torch.empty((num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim), dtype=dtype,
                               device=device)
+        self.kv[:, :, SCRATCH] = 0
+        self.zeroed = bytearray(num_blocks + 1)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.refs = [0] * (num_blocks + 1)
         self.free: list[int] = list(range(num_blocks, 0, -1))  # popped from the end: low ids first
@@ -75,6 +79,9 @@ class BlockPool:
             del self.kept[self.key_of.pop(block)]
         else:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        if not self.zeroed[block]:
+            self.kv[:, :, block] = 0
+            self.zeroed[block] = 1
         self.refs[block] = 1
         return block
 

@@ -37,6 +37,7 @@ from ..core.grammar import Constraint
 from ..core.sampling import SamplingParams
 from ..engine import request as engine_request
 from ..engine.assets import ASYNC_DRAFTS
+from ..engine.blocks import default_memory
 from ..engine.loop import Engine
 from ..policy.batch_cost import BatchCost
 from ..policy.speculation import Pricing
@@ -73,6 +74,8 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None  # Host headers answered (None: any; see hosts.py)
     protect: tuple[str, ...] = ()  # of hosts.PROTECTABLE: routes that need the API key too
     body_timeout: float = BODY_TIMEOUT  # seconds a request body may take to arrive
+    kv_cache_memory: int | None = None  # bytes of the paged KV cache (None: blocks.default_memory)
+    block_size: int = 16  # tokens per KV block
 
     @property
     def allowed(self) -> tuple[str, ...]:
@@ -102,7 +105,8 @@ class Server:
         if llm.prefix_cache is not None:
             llm.prefix_cache.clear()  # the warm-up's texts
             self.metrics.watch_prefix(llm.prefix_cache)
-        self.engine = Engine(llm.model, cost, llm.prefix_cache)
+        memory = config.kv_cache_memory or default_memory(llm.model, config.max_batch, config.block_size)
+        self.engine = Engine(llm.model, cost, llm.prefix_cache, kv_memory=memory, block_size=config.block_size)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics, prefill_share=config.prefill_share)
         # a fast tokenizer must not run in two threads at once: the routes take copies of their own (a long
@@ -178,7 +182,7 @@ class Server:
                                          async_draft=ahead, **options)
             acceptance = lambda part: self.acceptance.setdefault(f"{method}|{part}" if part else method,  # noqa: E731
                                                                  AcceptanceStats())
-            return method, engine_request.Request(
+            row = engine_request.Request(
                 self.context, proposer, prompt, max_new_tokens=limit, params=params,
                 k=k, pricing=Pricing(self.engine.view, acceptance),
                 stop_token_ids={*stop_ids, *(() if req.ignore_eos else self.llm.stop_token_ids)},
@@ -188,6 +192,12 @@ class Server:
         except FileNotFoundError as e:  # what the method needs is missing here (e.g. layer-skip's calibration text)
             raise bad_request(f"speculation method {method!r} is not available on this server: {e}",
                               param="speculation") from None
+        if self.engine.paging is not None:  # a prompt the whole KV budget cannot hold would wait forever
+            try:
+                self.engine.paging.check(row)
+            except ValueError as e:
+                raise bad_request(str(e), param=where, code="kv_cache_exceeded") from None
+        return method, row
 
     def constraint(self, req: schemas.GenerationRequest) -> Constraint | None:
         asked = req.structured()

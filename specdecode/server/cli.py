@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def add_parser(sub) -> None:
                    help="keep up to this many MiB of finished requests' keys and values, so a prompt that begins as "
                         "an earlier request's text did (a chat's next turn, a shared system prompt) prefills only the "
                         "rest (0: off)")
+    s.add_argument("--kv-cache-memory", type=memory_size,
+                   help="bytes of keys and values the batch may hold (a number, or with KiB/MiB/GiB; default: what "
+                        "--max-batch full contexts need, at most half the memory free at start): requests wait for "
+                        "free blocks, the youngest gives its blocks back (and is recomputed) when they run out")
+    s.add_argument("--block-size", type=int, choices=(8, 16, 32, 64), default=16,
+                   help="tokens per KV cache block (the unit of admission, sharing and rollback)")
     s.add_argument("--online-draft", action="store_true",
                    help="eagle, hybrid: the EAGLE head keeps learning from what the target verifies (a background "
                         "thread; output unchanged, a new head taken between steps, reverted if it accepts less)")
@@ -116,7 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
                    suffix_cache_tokens=args.suffix_cache_tokens, prefix_cache_mb=args.prefix_cache_mb,
                    chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                   prefill_share=args.prefill_share, online_draft=args.online_draft, async_draft=args.async_draft)
+                   prefill_share=args.prefill_share, online_draft=args.online_draft, async_draft=args.async_draft,
+                   kv_cache_memory=args.kv_cache_memory, block_size=args.block_size)
     if args.replicas is not None:
         from .ray_app import run_replicas
 
@@ -133,6 +141,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 log_level=args.log_level)
     llm.assets.save_cost_model()  # what the requests taught the single-request table, for the next start
     return 1 if cut else 0  # requests cut at shutdown: a supervisor should know the stop was not clean
+
+
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+         "g": 1 << 30, "gib": 1 << 30, "gb": 10**9}
+
+
+def memory_size(text: str) -> int:
+    """A size in bytes: '2GiB', '512MiB', '1.5G', '3000000000'."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in UNITS or float(match.group(1)) * UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB, 512MiB or a number of bytes, got {text!r}")
+    return int(float(match.group(1)) * UNITS[unit])
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:

@@ -45,7 +45,8 @@ def build(options: dict[str, Any], replica: str | None = None) -> tuple[LLM, Ser
                           online_draft=options.get("online_draft", False),
                           async_draft=options.get("async_draft", False),
                           allowed_hosts=options.get("allowed_hosts"), protect=tuple(options.get("protect", ())),
-                          body_timeout=options.get("body_timeout", BODY_TIMEOUT))
+                          body_timeout=options.get("body_timeout", BODY_TIMEOUT),
+                          kv_cache_memory=options.get("kv_cache_memory"), block_size=options.get("block_size", 16))
     return llm, config, cost
 
 

@@ -273,7 +273,9 @@ class Scheduler:
         """The first waiting job (cancelled ones are closed on the way) while the batch has room, else None."""
         while True:
             with self._cond:
-                if not self.waiting or len(self.active) >= self.max_batch:
+                # a paged KV cache admits a prompt when its blocks are free: the others wait, in turn
+                if (not self.waiting or len(self.active) >= self.max_batch
+                        or not self.engine.admits(self.waiting[0].row)):
                     return None
                 job = self.waiting.popleft()
                 self.metrics.queue(len(self.active), len(self.waiting))
