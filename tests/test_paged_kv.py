@@ -293,3 +293,76 @@ def test_native_blocks_read_through_the_block_table_bit_for_bit(lib, kv):
                    tables.append(all(s.table is not None for s in spans)) or original(self, lib, x, kv, spans, *a, **k))
         assert run(paged) == expected
     assert tables and all(tables) and paged.paging.preemptions > 0
+
+
+def test_the_scheduler_admits_in_turn_under_the_budget():
+    """The server's scheduler over a paged engine: eight requests submitted at once under a pool that holds about
+    two; each starts when its blocks are free, none fails, each decodes what it decodes alone."""
+    import asyncio
+
+    from specdecode.server.metrics import Metrics
+    from specdecode.server.scheduler import Job, Scheduler
+
+    model = tiny_model(5, vocab_size=24)
+    engine = paged_engine(model, 12)
+    scheduler = Scheduler(engine, max_batch=8, max_queue=8, metrics=Metrics("tiny", 256))
+    loop = asyncio.new_event_loop()
+    tokenizer = type("T", (), {"decode": lambda self, ids, **k: "x" * len(ids)})()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in (20, 9, 30, 14, 25, 3, 17, 11)]
+    jobs = [Job(make_row(model, p, "lookup" if i % 2 else "none", 3 if i % 2 else 0, max_new=20), tokenizer, [], loop)
+            for i, p in enumerate(prompts)]
+    try:
+        scheduler.submit_all(jobs)
+        most, turns = 0, 0
+        while scheduler.waiting or scheduler.active or scheduler.prefilling is not None:
+            scheduler._prefill()
+            if scheduler.active:
+                scheduler._step()
+            most = max(most, len(scheduler.active))
+            turns += 1
+            assert turns < 2000
+    finally:
+        loop.close()
+    assert all(job.done and job.row.finish_reason == "length" for job in jobs)
+    assert 1 < most < len(jobs)  # several ran at once, never all: the rest waited for blocks
+    for prompt, job in zip(prompts, jobs, strict=True):
+        assert job.row.new_tokens == alone(model, prompt, 20)
+    assert engine.cache.pool.available == engine.cache.pool.num_blocks
+
+
+def test_the_server_refuses_a_prompt_the_budget_cannot_hold(tmp_path):
+    """--kv-cache-memory too small for a prompt: a 400 that names the budget (never a request left waiting); a
+    prompt that fits is answered."""
+    from fastapi.testclient import TestClient
+
+    import specdecode
+
+    from .test_server_isolation import app_for, make_tokenizer, write_checkpoint
+
+    llm = specdecode.load(write_checkpoint(tmp_path / "ckpt", make_tokenizer()), dtype="float64")
+    cfg = llm.model.config
+    block = BlockPool.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, llm.model.kv_dtype)
+    with TestClient(app_for(llm, kv_cache_memory=3 * block)) as client:  # 48 tokens
+        long = "the cat sat on the mat"
+        while len(llm.encode(long)) <= 48:
+            long += " and the dog"
+        assert len(llm.encode(long)) + 2 <= cfg.max_position_embeddings  # within the context: the budget refuses it
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": long, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "kv_cache_exceeded" and "raise --kv-cache-memory" in error["message"]
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def test_kv_cache_memory_sizes():
+    import argparse
+
+    from specdecode.server.cli import memory_size
+
+    assert memory_size("2GiB") == 2 << 30 and memory_size("512MiB") == 512 << 20 and memory_size("1.5G") == 3 << 29
+    assert memory_size("3000000") == 3_000_000 and memory_size("1GB") == 10**9
+    for bad in ("", "12 parsecs", "-1GiB", "0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a size such as 4GiB"):
+            memory_size(bad)

@@ -504,4 +504,5 @@ def test_prefix_cache_hits_count_tokens_read_from_it(tmp_path):
         for _ in range(2):
             assert c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2}).status_code \
                 == 200
-        assert metric(c, "vllm:prefix_cache_hits_total") >= len(cached.encode(prompt)) - 2
+        # the second request shares the first one's full KV blocks (16 tokens each) of all of its prompt but the last
+        assert metric(c, "vllm:prefix_cache_hits_total") >= (len(cached.encode(prompt)) - 1) // 16 * 16 > 0

@@ -70,6 +70,18 @@ class Paging:
         self.order: dict[int, int] = {}  # id(request) -> admission number (the youngest is preempted first)
         self.admissions = self.preemptions = 0
 
+    @property
+    def bytes(self) -> int:
+        """Bytes of kept blocks (shared or waiting to be): the server's prefix cache gauge."""
+        cfg = self.engine.model.config
+        return len(self.pool.kept) * BlockPool.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                               self.pool.block_size, self.pool.kv.dtype)
+
+    @property
+    def texts(self) -> int:
+        """Kept blocks (the gauge's count: each stands for the text up to its end)."""
+        return len(self.pool.kept)
+
     # ------------------------------------------------------------------ admission
     def reusable(self, request: Request) -> int:
         """Positions of its tokens that may come from shared blocks: all cached ones (every token but the last), less

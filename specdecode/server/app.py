@@ -104,9 +104,10 @@ class Server:
         self.metrics.watch_online(lambda: list(llm.assets._online.values()))  # --online-draft's learners
         if llm.prefix_cache is not None:
             llm.prefix_cache.clear()  # the warm-up's texts
-            self.metrics.watch_prefix(llm.prefix_cache)
         memory = config.kv_cache_memory or default_memory(llm.model, config.max_batch, config.block_size)
         self.engine = Engine(llm.model, cost, llm.prefix_cache, kv_memory=memory, block_size=config.block_size)
+        if self.engine.paging is not None and self.engine.paging.share:  # prefixes shared as the pool's kept blocks
+            self.metrics.watch_prefix(self.engine.paging)
         self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                    metrics=self.metrics, prefill_share=config.prefill_share)
         # a fast tokenizer must not run in two threads at once: the routes take copies of their own (a long
