@@ -202,7 +202,7 @@ def test_copy_on_write_unit():
 def test_a_budget_too_small_for_one_request_is_a_clear_error():
     model = tiny_model(3, vocab_size=24)
     engine = paged_engine(model, 4)  # 32 tokens
-    row = make_row(model, list(range(32)), "none", 0, max_new=20)
+    row = make_row(model, [i % 24 for i in range(32)], "none", 0, max_new=20)
     assert engine.admits(row)  # admitted, to be refused at once rather than wait forever
     with pytest.raises(ValueError, match=r"KV cache budget holds 32 tokens .* need 5 blocks: raise --kv-cache-memory"):
         engine.add(row)
