@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from datetime import date
+from math import nan
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def load_memory(key: str, file: Path, config_dir: Path) -> dict:
                 hwm_warm=status_mib("VmHWM"), load_s=seconds)
 
 
-def bench_file(key: str, file: Path, config_dir: Path, bins: Path, args) -> dict:
+def bench_file(key: str, file: Path, config_dir: Path, bins: Path | None, args) -> dict:
     """One file: memory of our load (a fresh process), interleaved decode rounds, the bound, T(n)/T(1)."""
     memory = json.loads(subprocess.run(
         [sys.executable, __file__, "--load-memory", key, str(file), str(config_dir)], check=True,
@@ -158,7 +159,7 @@ def bench_file(key: str, file: Path, config_dir: Path, bins: Path, args) -> dict
     tg = ["-p", "0", "-n", str(args.tokens)]
     ours, theirs, bw = [], [], []
     for r in range(args.rounds):
-        theirs.append(llama_bench(bins / "llama-bench", file, args.threads, tg)["avg_ts"])
+        theirs.append(nan if bins is None else llama_bench(bins / "llama-bench", file, args.threads, tg)["avg_ts"])
         ours.append(1 / decode_seconds(model, prompt, args.tokens))
         bw.append(read_bandwidth(big))
         print(f"  {key} round {r + 1}/{args.rounds}: llama.cpp {theirs[-1]:.2f} tok/s, ours {ours[-1]:.2f} tok/s, "
@@ -167,7 +168,8 @@ def bench_file(key: str, file: Path, config_dir: Path, bins: Path, args) -> dict
                   ours=ours, theirs=theirs, bandwidth=bw, bytes=step_bytes(model), **memory)
     if key in args.forward:
         t = forward_ratio(model, (1, 8), 64, args.forward_repeats)
-        pp = llama_bench(bins / "llama-bench", file, args.threads, ["-p", "8", "-n", "0"])["avg_ts"]
+        pp = nan if bins is None else llama_bench(bins / "llama-bench", file, args.threads, ["-p", "8", "-n", "0"])[
+            "avg_ts"]
         result |= dict(t1=t[1], t8=t[8], llama_t8_t1=(8 / pp) / (1 / statistics.median(theirs)))
     del model, big
     gc.collect()
@@ -179,16 +181,17 @@ def spread(values: list[float], fmt: str = ".2f") -> str:
 
 
 def report(results: list[dict], args, command: str) -> str:
+    peer = "NOT RUN (--no-peer)" if args.bins is None else f"llama-bench from {args.bins}"
     lines = [f"# Decode speed vs llama.cpp's own binaries ({date.today()})", "", f"Command: `{command}`", "",
              f"Machine: {os.cpu_count()} cores, kernels {kernels.simd()}, {args.threads} threads on both sides; "
-             f"llama.cpp: llama-bench from {args.bins} (scripts/build_llamacpp.sh: llama-cpp-python 0.3.36's "
+             f"llama.cpp: {peer} (scripts/build_llamacpp.sh: llama-cpp-python 0.3.36's "
              "vendored llama.cpp, GGML_NATIVE=ON). SHARED with other sessions working at the same time (load average "
              f"{os.getloadavg()[1]:.1f} at the end), so read the paired ratios: each round runs llama-bench tg"
              f"{args.tokens} (one repetition, after its warm-up) then our plain greedy decoding of {args.tokens} "
              "tokens (prefill taken off), in the same minute. CPU flags (AVX and co.): "
              f"`{' '.join(sorted({f for f in kernels.cpu_flags().split() if f.startswith(('avx', 'fma', 'f16c'))}))}`",
              "", "## Decode tok/s, median (min-max) over rounds", "",
-             "| file | MiB | matrices (llama-quantize's mix) | llama.cpp | ours | ours / llama.cpp, paired | "
+             "| file | MiB | matrices (the file's mix) | llama.cpp | ours | ours / llama.cpp, paired | "
              "MB a token | bound tok/s | llama.cpp / bound | ours / bound |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -238,6 +241,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
     ap.add_argument("--load-memory", nargs=3, metavar=("KEY", "FILE", "CONFIG_DIR"),
                     help="internal: load one file in this fresh process, print its memory as JSON")
+    ap.add_argument("--no-peer", action="store_true",
+                    help="our side only (no llama.cpp build): its columns read nan, the files in the source's mix")
     ap.add_argument("--write-only", action="store_true",
                     help="only write the synthetic files (in the mix read from llama-quantize's source when no build "
                          "exists yet); the benchmark checks them against llama-quantize's own mix")
@@ -251,7 +256,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         print(json.dumps(load_memory(key, Path(file), Path(config_dir))))
         return
-    if args.bins is None:
+    if args.bins is None and not args.no_peer:
         ready = Path(os.environ.get("LLAMACPP_HOME", "/work/llamacpp")) / "READY"
         if not ready.is_file():
             sys.exit(f"no llama.cpp build: {ready} is missing; run scripts/build_llamacpp.sh or pass --bins")

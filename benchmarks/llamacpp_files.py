@@ -195,7 +195,7 @@ def write_synthetic(path: Path, shape: Shape, types: dict[str, str], file_type: 
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
             size, per = BLOCKS[kind]
-            rows, cols = dims
+            rows, cols = dims[0], dims[-1]
             w.add_tensor_info(name, (rows, cols // per * size), np.dtype(np.uint8), rows * (cols // per) * size,
                               raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
