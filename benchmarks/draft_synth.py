@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -95,8 +96,9 @@ def files(folder: Path, target: str, layout: str, drafts: list[str]) -> dict[str
 
 def run_config(target, draft_model, config: Config, prompt: list[int], truth: list[int], tokens: int,
                policies: dict[str, AdaptiveK], cost: CostModel | None) -> float:
-    emulated = EmulatedDraft(DraftModelProposer(draft_model, target.config.vocab_size), truth, config.rate,
-                             seed=len(config.times))
+    # coins of its own for each configuration and run (configurations sharing coins would share their luck)
+    seed = zlib.crc32(f"{config.name}|{len(config.times)}|{truth[:8]}".encode())
+    emulated = EmulatedDraft(DraftModelProposer(draft_model, target.config.vocab_size), truth, config.rate, seed)
     k: int | AdaptiveK = int(config.k) if config.k != "auto" else policies[config.name]
     out, stats = generate_ids(target, prompt, proposer=emulated, k=k, max_new_tokens=tokens)
     if prompt + out != truth[: len(prompt) + tokens]:
