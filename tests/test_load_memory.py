@@ -68,18 +68,27 @@ def test_release_ignores_arrays_not_mapped():
     release(np.zeros((4, 34), np.uint8))  # nothing to drop, no error
 
 
+@pytest.mark.parametrize("width", [0, 8, 16])
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
-def test_rows_converted_a_few_at_a_time_equal_all_at_once(tmp_path, monkeypatch, kind):
+def test_rows_converted_a_few_at_a_time_equal_all_at_once(tmp_path, monkeypatch, kind, width):
+    """Chunks of 5 rows (or one tile's: 8, 16), the last one short, and with `width` tiled chunk by chunk: the same
+    buffers as the whole tensor converted (and tiled) at once, the same outputs."""
     raw = write_raw(tmp_path / f"{kind}.gguf", "w.weight", kind, 37, 512, seed=1)
-    monkeypatch.setattr(loading, "CHUNK_BYTES", raw.shape[1] * 5)  # 5 rows a chunk, the last one short
-    chunked, whole = loading._from_gguf_rows(raw, kind), QuantLinear.from_gguf(raw, kind)
-    assert (chunked.kind, chunked.act8) == (whole.kind, kind in K_QUANTS)
+    monkeypatch.setattr(loading, "CHUNK_BYTES", raw.shape[1] * 5)
+    chunked, whole = loading._from_gguf_rows(raw, kind, width), QuantLinear.from_gguf(raw, kind)
+    if width:
+        whole.tile(width)
+    assert (chunked.kind, chunked.act8, chunked.tiled, chunked.out_features) == \
+        (whole.kind, kind in K_QUANTS, whole.tiled, whole.out_features) == (whole.kind, kind in K_QUANTS, width, 37)
     for name in ("qs", "d", "m"):
         a, b = getattr(chunked, name), getattr(whole, name)
         assert (a is None) == (b is None)
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), name
     assert kind in K_QUANTS or kind in GGUF_BLOCKS
+    chunked.act8 = whole.act8 = True
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(chunked(x), whole(x))
 
 
 PEAK_SCRIPT = """

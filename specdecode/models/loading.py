@@ -278,28 +278,37 @@ def quantize_(model: Transformer, kind: str) -> Transformer:
 CHUNK_BYTES = 8 << 20  # a large matrix converts this many of the file's bytes at a time (its temporaries: ~10x)
 
 
-def _from_gguf_rows(raw, stored: str) -> QuantLinear:
+def _from_gguf_rows(raw, stored: str, width: int = 0) -> QuantLinear:
     """QuantLinear.from_gguf of a tensor's bytes [rows, bytes], a few rows at a time into tensors allocated once:
     converting a large matrix (a 128k-token vocabulary's embedding or output layer) at once made temporaries
-    several times its size, the peak of a whole load."""
+    several times its size, the peak of a whole load. width: also in the int8-activation kernel's tiles of that
+    many outputs (QuantLinear.tile, chunk by chunk: a tile's bytes depend on its own outputs only), so the first
+    matmul does not copy the whole matrix twice to tile it."""
     rows = raw.shape[0]
     step = max(1, CHUNK_BYTES // max(1, raw.shape[1]))
-    if rows <= step:
-        return QuantLinear.from_gguf(raw, stored)
-    first = QuantLinear.from_gguf(raw[:step], stored)
-    fields = {name: t for name, t in (("qs", first.qs), ("d", first.d), ("m", first.m)) if t is not None}
-    full = {name: torch.empty((rows, *t.shape[1:]), dtype=t.dtype) for name, t in fields.items()}
-    for name, t in fields.items():
-        full[name][:step] = t
-    del first, fields
-    release(raw[:step])
-    for start in range(step, rows, step):
+    if width:
+        step = max(width, step // width * width)
+    layer = None
+    full: dict[str, torch.Tensor] = {}
+    for start in range(0, rows, step):
         chunk = QuantLinear.from_gguf(raw[start:start + step], stored)
+        if width:
+            chunk.tile(width)  # the last chunk's last tile filled with its last output repeated
+        if rows <= step:
+            layer = chunk
+            break
+        if not full:
+            padded = rows + (-rows % width if width else 0)
+            full = {name: torch.empty((padded, *t.shape[1:]), dtype=t.dtype)
+                    for name, t in (("qs", chunk.qs), ("d", chunk.d), ("m", chunk.m)) if t is not None}
         for name in full:
-            full[name][start:start + chunk.qs.shape[0]] = getattr(chunk, name)
+            part = getattr(chunk, name)
+            full[name][start:start + part.shape[0]] = part
         release(raw[start:start + step])  # the file's pages read so far: out of the resident set
-    layer = QuantLinear(K_QUANTS[stored][0] if stored in K_QUANTS else GGUF_BLOCKS[stored][0], full["qs"],
-                        full["d"], full.get("m"))
+    if layer is None:
+        layer = QuantLinear(K_QUANTS[stored][0] if stored in K_QUANTS else GGUF_BLOCKS[stored][0], full["qs"],
+                            full["d"], full.get("m"))
+        layer.out_features, layer.tiled = rows, width  # the tiles' padding rows are not outputs
     layer.act8 = stored in K_QUANTS
     return layer
 
@@ -319,7 +328,8 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
     parts: dict[str, QuantLinear | HalfLinear | torch.Tensor] = {}
     listed = list(gguf_tensors(gguf_file))
     # F16 / BF16 matrices at their 16 bits where a float32 CPU model has the kernel that reads them (else in `dtype`)
-    half = kind is None and dtype == torch.float32 and device == "cpu" and kernels.native() is not None
+    half_or_native = dtype == torch.float32 and device == "cpu" and kernels.native() is not None
+    half = kind is None and half_or_native
     as_stored = {*GGUF_BLOCKS, *(K_QUANTS if act8 else ()), *(HALF_TYPES if half else ())}
     dequantized = sorted({t.tensor_type.name for _, t, _, _ in listed} - as_stored - {"F32", "F16", "BF16"})
     what = f" (dequantizing its {', '.join(dequantized)} tensors)" if dequantized else ""
@@ -333,7 +343,10 @@ def load_gguf(gguf_file: Path, config_dir: Path, dtype: torch.dtype, device: str
             continue
         if stored in as_stored and stored not in HALF_TYPES:  # as stored, whatever `kind` says: re-rounding
             # rounded weights only loses
-            layer = _from_gguf_rows(t.data, stored)
+            # the output layer (a 128k vocabulary's: the largest matrix) tiled as it converts: see _from_gguf_rows
+            width = kernels.tile_width() if act8 and half_or_native and (
+                name == "lm_head.weight" or (name == "model.embed_tokens.weight" and cfg.tie_word_embeddings)) else 0
+            layer = _from_gguf_rows(t.data, stored, width)
             layer.act8 = act8
             parts[name] = layer if rows is None else layer.rows(rows)
             release(t)  # its pages out of this process's map of the file: see gguf_file.release
