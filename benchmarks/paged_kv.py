@@ -5,8 +5,9 @@ and the paged cache's decode cost beside the contiguous one.
         --out benchmarks/results/paged-kv-smollm2-cpu
 
 1. burst: `--requests` requests with `--prompt-tokens`-token prompts (distinct windows of the repository's docs) all
-   submitted at once to the server's scheduler over a paged engine of `--kv-cache-memory`: each is admitted when its
-   blocks are free, none may fail; the process's resident memory is sampled after every step (and its peak read from
+   waiting at once for a paged engine of `--kv-cache-memory`: each is admitted, in turn, when its blocks are free
+   (Engine.admits, as the server's scheduler asks) and prefilled whole; none may fail; the process's resident
+   memory is sampled after every step (and its peak read from
    VmHWM), against budget + weights + 20%; then every request runs alone (its own engine, the contiguous cache) and
    the outputs must be equal (greedy; half the requests speculate with prompt lookup).
 2. sessions: a conversation's second turn (the first turn's text and answer, then a new message) after the first;
@@ -18,7 +19,6 @@ and the paged cache's decode cost beside the contiguous one.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 import re
@@ -44,8 +44,6 @@ from specdecode.policy.cost import CostModel  # noqa: E402
 from specdecode.policy.speculation import FixedK  # noqa: E402
 from specdecode.proposers import NoProposer, PromptLookupProposer  # noqa: E402
 from specdecode.server.cli import memory_size  # noqa: E402
-from specdecode.server.metrics import Metrics  # noqa: E402
-from specdecode.server.scheduler import Job, Scheduler  # noqa: E402
 
 
 def rss(field: str = "VmRSS") -> int:
@@ -113,31 +111,28 @@ def burst(llm, args, docs: list[int]) -> dict:
     if any(len(p) < args.prompt_tokens for p in prompts):
         raise SystemExit(f"the docs hold {len(docs)} tokens: too few for these windows")
     engine = Engine(model, flat_cost(), None, kv_memory=args.kv_cache_memory, block_size=args.block_size)
-    scheduler = Scheduler(engine, max_batch=args.requests, max_queue=args.requests,
-                          metrics=Metrics("bench", model.config.max_position_embeddings))
-    loop = asyncio.new_event_loop()
-    tokenizer = type("T", (), {"decode": lambda self, ids, **k: "x" * len(ids)})()
-    jobs = [Job(request(model, p, args.new_tokens, lookup=i % 2 == 1), tokenizer, [], loop)
-            for i, p in enumerate(prompts)]
-    scheduler.submit_all(jobs)
+    jobs = [SimpleNamespace(row=request(model, p, args.new_tokens, lookup=i % 2 == 1)) for i, p in enumerate(prompts)]
+    waiting = list(jobs)
     started, peak, most_running, steps = time.perf_counter(), rss(), 0, 0
-    admitted_at: dict[int, int] = {}
-    while scheduler.waiting or scheduler.active or scheduler.prefilling is not None:
-        scheduler._prefill()
-        if scheduler.active:
-            scheduler._step()
+    admitted_at: list[int] = []  # the step each request was admitted at
+    while waiting or engine.rows or engine.paging.preempted:
+        while waiting and engine.admits(waiting[0].row):  # in turn: the first waiting one, when its blocks are free
+            engine.add(waiting.pop(0).row)
+            admitted_at.append(steps)
+        for row, result in engine.step():
+            if isinstance(result, Exception):
+                raise result
+            if row.finish_reason:
+                engine.remove(row)
         steps += 1
-        for job in scheduler.active.values():
-            admitted_at.setdefault(id(job), steps)
         most_running = max(most_running, len(engine.rows))
         peak = max(peak, rss())
-        if steps % 50 == 0:
-            print(f"  step {steps}: {len(engine.rows)} running, {len(scheduler.waiting)} waiting, "
-                  f"{sum(j.done for j in jobs)} done, {engine.cache.pool.used} blocks used, rss {peak >> 20} MiB",
-                  flush=True)
+        if steps % 20 == 0:
+            print(f"  step {steps}: {len(engine.rows)} running, {len(waiting)} waiting, "
+                  f"{sum(j.row.finish_reason is not None for j in jobs)} done, {engine.cache.pool.used} blocks used, "
+                  f"rss {peak >> 20} MiB", flush=True)
     seconds = time.perf_counter() - started
     hwm = rss("VmHWM")  # before the requests run alone
-    loop.close()
     failed = [i for i, job in enumerate(jobs) if job.row.finish_reason is None]
     print(f"  batch done in {seconds:.0f} s; each alone now", flush=True)
     unequal = []
@@ -152,7 +147,8 @@ def burst(llm, args, docs: list[int]) -> dict:
     return dict(requests=args.requests, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                 kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                 pool_blocks=engine.cache.pool.num_blocks, most_running_at_once=most_running,
-                admitted_in_turn=len(set(admitted_at.values())) > 1, preemptions=engine.paging.preemptions,
+                admitted_in_turn=len(set(admitted_at)) > 1, admitted_at_step=admitted_at,
+                preemptions=engine.paging.preemptions,
                 failed=failed, unequal=unequal, seconds=seconds, weights_bytes=weights, rss_before=before,
                 peak_rss_sampled=peak, vm_hwm=hwm, runtime_rss=runtime,
                 # what the process holds beyond the interpreter and torch's libraries, against budget + weights + 20%

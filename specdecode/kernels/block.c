@@ -169,12 +169,17 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
     __m256 acc[16];
     float sum = *total;
     for (int e = 0; e < NV; e++) acc[e] = _mm256_loadu_ps(acc_mem + 8 * e);
-    for (int j = j0; j < j1; j++) {
-        if (p[j] == 0.0f) continue;
-        sum += p[j];
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const int64_t vj = at + row_at(rows, j, hd);
-        for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, load_kv8(vals, vj + 8 * e, half), acc[e]);
+    for (int j = j0; j < j1;) {  /* a run of keys whose rows are contiguous (a block, or the whole range) at a time */
+        int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j1;
+        if (end > j1) end = j1;
+        const int64_t first = at + row_at(rows, j, hd) - (int64_t)j * hd;
+        for (; j < end; j++) {
+            if (p[j] == 0.0f) continue;
+            sum += p[j];
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const int64_t vj = first + (int64_t)j * hd;
+            for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, load_kv8(vals, vj + 8 * e, half), acc[e]);
+        }
     }
     for (int e = 0; e < NV; e++) _mm256_storeu_ps(acc_mem + 8 * e, acc[e]);
     *total = sum;

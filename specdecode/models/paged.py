@@ -307,6 +307,11 @@ class PagedKVCache:
     def keep(self, row: int, start: int, indices: torch.Tensor | list[int]) -> None:
         """Row `row` keeps only its entries at start + indices (an accepted tree path), packed from `start` on; the
         blocks past them are freed."""
+        if isinstance(indices, list) and indices == list(range(len(indices))):  # a chain's prefix: nothing moves
+            if start + len(indices) > self.lengths[row]:
+                raise IndexError(f"keep indices {indices} out of range for {self.lengths[row] - start} new entries")
+            self.truncate(row, start + len(indices))
+            return
         idx = torch.as_tensor(indices, dtype=torch.long)
         n = idx.numel()
         if n and (int(idx.min()) < 0 or start + int(idx.max()) >= self.lengths[row]):
