@@ -393,3 +393,36 @@ def test_native_batch_rows_compute_bit_for_bit_what_each_computes_alone(family):
         assert torch.equal(out.logits[b], ref.logits[0]), b
         assert torch.equal(out.hidden[b][0], ref.hidden[0][0]), b
         assert batch.lengths[b] == len(prompt) - 1 + len(t)
+
+
+class RaggedRecording(BatchCost):
+    """A flat ragged table that records what the engine teaches it."""
+
+    def __init__(self) -> None:
+        flat = flat_cost()
+        super().__init__(flat.batch_sizes, flat.tables, ragged=True)
+        self.by_tokens: list[tuple[int, int]] = []
+
+    def observe_tokens(self, rows: int, total: int, context: int, seconds: float) -> None:
+        self.by_tokens.append((rows, total))
+        super().observe_tokens(rows, total, context, seconds)
+
+
+def test_a_ragged_batch_teaches_its_table_by_the_tokens_each_step_held():
+    """A ragged step's width does not say how many tokens it held: the engine reports the sum of its rows' trees
+    (the rows' verified guesses plus one token a row), and only for steps that guessed."""
+    model = tiny_model(5, vocab_size=24)
+    cost = RaggedRecording()
+    decoder = Engine(model, cost)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
+    rows = [make_row(model, p, "lookup", 3, max_new=20) for p in prompts]
+    depths = []
+    for row in rows:
+        decoder.add(row)
+    while decoder.rows:
+        decoder.step()
+        depths.append(sum(decoder.last_depths) + len(decoder.last_depths))
+        for row in [r for r in decoder.rows if r.finish_reason]:
+            decoder.remove(row)
+    assert cost.by_tokens and all(rows == 2 and total > 2 for rows, total in cost.by_tokens)
+    assert [total for _, total in cost.by_tokens] == [d for d in depths if d > 2][: len(cost.by_tokens)]

@@ -231,6 +231,8 @@ class Engine:
         seconds = time.perf_counter() - started
         if batched and not drafting_ahead:  # a drafter's cores or rows run one by one: not a batch's time
             self.cost.observe(b, width, max(contexts), seconds)
+            if self.cost.ragged and b > 1 and width != 1 and not carry:  # a ragged step is priced by its tokens
+                self.cost.observe_tokens(b, sum(len(t) for t in trees), max(contexts), seconds)
         plain = self.cost.seconds(b, 1, max(contexts)) if self.cost.priced else 0.0  # the speedup's measure
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
             try:  # verify, keep the accepted path's cache entries, commit (the proposer observes the outcome)
