@@ -15,6 +15,7 @@ import torch
 
 from specdecode.engine.assets import EAGLE_BESIDE_A8, SHIPPED_EAGLE
 from specdecode.models.eagle import EagleHead
+from specdecode.models.head_files import load_head
 
 
 def step_seconds(head: EagleHead, context: int, reps: int) -> float:
@@ -37,7 +38,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     heads = [EagleHead.load(SHIPPED_EAGLE["smollm2-135m-instruct"]).quantize_(EAGLE_BESIDE_A8),
-             EagleHead.load(args.other).quantize_(EAGLE_BESIDE_A8)]
+             load_head(args.other).quantize_(EAGLE_BESIDE_A8)]
     for h in heads:
         h.warm_up()
     ratios: list[float] = []

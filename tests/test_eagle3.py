@@ -15,6 +15,7 @@ from specdecode.engine.loop import generate_ids
 from specdecode.models import Transformer
 from specdecode.models.eagle import ARCH_EAGLE3, SCALE, EagleConfig, EagleHead, int8_blocks, int8_weight
 from specdecode.models.eagle3 import Eagle3Head, from_specdecode_head
+from specdecode.models.head_files import load_head
 from specdecode.models.published_heads import export_head, load_eagle_head
 from specdecode.models.published_io import EAGLE3, OURS_EAGLE, detect_layout
 from specdecode.models.quant import QuantLinear
@@ -159,4 +160,11 @@ def test_an_unknown_architecture_is_refused(tmp_path: Path, target) -> None:
     config = json.loads((tmp_path / "h/eagle_config.json").read_text())
     (tmp_path / "h/eagle_config.json").write_text(json.dumps({**config, "arch": "eagle9"}))
     with pytest.raises(ValueError, match="unknown head architecture 'eagle9'"):
+        EagleHead.load(tmp_path / "h")
+
+
+def test_a_head_directory_loads_as_the_class_its_config_names(tmp_path: Path, target) -> None:
+    made_head(target).save(tmp_path / "h")
+    assert type(load_head(tmp_path / "h")) is Eagle3Head
+    with pytest.raises(ValueError, match="holds an 'eagle3' head, not 'specdecode': load it with .*load_head"):
         EagleHead.load(tmp_path / "h")

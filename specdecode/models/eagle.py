@@ -76,7 +76,20 @@ def copy_weights_(dst: nn.Module, src: nn.Module) -> None:
             param.copy_(source)
 
 
+def read_config(path: Path) -> EagleConfig:
+    """A head directory's config, its files checked and its architecture one this version knows."""
+    if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
+        raise FileNotFoundError(
+            f"{path} is not an EAGLE head: expected {CONFIG} and {WEIGHTS} "
+            "(train one with `specdecode train eagle --out DIR`)")
+    cfg = EagleConfig.from_json((path / CONFIG).read_text())
+    if cfg.arch not in (ARCH_OURS, ARCH_EAGLE3):
+        raise ValueError(f"{path / CONFIG}: unknown head architecture {cfg.arch!r} (a newer specdecode's?)")
+    return cfg
+
+
 class EagleHead(nn.Module):
+    ARCH = ARCH_OURS  # the `arch` its config names
     d2t: torch.Tensor  # a buffer: draft id -> target id
 
     def __init__(self, cfg: EagleConfig) -> None:
@@ -258,21 +271,13 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, path: Path | str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        """The head in `path`, which must be this class's architecture (head_files.load_head picks the class)."""
         path = Path(path)
-        if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
-            raise FileNotFoundError(
-                f"{path} is not an EAGLE head: expected {CONFIG} and {WEIGHTS} "
-                "(train one with `specdecode train eagle --out DIR`)")
-        cfg = EagleConfig.from_json((path / CONFIG).read_text())
-        head: EagleHead
-        if cfg.arch == ARCH_EAGLE3:
-            from .eagle3 import Eagle3Head  # it builds on this module
-
-            head = Eagle3Head(cfg)
-        elif cfg.arch == ARCH_OURS:
-            head = cls(cfg)
-        else:
-            raise ValueError(f"{path / CONFIG}: unknown head architecture {cfg.arch!r} (a newer specdecode's?)")
+        cfg = read_config(path)
+        if cfg.arch != cls.ARCH:
+            raise ValueError(f"{path} holds an {cfg.arch!r} head, not {cls.ARCH!r}: load it with "
+                             "specdecode.models.head_files.load_head, which picks the class its config names")
+        head = cls(cfg)
         stored = load_file(str(path / WEIGHTS))
         state = {k: int8_weight(v, stored[k + SCALE]) if k + SCALE in stored else v.float() if v.is_floating_point()
                  else v for k, v in stored.items() if not k.endswith(SCALE)}

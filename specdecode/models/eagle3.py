@@ -62,6 +62,8 @@ class Eagle3Head(EagleHead):
     """An EAGLE-3 head (module docstring) behind EagleHead's interface: fuse, forward, d2t, new_cache, training's
     attn_input / mlp_step / final. `source`: the config.json written back with the published layout."""
 
+    ARCH = ARCH_EAGLE3
+
     def __init__(self, cfg: EagleConfig, source: dict[str, Any] | None = None, fc_norm: bool = False,
                  norm_output: bool = True) -> None:
         nn.Module.__init__(self)

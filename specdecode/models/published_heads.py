@@ -46,6 +46,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .eagle import EagleConfig, EagleHead
 from .eagle3 import Eagle3Head, Fuse, wide_attention  # noqa: F401 - where callers found them before they moved
+from .head_files import load_head
 from .linear import Linear
 from .llama import MLP, Attention, Transformer
 from .medusa import MedusaConfig, MedusaHeads
@@ -448,7 +449,7 @@ def load_eagle_head(path: Path | str, target: Transformer, dtype: torch.dtype | 
     layout = detect_layout(path)
     dtype, device = dtype or target.dtype, device or target.device
     if layout == OURS_EAGLE:
-        head = EagleHead.load(path, dtype=dtype, device=device)
+        head = load_head(path, dtype=dtype, device=device)
     elif layout == EAGLE3:
         head = load_eagle3(path, target).to(device=device, dtype=dtype).eval().requires_grad_(False)
     elif layout == EAGLE1:
@@ -485,7 +486,7 @@ def export_head(path: Path | str, out_dir: Path | str, target: Transformer | Non
         save_medusa(MedusaHeads.load(path), out_dir, dtype)
         return MEDUSA
     if layout == OURS_EAGLE:
-        save_eagle3(EagleHead.load(path), out_dir, dtype)
+        save_eagle3(load_head(path), out_dir, dtype)
         return EAGLE3
     if target is None:
         raise ValueError(f"{path} holds {LAYOUT_NAMES[layout]}: reading it needs its target model (--target)")

@@ -54,13 +54,13 @@ def answer_only(args: argparse.Namespace) -> int:
 def load_init(where: str, target: str):
     """--init: a trained head's folder, or 'shipped' (the head shipped for a registry name)."""
     from ..engine.assets import SHIPPED_EAGLE
-    from ..models.eagle import EagleHead
+    from ..models.head_files import load_head
 
     path = SHIPPED_EAGLE.get(target.lower()) if where == "shipped" else Path(where)
     if path is None:
         raise ValueError(f"no EAGLE head ships for {target!r} (heads ship for {', '.join(SHIPPED_EAGLE)}): "
                          "pass --init DIR, a head you trained")
-    return EagleHead.load(path)
+    return load_head(path)
 
 
 def train_eagle_cmd(args: argparse.Namespace) -> int:
