@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "write a draft head in its published layout (Medusa's; EAGLE-3 safetensors from a published head)"
+HELP = "write a draft head in its published layout (Medusa's; EAGLE-3's for a head trained with --arch eagle3)"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_export_parser(sub) -> None:
     e = sub.add_parser("export-head", help=HELP, description=(
         "Our Medusa heads go to Medusa's layout (medusa_lm_head.safetensors + config.json, as FasterDecoding/Medusa "
-        "writes it); a published EAGLE-3 or Medusa head (e.g. a pickled .bin) is written back as safetensors. "
-        "specdecode's own EAGLE head cannot be written as EAGLE-3: the command says why (docs/GUIDE.md)."))
+        "writes it); an EAGLE head trained with `train eagle --arch eagle3` to EAGLE-3's; a published EAGLE-3 or "
+        "Medusa head (e.g. a pickled .bin) is written back as safetensors. A head of specdecode's first EAGLE "
+        "architecture (the shipped ones) cannot be written as EAGLE-3: the command says why (docs/GUIDE.md)."))
     e.add_argument("head", help="the head's folder")
     e.add_argument("--out", required=True, help="folder to write")
     e.add_argument("--target", default=None,
