@@ -557,7 +557,7 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
 
 /* The model's last norm and output layer, run after the blocks on rows first..first+n of x into logits [n, n_out]
    (a forward's logits in the same call: their PyTorch operators came after the blocks had evicted their code from
-   the caches, ~0.2 ms of a 4 ms step) */
+   the caches) */
 typedef struct {
     const float *norm;
     float eps;
@@ -568,8 +568,7 @@ typedef struct {
 } Output;
 
 /* The index of the first maximum of x[0..len), a NaN counting as the maximum (its first one): NumPy's argmax, and
-   torch.argmax's. Right after the output layer, from the cache (a greedy step's NumPy argmax read the row cold:
-   ~20 us of a 3-4 ms step). */
+   torch.argmax's. Right after the output layer, from the cache (a greedy step's NumPy argmax read the row cold). */
 int specdecode_argmax(const float *x, int len) {
     int j = 0, best_at = 0;
     float best = len > 0 ? x[0] : 0.0f;

@@ -227,7 +227,7 @@ class EagleHead(nn.Module):
             mask = mask.to(self.device)
         x = self.embed_input(features, token_embeds)
         blocks = self._native_block(cache)
-        if blocks is not None:  # one native call (a third of the head's time in PyTorch operators on a CPU)
+        if blocks is not None:  # one native call instead of a dozen PyTorch operators' dispatch
             lib, block = blocks
             x = x.reshape(n, -1).contiguous()
             full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
@@ -240,8 +240,8 @@ class EagleHead(nn.Module):
         return (self.lm_head(self.norm(x[:, logits_at])) if logits is None else logits[None]), x
 
     def warm_up(self) -> None:
-        """One forward of a position: a head's first forward builds its native description and RoPE table (~20 ms
-        on a CPU, ten times a later run's), which a request's first run would pay otherwise, and be judged by."""
+        """One forward of a position: a head's first forward builds its native description and RoPE table (many
+        times a later run's cost), which a request's first run would pay otherwise, and be judged by."""
         h = self.config.block.hidden_size
         x = torch.zeros(1, 1, h, dtype=self.dtype, device=self.device)
         self(x, x, self.new_cache(1), torch.zeros(1, dtype=torch.long, device=self.device), None, slice(-1, None))

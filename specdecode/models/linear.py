@@ -19,9 +19,9 @@ class Linear(nn.Linear):
     decides differently and greedy speculation is not lossless). oneDNN does not promise that: on an AVX-512
     machine its float32 matmul with K = 2048 (Gemma 3 270M's down projection) rounds a row differently beside
     other rows. So up to NATIVE_MAX_ROWS rows run in the native kernel, whose rows never depend on each other
-    (as fast as oneDNN for one row, up to 2.5x slower for 16); longer forwards (a prompt's prefill, the same call
-    whatever the method) use oneDNN with its weight layout prepacked once, where MKL's `x @ W.T` ran at a third
-    of the memory bandwidth. Gradients, other devices and dtypes keep F.linear.
+    (as fast as oneDNN for one row, slower for many); longer forwards (a prompt's prefill, the same call
+    whatever the method) use oneDNN with its weight layout prepacked once, which reads the weights faster than
+    MKL's `x @ W.T`. Gradients, other devices and dtypes keep F.linear.
     """
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None

@@ -537,8 +537,8 @@ class QuantEmbedding(nn.Module):
     """An embedding table stored as a QuantLinear's weight (tied to the output layer, as GGUF files do).
 
     A step's few tokens are read from rows dequantized once and kept (up to ROWS_KEPT of them, forgotten all at once
-    when full): dequantizing a row on each step cost ~110 us of a ~4 ms one (a dozen tensor operators, after the
-    forward has evicted their code from the caches); a prompt's many tokens are dequantized together."""
+    when full): dequantizing a row is a dozen tensor operators, run after the forward has evicted their code from
+    the caches, too dear to repeat each step; a prompt's many tokens are dequantized together."""
 
     ROWS_KEPT = 4096  # ~9 MB at 576 floats a row; a text's tokens repeat (Zipf), so most steps find theirs
     FEW = 64  # tokens per call read through the kept rows (more: dequantized at once)

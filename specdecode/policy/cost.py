@@ -39,8 +39,8 @@ PAIR_WITHIN = 4  # a step is paired with the plain steps at most this many steps
 REGIME = 1.5  # the median of the last REGIME_WINDOW steps this far off the load: the machine changed speed
 REGIME_WINDOW = 5
 REGIME_STEPS = REGIME_WINDOW // 2 + 1  # steps in a new regime before the load re-anchors
-# the learned prices moved this much (relative) since they were last interpolated: interpolate again (~110 us right
-# after a forward; at 0.2% in 17% of suffix decoding's chat steps, at 1% in 5%; a price 1% off is well inside MARGIN)
+# the learned prices moved this much (relative) since they were last interpolated: interpolate again (a refresh is
+# dear beside a step; a price 1% off is well inside MARGIN)
 REPRICE = 0.01
 DOUBTED = 8.0  # after a change of regime each size counts for at most this many paired timings
 # tables saved by another version of `measure` are measured again (version 1 timed 5 rounds in a fixed order:
@@ -126,8 +126,8 @@ class CostModel:
 
     def _interpolate(self, knots: list[float]) -> tuple[list[float], float]:
         """One context's prices at 0..sizes[-1] tokens from its sizes' (np.interp's arithmetic: a size's own price
-        exactly, between sizes the slope times the offset), and the slope past the last size. Plain Python: right
-        after a forward a whole refresh took 170 us through numpy's interp, 113 us in plain Python."""
+        exactly, between sizes the slope times the offset), and the slope past the last size. Plain Python: numpy's
+        few-element operations are dearer right after a forward."""
         s = self.sizes
         dense = [knots[0]] * s[0]
         for i in range(len(s) - 1):
@@ -176,8 +176,8 @@ class CostModel:
     def forward_seconds_upto(self, most: int, context: int) -> list[float]:
         """forward_seconds of 1..most tokens, in one pass of plain Python (a self-sizing proposer prices every
         count of its ranked guesses each step: a call per count through the batch's layers was a fifth of suffix
-        decoding's proposing time). `_price`'s arithmetic, inlined: a `_price` call per count cost 3 us of suffix
-        decoding's 38 a step (tests hold the two equal float for float)."""
+        decoding's proposing time). `_price`'s arithmetic, inlined: a call per count cost a measurable share of a
+        step (tests hold the two equal float for float)."""
         (r0, b0), (r1, b1) = self._upper_rows
         c0, c1 = self.contexts
         last, load, out = self.sizes[-1], self.load, []
@@ -227,8 +227,8 @@ class CostModel:
         return not 1 / REGIME < ratio / self.load < REGIME
 
     def _doubt_shape(self) -> None:
-        """After a change of regime the shape is in doubt too (on 2 cores shared with a dozen busy threads, 16
-        tokens cost 3x a plain step; idle, 8x): each size counts for at most DOUBTED paired timings, so the
+        """After a change of regime the shape is in doubt too (on cores shared with busy threads a big forward
+        costs far fewer plain steps than idle): each size counts for at most DOUBTED paired timings, so the
         new regime's steps reprice it within a few dozen pairs, and guesses carry the margin until they have."""
         weight = self.weight if self.weight is not None else [float(THOROUGH_ROUNDS)] * len(self.sizes)
         self.weight = [min(w, DOUBTED) for w in weight]
@@ -271,8 +271,8 @@ class CostModel:
         return self._price(self._rows, tokens, context)
 
     def _price(self, rows: list[tuple[list[float], float]], tokens: int, context: int) -> float:
-        """_table_many for one size, in plain Python: numpy's few-element operations cost 120 us here right after a
-        forward (every step prices its own size: 0.35% of a step, what draft@auto lost to plain decoding)."""
+        """_table_many for one size, in plain Python: numpy's few-element operations are dear right after a
+        forward, and every step prices its own size."""
         inside = min(tokens, self.sizes[-1])
         t0, t1 = (row[inside] + beyond * (tokens - inside) for row, beyond in rows)
         c0, c1 = self.contexts

@@ -30,8 +30,8 @@ from .cost import ForwardCost
 
 # a guess must beat a plain step's rate by this fraction: a small size's price is known to +-3% and acceptance
 # is estimated from a few dozen guesses, and guessing is chosen when those estimates look best, so a step
-# estimated within a few percent of a plain one loses about as often as it wins (Medusa in summarization:
-# guesses at 8% acceptance, each step 4% dearer than the table said, 0.96x of plain decoding)
+# estimated within a few percent of a plain one loses about as often as it wins (Medusa in summarization did,
+# benchmarks/results/comment-timings.md)
 MARGIN = 0.04
 FIRST_PROBE_WITHIN = 16  # plain steps at most before a request's first probe, whatever earlier requests found
 # a free proposer asked this many steps in a row with nothing worth verifying is asked on probes only (every 8, 16,
@@ -349,8 +349,8 @@ class AdaptiveK(Policy):
 def nearly_free(seconds: Callable[[int, int], float], tokens: int, extra: int, context: int) -> bool:
     """Do `extra` nodes beside a forward of `tokens` cost under MARGIN of it? A lookahead window rides along only
     then: its guesses are worth what it costs where a forward is bound by reading the weights, so that more tokens
-    are nearly free (a GPU); on a 2-core CPU 8 window tokens beside 3 cost 1.9x (2.5x on one thread) and the
-    guesses it verifies win about one token a step."""
+    are nearly free (a GPU); on a CPU a forward is compute-bound past a few tokens, and the window's guesses win
+    about one token a step."""
     return seconds(tokens + extra, context) <= (1 + MARGIN) * seconds(tokens, context)
 
 

@@ -1,9 +1,9 @@
 """How many threads a forward runs on: one per core that other processes leave free.
 
 A decode step on the CPU is hundreds of parallel loops, each ending at a barrier. When another process takes one
-of the cores, the thread sharing that core is descheduled for whole time slices and every barrier waits for it:
-measured on 2 cores with one busy-looping process, a SmolLM2 int4 step took 16.1 ms on average on 2 threads
-(p99 166 ms) and 6.7 ms on 1 (idle: 4.4 ms on 2, 5.7 on 1). A laptop or a shared server is such a machine. So
+of the cores, the thread sharing that core is descheduled for whole time slices and every barrier waits for it,
+so two threads beside a busy process run slower than one (benchmarks/results/comment-timings.md). A laptop or a
+shared server is such a machine. So
 every REFRESH seconds the engine reads how busy this process's cores were (/proc/stat: all processes, less this
 process's own CPU time) and runs on the cores left free, between 1 and the threads it started with.
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specdecode")
 
-REFRESH = 0.1  # seconds between readings (30 us each): a busy stretch of another process lasts seconds, a step ms
+REFRESH = 0.1  # seconds between readings of /proc/stat: another process's busy stretch lasts seconds, a step far less
 STAT = Path("/proc/stat")
 # /proc/stat's per-CPU fields: user nice system idle iowait irq softirq steal (guest time is inside user); a
 # hypervisor's steal is a neighbour's use of the core too

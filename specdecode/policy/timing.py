@@ -21,8 +21,8 @@ from ..models import KVCache, Transformer
 # small forwards need not be linear in size: oneDNN picks its kernels by row count), 32 paired rounds
 COST_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 THOROUGH_ROUNDS = 32
-# first use: fewer sizes and rounds (seconds, not minutes: the thorough table took 15 minutes on a loaded
-# 2-core machine); the steps the engine runs refine it (CostModel.observe)
+# first use: fewer sizes and rounds (seconds, not the thorough table's minutes on a loaded machine); the steps the
+# engine runs refine it (CostModel.observe)
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 CALIBRATION_ROUNDS = 4
 ONE_THREAD_ROUNDS = 3  # paired rounds of each size on one thread and on all (a second or two at first use)
@@ -59,16 +59,16 @@ def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: 
     (pricing Medusa's small trees as paying when they cost more than they saved). Sizes past `sparse_above`
     tokens are timed every fourth round: they cost as much as all the small ones and are far from any
     decision's margin. Still, one forward's time strays by +-15% on a 2-core machine, so a small size's price
-    is known to +-3% after 32 rounds. The medians are kept as measured, not forced non-decreasing: on a
-    2-core EPYC with oneDNN, 2 tokens cost 1.15x of one and 3-6 tokens 0.95x at a short context (the same in
-    a direct paired timing), so a guess of one token is dear and guesses two to five deep are cheaper than a
+    is known to +-3% after 32 rounds. The medians are kept as measured, not forced non-decreasing: with oneDNN
+    a forward of 3-6 tokens can cost less than one of 2 at a short context (the same in a direct paired timing),
+    so a guess of one token is dear and guesses two to five deep are cheaper than a
     plain step. One forward per size warms up first (allocations, kernel choice).
 
     bounded: a size's price is kept within what physics allows: at least a smaller size's (pooled where the
     medians say otherwise) and at most n plain forwards (which do the same work). A few rounds on a loaded
-    machine priced 16 tokens at 0.4 of 6 (all of them at 1-3x of a plain step's 0.5 s, 80x slower than on an
-    idle machine). Each size's weight is its paired timings, scaled by how much more (or less) they strayed
-    than SPREAD: a noisy calibration is doubted (a margin on guesses) and soon outweighed by real steps.
+    machine once priced 16 tokens below 6. Each size's weight is its paired timings, scaled by how much more (or
+    less) they strayed than SPREAD: a noisy calibration is doubted (a margin on guesses) and soon outweighed by
+    real steps.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -124,8 +124,8 @@ def time_one_thread_shape(model: Transformer, sizes: tuple[int, ...], context: i
     """Per size, how much dearer relative to a plain step it is on one thread than on the threads set: its paired
     ratio to a 1-token forward on 1 thread over the same on all of them (1.0 for the plain step), `rounds` of
     each, interleaved. Beside a busy core the forwards run on the cores left free (threads.py), and there the
-    sizes are not priced alike: a 7-token forward of SmolLM2 int4 costs 1.9x a plain one on 2 threads, 2.5x on 1
-    (a verification is compute the second core shared; a plain step is mostly reading the weights)."""
+    sizes are not priced alike: a many-token forward costs more plain steps on 1 thread than on 2 (a
+    verification is compute the second core shared; a plain step is mostly reading the weights)."""
     most = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     cache = cached_context(model, context, sizes[-1], g)

@@ -31,13 +31,13 @@ from .suffix import GLOBAL, MAX_DEPTH, SuffixProposer
 
 EAGLE = 4  # node source flag, beside suffix.LOCAL and suffix.GLOBAL
 # A head that does not pay (on a CPU, most chat text) still probes after each rest, and a lucky probe ends its rest:
-# a run is its catch-up and a tree, 4-11 ms beside a ~4.5 ms plain step, and the runs came to 0.3-1% of the hybrid's
-# time, all it trailed suffix decoding by. The head's budget: every run is charged its seconds and the forward
+# a run is its catch-up and a tree, dearer than a plain step, and those runs are all the hybrid trails suffix
+# decoding by. The head's budget: every run is charged its seconds and the forward
 # seconds of the nodes only it offered, and credited a plain step for each guess only it offered that was accepted;
 # each step adds HEAD_SHARE of a plain step. A run the budget cannot pay yet rests the head until it can (at most
 # HEAD_SAVINGS seconds saved up). A head that pays earns more than it spends and is never held back. (A run was
-# charged at most a plain step, lest a process's first one, ~20 ms of building the head's kernels, rest the head for
-# long: runs then cost 2-3x their charge, 0.3% of Spec-Bench's time. The head is warmed up as it loads instead.)
+# charged at most a plain step, lest a process's first one, which builds the head's kernels, rest the head for
+# long; runs then cost more than their charge. The head is warmed up as it loads instead.)
 HEAD_SHARE = 0.001
 HEAD_SAVINGS = 0.02
 

@@ -176,7 +176,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------- the thread
     def run(self, alive: Callable[[], bool] = lambda: True) -> None:
-        """The loop, until `stop` (or until `alive()` turns false). Torch runs ~20% faster on CPU in the
+        """The loop, until `stop` (or until `alive()` turns false). Torch's CPU forwards run faster in the
         process's main thread than in another one, so `serve` calls this there and puts uvicorn in a thread."""
         while True:
             with self._cond:

@@ -22,7 +22,7 @@ from ..core.chat_template import check_turn
 log = logging.getLogger("specdecode.server")
 SECONDS = 2.0  # a chat template renders in milliseconds; a request's template gets this long
 MEMORY_MIB = 512  # and this much memory beyond the renderer's own
-START_SECONDS = 120.0  # the renderer's imports (transformers: 1-2 s, far more on a loaded machine)
+START_SECONDS = 120.0  # the renderer's imports (transformers), with room for a loaded machine
 
 
 class TemplateSandbox:

@@ -1,6 +1,6 @@
 """Every speculation method the server may run is set up before it takes a request: the target's forward cost
 timed, draft models and trained heads loaded, the layer-skip search run, low-bit copies made, each shown in the
-log. A request never waits for any of that (the first eagle request once spent 253 s there, uncancellable), and
+log. A request never waits for any of that (minutes, and not cancellable once begun), and
 a method that cannot run (no head, no calibration data) stops the server at start with the reason."""
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def flush_denormals() -> None:
     """Floats too small for float32's normal range count as zero from here on, in this thread and in every thread
     started after it. A softmax over logits that span ~100 (a Gemma head started from its target's norm gains)
-    leaves such values in the gradients, and a CPU multiplies them ~100x slower: one [16384 x 512] x [512 x 640]
-    product took 6 s instead of 45 ms, and Gemma training steps slowed from 2 s to 11 s as their share grew.
+    leaves such values in the gradients, and a CPU multiplies denormal floats orders of magnitude slower: Gemma's
+    training steps slowed several-fold as their share grew.
     PyTorch's worker threads take the setting from the thread that starts them, so it must come first."""
     torch.set_flush_denormal(True)
 
