@@ -197,6 +197,26 @@ class Engine:
         return joint_cut([row.policy for row in self.rows], proposals, contexts,
                          lambda width, context: self.cost.seconds(rows, width, context))
 
+    def _make_room(self, proposals: list[DraftTree], results: list[StepResult]) -> list[DraftTree]:
+        """Paged: every row's blocks must hold what it writes; the youngest rows wait (preempted) while they cannot,
+        and a lone row the budget cannot hold fails alone."""
+        if self.paging is None or not self.rows:
+            return proposals
+        try:
+            return self.paging.make_room(proposals)
+        except OutOfBlocks as e:
+            results.append((self.rows[0], e))
+            self.remove(self.rows[0], failed=True)
+            return proposals
+
+    def _learn_cost(self, trees: list[DraftTree], width: int, context: int, seconds: float, carry: object) -> None:
+        """The batch table learns from a real step: by its width, and a ragged step that guessed by the tokens it
+        held (its width does not say; a prompt chunk carried along would count as guesses)."""
+        b = len(trees)
+        self.cost.observe(b, width, context, seconds)
+        if self.cost.ragged and b > 1 and width != 1 and not carry:
+            self.cost.observe_tokens(b, sum(len(t) for t in trees), context, seconds)
+
     def step(self, prefill: int = 0) -> list[StepResult]:
         """One step of every request: its newly committed tokens, or the exception that failed it (it has left).
         prefill: up to this many tokens of the pending request's prompt cached in the same forward (where the
@@ -204,12 +224,7 @@ class Engine:
         if self.paging is not None:  # preempted requests come back first, where blocks have freed up
             self.paging.resume()
         proposals, results, drafting_ahead = self._plan()  # every row proposes; a row that fails to leaves now
-        if self.paging is not None and self.rows:
-            try:  # every row's blocks hold what it writes: the youngest rows wait (preempted) while they cannot
-                proposals = self.paging.make_room(proposals)
-            except OutOfBlocks as e:  # a lone row the budget cannot hold: it fails alone
-                results.append((self.rows[0], e))
-                self.remove(self.rows[0], failed=True)
+        proposals = self._make_room(proposals, results)
         if not self.rows:
             return results
         b, pending = len(self.rows), self.pending if prefill else None
@@ -230,9 +245,7 @@ class Engine:
         self.last_depths = [t.depth for t in trees]
         seconds = time.perf_counter() - started
         if batched and not drafting_ahead:  # a drafter's cores or rows run one by one: not a batch's time
-            self.cost.observe(b, width, max(contexts), seconds)
-            if self.cost.ragged and b > 1 and width != 1 and not carry:  # a ragged step is priced by its tokens
-                self.cost.observe_tokens(b, sum(len(t) for t in trees), max(contexts), seconds)
+            self._learn_cost(trees, width, max(contexts), seconds, carry)
         plain = self.cost.seconds(b, 1, max(contexts)) if self.cost.priced else 0.0  # the speedup's measure
         for i, (row, tree) in enumerate(zip(list(self.rows), trees, strict=True)):
             try:  # verify, keep the accepted path's cache entries, commit (the proposer observes the outcome)
