@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import sysconfig
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,3 +124,15 @@ def _denormals_kept() -> Iterator[None]:
     floats on a thread that flushes, and float64 reference checks would lose their smallest values."""
     yield
     torch.set_flush_denormal(False)
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises() -> None:
+    """Every test starts with Python's own Ctrl-C (KeyboardInterrupt): the CLI's Ctrl-C tests found it replaced in a
+    pytest-xdist worker by something an earlier file in the same worker ran (ignored, so the subprocesses it
+    started inherited the ignoring too). A warning names the test that found it so."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler:
+        warnings.warn(f"SIGINT's handler was {handler!r} when this test began; restored to KeyboardInterrupt",
+                      stacklevel=1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
