@@ -205,6 +205,15 @@ class EagleHead(nn.Module):
     def final(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
 
+    def step_inputs(self, start: int, n: int, positions: torch.Tensor, mask: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """RoPE for `positions` and the mask of n entries after `start` cached ones (None given: a causal chain;
+        one entry needs none), on the head's device: what every head architecture's forward starts with."""
+        cos, sin = self.rope(positions)
+        if mask is None and n > 1:
+            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+        return cos, sin, None if mask is None else mask.to(self.device)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -220,11 +229,7 @@ class EagleHead(nn.Module):
         next depth's feature). logits_at: the entries that need logits (a catch-up over skipped positions needs
         the last one's only: the output layer is most of the head's work)."""
         start, n = cache.length, features.shape[1]
-        cos, sin = self.rope(positions)
-        if mask is None and n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-        if mask is not None:
-            mask = mask.to(self.device)
+        cos, sin, mask = self.step_inputs(start, n, positions, mask)
         x = self.embed_input(features, token_embeds)
         blocks = self._native_block(cache)
         if blocks is not None:  # one native call instead of a dozen PyTorch operators' dispatch

@@ -102,11 +102,7 @@ class Eagle3Head(EagleHead):
     @torch.inference_mode()
     def forward(self, features, token_embeds, cache: KVCache, positions, mask=None, logits_at=slice(None)):
         start, n = cache.length, features.shape[1]
-        cos, sin = self.rope(positions)
-        if mask is None and n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-        if mask is not None:
-            mask = mask.to(self.device)
+        cos, sin, mask = self.step_inputs(start, n, positions, mask)
         wide, x = self.attn_input(features.to(self.dtype), token_embeds)
         x = x + self.attn(wide, cos, sin, cache, 0, start, mask)  # the fused feature is the residual
         x = self.mlp_step(x)

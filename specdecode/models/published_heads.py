@@ -286,11 +286,7 @@ class Eagle1Head(EagleHead):
     @torch.inference_mode()
     def forward(self, features, token_embeds, cache: KVCache, positions, mask=None, logits_at=slice(None)):
         start, n = cache.length, features.shape[1]
-        cos, sin = self.rope(positions)
-        if mask is None and n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
-        if mask is not None:
-            mask = mask.to(self.device)
+        cos, sin, mask = self.step_inputs(start, n, positions, mask)
         x = self.input(torch.cat((token_embeds.to(self.dtype), features.to(self.dtype)), dim=-1))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, mask)
