@@ -8,6 +8,8 @@ numbers, and a token's numbers still never depend on how many tokens share its f
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -83,6 +85,62 @@ def test_native_attention_reads_float16_exactly(lib, hd: int, n: int) -> None:
         torch.testing.assert_close(got[i].double(), expected, rtol=1e-5, atol=1e-5)
     if mask is not None:  # the tree's root alone (a one-token step) sees the same keys: the same bits
         assert torch.equal(attention(lib, q[:1].contiguous(), half, start, 1, None)[0], got[0])
+
+
+def attention_rows(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: torch.Tensor | None,
+                   heads_per_kv: int, table: torch.Tensor | None, block: int) -> torch.Tensor:
+    """block.c's call of the attention: kv [2, kv_heads, max_len, hd] contiguous (table None), or blocks
+    [2, n_blocks, kv_heads, block, hd] read through the table."""
+    hd, kv_heads = kv.shape[-1], kv.shape[-3] if table is not None else kv.shape[1]
+    lib.specdecode_attention_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                              ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                              ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                                              ctypes.c_void_p, ctypes.c_int64]
+    out = torch.empty_like(q)
+    failed = lib.specdecode_attention_rows(
+        q.data_ptr(), q.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(), kv[1].data_ptr(),
+        block if table is not None else kv.shape[2], start, n, None if mask is None else mask.data_ptr(), None,
+        heads_per_kv * kv_heads, kv_heads, hd, hd**-0.5, int(kv.dtype == torch.float16),
+        None if table is None else table.data_ptr(), kv_heads * block * hd)
+    assert failed == 0
+    return out
+
+
+@pytest.mark.parametrize(("hd", "heads_per_kv"), [(64, 3), (96, 1), (128, 4), (256, 5)])
+@pytest.mark.parametrize("start", [600, 1031])  # past the decode step's split, its last pass of keys partial
+def test_long_decode_step_computes_what_a_tree_row_computes(lib, hd: int, heads_per_kv: int, start: int) -> None:
+    """A one-token step over a long cache (its passes shared out among the threads: keys in passes, weights by head,
+    value elements by slice) gives the bits a verification's query gets for the same keys, whatever the thread count
+    and whether the rows are read through a block table; and softmax(q k^T) v within float32 rounding."""
+    g = torch.Generator().manual_seed(hd + start)
+    kv_heads, n, block = 2, 3, 64
+    cache = (torch.randn(2, kv_heads, start + n, hd, generator=g) * 2).half()
+    q = torch.randn(n, heads_per_kv * kv_heads * hd, generator=g)
+    root_only = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.uint8)  # row 0 sees what a step sees
+    tree = attention_rows(lib, q, cache, start, n, root_only, heads_per_kv, None, 0)
+    threads = torch.get_num_threads()
+    try:
+        steps = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            steps.append(attention_rows(lib, q[:1].contiguous(), cache, start, 1, None, heads_per_kv, None, 0)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(step, tree[0]) for step in steps)
+    n_blocks = (start + n + block - 1) // block
+    order = torch.randperm(n_blocks, generator=g)  # block i of the sequence at order[i] of the pool
+    pool = torch.zeros(2, n_blocks, kv_heads, block, hd, dtype=torch.float16)
+    padded = torch.zeros(2, kv_heads, n_blocks * block, hd, dtype=torch.float16)
+    padded[:, :, : start + n] = cache
+    pool[:, order] = padded.view(2, kv_heads, n_blocks, block, hd).transpose(1, 2)
+    paged = attention_rows(lib, q[:1].contiguous(), pool, start, 1, None, heads_per_kv, order.int(), block)
+    assert torch.equal(paged[0], tree[0])
+    keys, values = cache[0, :, : start + 1].double(), cache[1, :, : start + 1].double()
+    qi = q[0].view(-1, hd).double()
+    weights = torch.softmax(torch.einsum("hd,hkd->hk", qi, keys.repeat_interleave(heads_per_kv, 0)) * hd**-0.5, -1)
+    expected = torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(heads_per_kv, 0)).reshape(-1)
+    torch.testing.assert_close(tree[0].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_keys_and_values_are_rounded_once_as_pytorch_rounds_them(lib, monkeypatch) -> None:

@@ -16,7 +16,7 @@
 
    Numerics follow the PyTorch model (models/llama.py): RMSNorm in float32 with the weight applied after the
    normalisation, rotate-half RoPE from the given cos/sin tables, softmax with the max subtracted. The attention
-   itself (specdecode_attention) is exported: the PyTorch blocks of other families (Gemma) call it too.
+   itself is attention.c's (specdecode_attention, exported: the PyTorch blocks of other families call it too).
 
    The cache holds float32 or float16 keys and values (kv_half): a token's key and value are rounded to float16 once,
    when they are written, and every query (its own token's included) reads them widened back, which is exact; so a
@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -89,105 +90,7 @@ static int linear(const Weight *w, const float *x, int M, float *y, float *scrat
     return 0;
 }
 
-static inline float dot(const float *a, const float *b, int len) {
-    int e = 0;
-    float total = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; e + 8 <= len; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    total = _mm_cvtss_f32(s);
-#endif
-    for (; e < len; e++) total += a[e] * b[e];
-    return total;
-}
 
-/* Where a sequence's key (or value) rows lie for one kv head: contiguous (table NULL: row j at head + j * hd), or
-   paged (row j in block table[j >> shift], `bstride` elements apart, at head + (j & mask) * hd within it; blocks hold
-   a power of two >= 8 rows, so the 8 rows a group of keys reads are contiguous) */
-typedef struct {
-    const int32_t *table;
-    int64_t bstride, head;
-    int shift;
-} Rows;
-
-static inline __attribute__((always_inline)) int64_t row_at(const Rows *r, int j, int hd) {
-    if (!r->table) return r->head + (int64_t)j * hd;
-    return (int64_t)r->table[j >> r->shift] * r->bstride + r->head + (int64_t)(j & ((1 << r->shift) - 1)) * hd;
-}
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* e^x for x <= 0, 8 at a time (Cephes' expf: range reduction by ln 2, a degree-5 polynomial), to ~2 ulp */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-}
-
-/* 8 elements of a cache row from element `at` on: float32, or float16 widened (exact) */
-static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t at, const int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
-                : _mm256_loadu_ps((const float *)base + at);
-}
-
-/* q . k_t for the 8 keys k_0..k_7 (rows of hd elements from element `at` of k, hd a multiple of 8; half: float16):
-   lane t holds key t's product, from the same additions whatever the other lanes hold */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd,
-                                                         const int half) {
-    __m256 a[8];
-    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
-    for (int e = 0; e < hd; e += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + e);
-        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * hd + e, half), a[t]);
-    }
-    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-}
-/* Keys j0..j1 of o = sum_j p_j v_j / sum_j p_j over 8 NV floats of the keys' value rows (`stride` floats apart): the
-   sums carried in acc (8 NV floats) and *total from the keys before, in registers over the range (NV a constant at
-   each call: the loops unroll). Both sums run over the visible keys in cache order, one at a time: a tree's path
-   lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart. A query's sums
-   are the same whatever ranges its keys are taken in (a range stores and reloads them exactly). */
-static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *vals, int64_t at,
-                                                               const Rows *rows, int hd, int j0, int j1,
-                                                               float *acc_mem, float *total, const int NV,
-                                                               const int half) {
-    __m256 acc[16];
-    float sum = *total;
-    for (int e = 0; e < NV; e++) acc[e] = _mm256_loadu_ps(acc_mem + 8 * e);
-    for (int j = j0; j < j1;) {  /* a run of keys whose rows are contiguous (a block, or the whole range) at a time */
-        int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j1;
-        if (end > j1) end = j1;
-        const int64_t first = at + row_at(rows, j, hd) - (int64_t)j * hd;
-        for (; j < end; j++) {
-            if (p[j] == 0.0f) continue;
-            sum += p[j];
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            const int64_t vj = first + (int64_t)j * hd;
-            for (int e = 0; e < NV; e++) acc[e] = _mm256_fmadd_ps(pj, load_kv8(vals, vj + 8 * e, half), acc[e]);
-        }
-    }
-    for (int e = 0; e < NV; e++) _mm256_storeu_ps(acc_mem + 8 * e, acc[e]);
-    *total = sum;
-}
-#define FAST_ATTENTION 1
-#else
-#define FAST_ATTENTION 0
-#endif
 
 static void rmsnorm(const float *x, const float *w, float eps, int n, int H, float *out) {
     for (int i = 0; i < n; i++) {
@@ -205,20 +108,6 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
         v[j] = a * cos[j] - b * sin[j];
         v[j + half] = b * cos[j + half] + a * sin[j + half];
     }
-}
-
-/* Element `at` of a cache row, as a float */
-static inline float kv_at(const void *base, int64_t at, int half) {
-    return half ? half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
-}
-
-/* count consecutive cache rows (hd elements each) from element `at` into out as floats (exact) */
-static void widen_rows(const void *base, int64_t at, int count, int hd, int half, float *out) {
-    if (!half) {
-        memcpy(out, (const float *)base + at, sizeof(float) * (size_t)count * hd);
-        return;
-    }
-    for (int64_t e = 0; e < (int64_t)count * hd; e++) out[e] = kv_at(base, at + e, 1);
 }
 
 /* f rounded to float16, to nearest even (IEEE's default, F16C's and PyTorch's): overflow to infinity, subnormals
@@ -240,184 +129,11 @@ static inline uint16_t float_to_half(float f) {
     return (uint16_t)(sign | h);
 }
 
-/* Scores of one query over the keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it applies (a
-   key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8 (pad: 8 * hd
-   floats) */
-static void scores(const float *q, const void *keys, const Rows *rows, int half, int L, int max_len, int hd,
-                   float scale, float *p, float *pad, int j0, int j1) {
-#if FAST_ATTENTION
-    if (hd % 8 == 0) {
-        for (int j = j0; j < j1; j += 8) {
-            __m256 s;
-            if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
-                memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
-                widen_rows(keys, row_at(rows, j, hd), max_len - j, hd, half, pad);
-                s = dot8(q, pad, 0, hd, 0);
-            } else if (half) s = dot8(q, keys, row_at(rows, j, hd), hd, 1);
-            else s = dot8(q, keys, row_at(rows, j, hd), hd, 0);
-            _mm256_storeu_ps(p + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
-        }
-        return;
-    }
-#endif
-    for (int j = j0; j < j1 && j < L; j++) {
-        const float *k = (const float *)keys + row_at(rows, j, hd);
-        if (half) {  /* widened into pad first: dot reads floats */
-            widen_rows(keys, row_at(rows, j, hd), 1, hd, 1, pad);
-            k = pad;
-        }
-        p[j] = dot(q, k, hd) * scale;
-    }
-}
-
-/* p (the scores of query i of the call) -> e^(p - max) over the keys it sees, 0 elsewhere; padded with zeros to a
-   multiple of 8 */
-static void softmax_weights(float *p, int L, int start, int n, int i, const uint8_t *mask, const uint8_t *full_mask) {
-    float best = -INFINITY;
-    int j0 = 0;
-#if FAST_ATTENTION
-    if (!full_mask) {  /* the cached keys are all visible: their max 8 at a time */
-        __m256 m8 = _mm256_set1_ps(-INFINITY);
-        for (; j0 + 8 <= start; j0 += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + j0));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m8);
-        for (int t = 0; t < 8; t++) best = lanes[t] > best ? lanes[t] : best;
-    }
-#endif
-    for (int j = j0; j < L; j++) {
-        int visible;
-        if (full_mask) visible = full_mask[(int64_t)i * L + j];
-        else if (j < start) visible = 1;
-        else visible = mask ? mask[(int64_t)i * n + (j - start)] : (j - start <= i);
-        if (!visible) p[j] = -INFINITY;
-        else if (p[j] > best) best = p[j];
-    }
-    for (int j = L; j < ((L + 7) & ~7); j++) p[j] = -INFINITY;
-#if FAST_ATTENTION
-    for (int j = 0; j < L; j += 8) {
-        const __m256 v = _mm256_loadu_ps(p + j);
-        const __m256 hidden = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-        const __m256 e = exp8(_mm256_sub_ps(v, _mm256_set1_ps(best)));
-        _mm256_storeu_ps(p + j, _mm256_andnot_ps(hidden, e));
-    }
-#else
-    for (int j = 0; j < L; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
-#endif
-}
-
-#define KEY_BLOCK 32 /* keys whose rows a task's queries take in turn: their keys and values stay in L1 */
-
-/* Attention of n new queries (rows of q, `q_stride` floats apart, heads side by side, RoPE applied) over the
-   layer's cache, whose keys and values for the new tokens are already at start..start+n: out rows `att_stride`
-   apart. Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
-   [n, start + n]). A query's numbers never depend on n: the kernel the PyTorch blocks call too (where a layer
-   keeps them out of the native path), so that a tree verifies bit for bit what one-token steps compute.
-
-   A decode step (n = 1) is a task per head, so that every thread has work. A verification (n > 1) is a task per
-   (kv head, token), holding the heads that share the kv head: they take the keys in blocks of KEY_BLOCK in turn,
-   so each block is read from L2 (or memory) once for all of them, not once per head (at n = 8 the attention was
-   bound by those reads). Each query computes exactly what it computes alone. Returns 1 when scratch memory ran
-   out. */
-/* table (NULL: each kv head's rows contiguous, max_len of them): the sequence's block table, blocks of max_len rows
-   (a power of two >= 8) `bstride` elements apart; same numbers either way (only where a row lies changes) */
-static int attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
-                     const void *v_cache, int max_len, int start, int n, const uint8_t *mask, const uint8_t *full_mask,
-                     int n_heads, int n_kv, int hd, float scale, int kv_half, const int32_t *table, int64_t bstride) {
-    int shift = 0;
-    while (table && (1 << shift) < max_len) shift++;
-    const int L = start + n, Lp = (L + 7) & ~7;
-    int failed = 0;
-    const int group = n_heads / n_kv, per_task = n > 1 ? group : 1, tasks = n > 1 ? n_kv * n : n_heads;
-    const int passes = hd % 128 == 0 ? hd / 128 : 1;  /* value sums kept in registers 64 or 128 floats at a time */
-    const int block = per_task > 1 ? KEY_BLOCK : Lp;  /* a query alone takes its keys in one pass */
-#pragma omp parallel
-    {
-        float *p = malloc(sizeof(float) * (size_t)per_task * (Lp + 8));
-        float *pad = malloc(sizeof(float) * 8 * (size_t)hd);
-        float *acc = malloc(sizeof(float) * (size_t)per_task * hd), *totals = malloc(sizeof(float) * per_task * passes);
-        if (!p || !pad || !acc || !totals) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int task = 0; task < tasks; task++) {
-            if (!p || !pad || !acc || !totals) continue;  /* this thread's scratch is missing: `failed` says so */
-            const int h0 = n > 1 ? (task / n) * group : task, i = n > 1 ? task % n : 0, g = h0 / group;
-            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
-            const void *keys = k_cache, *vals = v_cache;
-#define QUERY(h) (qs + (int64_t)i * q_stride + (int64_t)(h0 + (h)) * hd)
-#define WEIGHTS(h) (p + (size_t)(h) * (Lp + 8))
-            for (int j = 0; j < Lp; j += block)
-                for (int h = 0; h < per_task; h++)
-                    scores(QUERY(h), keys, &rows, kv_half, L, max_len, hd, scale, WEIGHTS(h), pad, j,
-                           j + block < Lp ? j + block : Lp);
-            for (int h = 0; h < per_task; h++) softmax_weights(WEIGHTS(h), L, start, n, i, mask, full_mask);
-#if FAST_ATTENTION
-            if (hd == 64 || hd % 128 == 0) {
-                const int width = hd == 64 ? 64 : 128;
-                memset(acc, 0, sizeof(float) * (size_t)per_task * hd);
-                memset(totals, 0, sizeof(float) * (size_t)per_task * passes);
-                for (int j = 0; j < L; j += block) {
-                    const int j1 = j + block < L ? j + block : L;
-                    for (int h = 0; h < per_task; h++)
-                        for (int e = 0; e < hd; e += width) {
-                            float *a = acc + (size_t)h * hd + e, *t = totals + h * passes + e / width;
-                            /* each a call with constant NV and half: the loops unroll, the loads fold */
-                            if (width == 64 && kv_half) weigh_values(WEIGHTS(h), vals, 0, &rows, hd, j, j1, a, t, 8, 1);
-                            else if (width == 64) weigh_values(WEIGHTS(h), vals, 0, &rows, hd, j, j1, a, t, 8, 0);
-                            else if (kv_half) weigh_values(WEIGHTS(h), vals, e, &rows, hd, j, j1, a, t, 16, 1);
-                            else weigh_values(WEIGHTS(h), vals, e, &rows, hd, j, j1, a, t, 16, 0);
-                        }
-                }
-                for (int h = 0; h < per_task; h++) {
-                    float *o = att + (int64_t)i * att_stride + (int64_t)(h0 + h) * hd;
-                    for (int e = 0; e < hd; e += width) {
-                        const __m256 inv = _mm256_set1_ps(1.0f / totals[h * passes + e / width]);
-                        for (int f = e; f < e + width; f += 8)
-                            _mm256_storeu_ps(o + f, _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)h * hd + f), inv));
-                    }
-                }
-                continue;
-            }
-#endif
-            for (int h = 0; h < per_task; h++) {
-                const float *w = WEIGHTS(h);
-                float *o = att + (int64_t)i * att_stride + (int64_t)(h0 + h) * hd;
-                float total = 0.0f;
-                for (int j = 0; j < L; j++) total += w[j];
-                const float inv = 1.0f / total;
-                for (int e = 0; e < hd; e++) o[e] = 0.0f;
-                for (int j = 0; j < L; j++) {
-                    if (w[j] == 0.0f) continue;
-                    const float pj = w[j];
-                    const int64_t vj = row_at(&rows, j, hd);
-                    for (int e = 0; e < hd; e++) o[e] += pj * kv_at(vals, vj + e, kv_half);
-                }
-                for (int e = 0; e < hd; e++) o[e] *= inv;
-            }
-#undef QUERY
-#undef WEIGHTS
-        }
-        free(p);
-        free(pad);
-        free(acc);
-        free(totals);
-    }
-    return failed;
-}
-
-int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
-                         const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half) {
-    return attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask, n_heads,
-                     n_kv, hd, scale, kv_half, NULL, 0);
-}
-
 /* out = gelu(gate) * up, tanh-GELU: 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), tanh from e^(-2|y|) <= 1
    (the range exp8 serves); an element's number never depends on the others */
 static void gelu_gate(const float *gate, const float *up, float *out, int len) {
     int j = 0;
-#if FAST_ATTENTION
+#if SPECDECODE_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
     for (; j + 8 <= len; j += 8) {
         const __m256 g = _mm256_loadu_ps(gate + j);
@@ -485,7 +201,7 @@ static void store_kv(void *base, int64_t at, const float *row, int hd, int half)
     }
     uint16_t *out = (uint16_t *)base + at;
     int e = 0;
-#if FAST_ATTENTION
+#if SPECDECODE_AVX2
     for (; e + 8 <= hd; e += 8)
         _mm_storeu_si128((__m128i *)(out + e), _mm256_cvtps_ph(_mm256_loadu_ps(row + e), _MM_FROUND_TO_NEAREST_INT));
 #endif
@@ -525,7 +241,7 @@ static int block(float *x, int n, int H, const Layer *l, const View *v, const Sp
                 store_kv(v_cache, at, row + q_dim + kv_dim + g * hd, hd, kv_half);
             }
         }
-        if (attention(s->big + (int64_t)sp->first * qkv_dim, qkv_dim, s->att + (int64_t)sp->first * q_dim, q_dim,
+        if (specdecode_attention_rows(s->big + (int64_t)sp->first * qkv_dim, qkv_dim, s->att + (int64_t)sp->first * q_dim, q_dim,
                       k_cache, v_cache, max_len, sp->start, sp->n, sp->masks[l->view], sp->full_masks[l->view],
                       n_heads, n_kv, hd, scale, kv_half, sp->table, bstride))
             return 1;

@@ -1,0 +1,364 @@
+/* Scaled dot-product attention over a layer's KV cache (float32 or float16 rows, contiguous or paged), for the
+   blocks (block.c) and the PyTorch models: scores q . k * scale, softmax with the max subtracted, the weighted sum of
+   the values; every number of a query computed by the same operations in the same order whatever the call holds. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+#include "simd.h"
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
+#ifndef PREFETCH_KEYS
+#define PREFETCH_KEYS 8
+#endif
+
+#if SPECDECODE_AVX2
+/* 8 elements of a cache row from element `at` on: float32, or float16 widened (exact) */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t at, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
+                : _mm256_loadu_ps((const float *)base + at);
+}
+
+/* q . k_t for the 8 keys k_0..k_7 (rows of hd elements from element `at` of k, hd a multiple of 8; half: float16):
+   lane t holds key t's product, from the same additions whatever the other lanes hold */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd,
+                                                         const int half) {
+    __m256 a[8];
+    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+    for (int e = 0; e < hd; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * hd + e, half), a[t]);
+    }
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+/* Keys j0..j1 of o_h = sum_j p_hj v_j / sum_j p_hj for H heads (weights p + h * p_stride), over 8 NV floats of the
+   keys' value rows from element `at` of a row: the sums carried in acc (H rows of 8 NV floats) and totals (H) from the
+   keys before, in registers over the range (H, NV and half constants at each call: the loops unroll, each value
+   vector is widened once for the H heads). Both sums run over the visible keys (p_hj != 0) in cache order, one at a
+   time: a tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart.
+   A head's sums are the same whatever ranges its keys are taken in (a range stores and reloads them exactly), whatever
+   heads and elements share the call (an element's sum is its own). */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, size_t p_stride, const void *vals,
+                                                               int64_t at, const Rows *rows, int hd, int j0, int j1,
+                                                               float *acc_mem, float *totals, const int H,
+                                                               const int NV, const int half) {
+    __m256 acc[16];
+    float sum[4];
+    for (int h = 0; h < H; h++) {
+        sum[h] = totals[h];
+        for (int e = 0; e < NV; e++) acc[h * NV + e] = _mm256_loadu_ps(acc_mem + (size_t)h * 8 * NV + 8 * e);
+    }
+    for (int j = j0; j < j1;) {  /* a run of keys whose rows are contiguous (a block, or the whole range) at a time */
+        int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j1;
+        if (end > j1) end = j1;
+        const int64_t first = at + row_at(rows, j, hd) - (int64_t)j * hd;
+        for (; j < end; j++) {
+            const int64_t vj = first + (int64_t)j * hd;
+            if (j + PREFETCH_KEYS < end)
+                _mm_prefetch((const char *)vals + (vj + PREFETCH_KEYS * hd) * (half ? 2 : 4), _MM_HINT_T0);
+            float pj[4];
+            int any = 0;
+            for (int h = 0; h < H; h++) {
+                pj[h] = p[(size_t)h * p_stride + j];
+                any |= pj[h] != 0.0f;
+            }
+            if (!any) continue;
+            int all = 1;
+            for (int h = 0; h < H; h++) {
+                sum[h] += pj[h];  /* + 0 is exact */
+                all &= pj[h] != 0.0f;
+            }
+            for (int e = 0; e < NV; e++) {
+                const __m256 v = load_kv8(vals, vj + 8 * e, half);
+                for (int h = 0; h < H; h++)  /* a hidden key's value never enters a sum (it may be anything) */
+                    if (all || pj[h] != 0.0f) acc[h * NV + e] = _mm256_fmadd_ps(_mm256_set1_ps(pj[h]), v, acc[h * NV + e]);
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        totals[h] = sum[h];
+        for (int e = 0; e < NV; e++) _mm256_storeu_ps(acc_mem + (size_t)h * 8 * NV + 8 * e, acc[h * NV + e]);
+    }
+}
+#endif
+
+/* Element `at` of a cache row, as a float */
+static inline float kv_at(const void *base, int64_t at, int half) {
+    return half ? half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+}
+
+/* count consecutive cache rows (hd elements each) from element `at` into out as floats (exact) */
+static void widen_rows(const void *base, int64_t at, int count, int hd, int half, float *out) {
+    if (!half) {
+        memcpy(out, (const float *)base + at, sizeof(float) * (size_t)count * hd);
+        return;
+    }
+    int64_t e = 0;
+#if SPECDECODE_AVX2
+    for (; e + 8 <= (int64_t)count * hd; e += 8) {
+        if (e % 32 == 0) _mm_prefetch((const char *)((const uint16_t *)base + at + e) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm256_storeu_ps(out + e, load_kv8(base, at + e, 1));
+    }
+#endif
+    for (; e < (int64_t)count * hd; e++) out[e] = kv_at(base, at + e, 1);
+}
+
+/* Scores of one query over the keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it applies (a
+   key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8 (pad: 8 * hd
+   floats) */
+static void scores(const float *q, const void *keys, const Rows *rows, int half, int L, int max_len, int hd,
+                   float scale, float *p, float *pad, int j0, int j1) {
+#if SPECDECODE_AVX2
+    if (hd % 8 == 0) {
+        for (int j = j0; j < j1; j += 8) {
+            __m256 s;
+            if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
+                memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
+                widen_rows(keys, row_at(rows, j, hd), max_len - j, hd, half, pad);
+                s = dot8(q, pad, 0, hd, 0);
+            } else if (half) s = dot8(q, keys, row_at(rows, j, hd), hd, 1);
+            else s = dot8(q, keys, row_at(rows, j, hd), hd, 0);
+            _mm256_storeu_ps(p + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+        }
+        return;
+    }
+#endif
+    for (int j = j0; j < j1 && j < L; j++) {
+        const float *k = (const float *)keys + row_at(rows, j, hd);
+        if (half) {  /* widened into pad first: dot reads floats */
+            widen_rows(keys, row_at(rows, j, hd), 1, hd, 1, pad);
+            k = pad;
+        }
+        p[j] = dot(q, k, hd) * scale;
+    }
+}
+
+/* p (the scores of query i of the call) -> e^(p - max) over the keys it sees, 0 elsewhere; padded with zeros to a
+   multiple of 8 */
+static void softmax_weights(float *p, int L, int start, int n, int i, const uint8_t *mask, const uint8_t *full_mask) {
+    float best = -INFINITY;
+    int j0 = 0;
+#if SPECDECODE_AVX2
+    if (!full_mask) {  /* the cached keys are all visible: their max 8 at a time */
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        for (; j0 + 8 <= start; j0 += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + j0));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m8);
+        for (int t = 0; t < 8; t++) best = lanes[t] > best ? lanes[t] : best;
+    }
+#endif
+    for (int j = j0; j < L; j++) {
+        int visible;
+        if (full_mask) visible = full_mask[(int64_t)i * L + j];
+        else if (j < start) visible = 1;
+        else visible = mask ? mask[(int64_t)i * n + (j - start)] : (j - start <= i);
+        if (!visible) p[j] = -INFINITY;
+        else if (p[j] > best) best = p[j];
+    }
+    for (int j = L; j < ((L + 7) & ~7); j++) p[j] = -INFINITY;
+#if SPECDECODE_AVX2
+    for (int j = 0; j < L; j += 8) {
+        const __m256 v = _mm256_loadu_ps(p + j);
+        const __m256 hidden = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        const __m256 e = exp8(_mm256_sub_ps(v, _mm256_set1_ps(best)));
+        _mm256_storeu_ps(p + j, _mm256_andnot_ps(hidden, e));
+    }
+#else
+    for (int j = 0; j < L; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
+#endif
+}
+
+#define KEY_BLOCK 32   /* keys whose rows a verification task's queries take in turn: they stay in L1 */
+#define DECODE_KEYS 64 /* keys a decode step's scoring task takes (a multiple of 8) */
+#define DECODE_SPLIT 512 /* cached keys from which a decode step shares its passes out (below: a task per kv head) */
+#define SLICE 32       /* value elements a weighing pass holds for each of its heads (fast path: hd a multiple) */
+
+/* Elements e0..e0+width of the outputs of `heads` heads (rows of out, hd floats apart) from their weights (rows of p,
+   p_stride apart) over the L keys' values: in passes of SLICE elements and up to four heads, each value vector widened
+   once for the pass's heads (see weigh_values). Elements without the fast path: each head's sums one at a time, in
+   the same order (keys in cache order, hidden ones skipped). */
+static void weigh_heads(const float *p, size_t p_stride, int heads, const void *vals, const Rows *rows, int hd, int L,
+                        int e0, int width, int half, float *out) {
+#if SPECDECODE_AVX2
+    if (hd % SLICE == 0) {
+        float acc[4 * SLICE], totals[4];
+        for (int e = e0; e < e0 + width; e += SLICE)
+            for (int h0 = 0; h0 < heads; h0 += 4) {
+                const int H = heads - h0 < 4 ? heads - h0 : 4;
+                const float *ph = p + (size_t)h0 * p_stride;
+                memset(acc, 0, sizeof acc);
+                memset(totals, 0, sizeof totals);
+#define WEIGH(h, f16) weigh_values(ph, p_stride, vals, e, rows, hd, 0, L, acc, totals, h, SLICE / 8, f16)
+                switch (2 * H + (half != 0)) {  /* constants at each call: the loops unroll, the loads fold */
+                    case 2: WEIGH(1, 0); break;
+                    case 3: WEIGH(1, 1); break;
+                    case 4: WEIGH(2, 0); break;
+                    case 5: WEIGH(2, 1); break;
+                    case 6: WEIGH(3, 0); break;
+                    case 7: WEIGH(3, 1); break;
+                    case 8: WEIGH(4, 0); break;
+                    default: WEIGH(4, 1); break;
+                }
+#undef WEIGH
+                for (int h = 0; h < H; h++) {
+                    const __m256 inv = _mm256_set1_ps(1.0f / totals[h]);
+                    float *o = out + (int64_t)(h0 + h) * hd + e;
+                    for (int f = 0; f < SLICE; f += 8)
+                        _mm256_storeu_ps(o + f, _mm256_mul_ps(_mm256_loadu_ps(acc + h * SLICE + f), inv));
+                }
+            }
+        return;
+    }
+#endif
+    for (int h = 0; h < heads; h++) {
+        const float *w = p + (size_t)h * p_stride;
+        float *o = out + (int64_t)h * hd;
+        float total = 0.0f;
+        for (int j = 0; j < L; j++) total += w[j];
+        const float inv = 1.0f / total;
+        for (int e = e0; e < e0 + width; e++) o[e] = 0.0f;
+        for (int j = 0; j < L; j++) {
+            if (w[j] == 0.0f) continue;
+            const float pj = w[j];
+            const int64_t vj = row_at(rows, j, hd);
+            for (int e = e0; e < e0 + width; e++) o[e] += pj * kv_at(vals, vj + e, half);
+        }
+        for (int e = e0; e < e0 + width; e++) o[e] *= inv;
+    }
+}
+
+/* A verification (n > 1): a task per (kv head, token), holding the heads that share the kv head: they score the keys
+   in blocks of KEY_BLOCK in turn, so each block is read from L2 (or memory) once for all of them, and weigh each
+   value vector once for all of them. */
+static int verify_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
+                            const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
+                            const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int half,
+                            const int32_t *table, int64_t bstride, int shift) {
+    const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv;
+    const size_t stride = (size_t)Lp + 8;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *p = malloc(sizeof(float) * (size_t)group * stride), *pad = malloc(sizeof(float) * 8 * (size_t)hd);
+        if (!p || !pad) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < n_kv * n; task++) {
+            if (!p || !pad) continue;  /* this thread's scratch is missing: `failed` says so */
+            const int g = task / n, i = task % n;
+            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
+            const float *q = qs + (int64_t)i * q_stride + (int64_t)g * group * hd;
+            for (int j = 0; j < Lp; j += KEY_BLOCK)
+                for (int h = 0; h < group; h++)
+                    scores(q + (int64_t)h * hd, k_cache, &rows, half, L, max_len, hd, scale, p + h * stride, pad, j,
+                           j + KEY_BLOCK < Lp ? j + KEY_BLOCK : Lp);
+            for (int h = 0; h < group; h++) softmax_weights(p + h * stride, L, start, n, i, mask, full_mask);
+            weigh_heads(p, stride, group, v_cache, &rows, hd, L, 0, hd, half,
+                        att + (int64_t)i * att_stride + (int64_t)g * group * hd);
+        }
+        free(p);
+        free(pad);
+    }
+    return failed;
+}
+
+/* count rows of one kv head from row j0 on, widened to floats into out (exact) */
+static void gather_rows(const void *base, const Rows *rows, int j0, int count, int hd, int half, float *out) {
+    for (int j = j0; j < j0 + count;) {  /* a run of contiguous rows (a block, or all of them) at a time */
+        int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j0 + count;
+        if (end > j0 + count) end = j0 + count;
+        widen_rows(base, row_at(rows, j, hd), end - j, hd, half, out + (int64_t)(j - j0) * hd);
+        j = end;
+    }
+}
+
+/* A decode step (n = 1): three passes, each shared out among the threads, so that both cores stream the cache, and
+   each reading a key or value once for all the query heads that share it (grouped-query attention):
+   1. scores, a task per (kv head, DECODE_KEYS keys): the keys widened once into floats, every head of the group
+      scored against them (the scores a query computes alone: widening is exact);
+   2. weights, a task per head (the max over the keys and e^(s - max): exact whatever the split);
+   3. values, a task per (kv head, elements e0..e0+width of the output): weigh_heads, whose element sums are each
+      their own. */
+static int decode_attention(const float *q, float *att, const void *k_cache, const void *v_cache, int max_len,
+                            int start, const uint8_t *mask, const uint8_t *full_mask, int n_heads, int n_kv, int hd,
+                            float scale, int half, const int32_t *table, int64_t bstride, int shift) {
+    const int L = start + 1, Lp = (L + 7) & ~7, group = n_heads / n_kv, chunks = (L + DECODE_KEYS - 1) / DECODE_KEYS;
+    const int slices = hd % SLICE == 0 ? hd / SLICE : 1, width = hd / slices;
+    const size_t stride = (size_t)Lp + 8;
+    float *p = malloc(sizeof(float) * (size_t)n_heads * stride);
+    int failed = !p;
+#pragma omp parallel if (p)
+    {
+        float *keys = malloc(sizeof(float) * (DECODE_KEYS + 8) * (size_t)hd), *pad = keys ? keys + DECODE_KEYS * hd : NULL;
+        if (!keys) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < n_kv * chunks; task++) {
+            if (!keys || !p) continue;
+            const int g = task / chunks, j0 = (task % chunks) * DECODE_KEYS;
+            const int count = L - j0 < DECODE_KEYS ? L - j0 : DECODE_KEYS, padded = (count + 7) & ~7;
+            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
+            gather_rows(k_cache, &rows, j0, count, hd, half, keys);
+            memset(keys + (size_t)count * hd, 0, sizeof(float) * (size_t)(padded - count) * hd);
+            const Rows flat = {NULL, 0, -(int64_t)j0 * hd, 0};  /* key j at (j - j0) * hd of the widened block */
+            for (int h = g * group; h < (g + 1) * group; h++)
+                scores(q + (int64_t)h * hd, keys, &flat, 0, L, j0 + padded, hd, scale, p + h * stride, pad, j0,
+                       j0 + padded);
+        }
+#pragma omp for schedule(static)
+        for (int h = 0; h < n_heads; h++)
+            if (p) softmax_weights(p + h * stride, L, start, 1, 0, mask, full_mask);
+#pragma omp for schedule(static)
+        for (int task = 0; task < n_kv * slices; task++) {
+            if (!keys || !p) continue;
+            const int g = task / slices;
+            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
+            weigh_heads(p + (size_t)g * group * stride, stride, group, v_cache, &rows, hd, L, (task % slices) * width,
+                        width, half, att + (int64_t)g * group * hd);
+        }
+        free(keys);
+    }
+    free(p);
+    return failed;
+}
+
+/* Attention of n new queries (rows of q, `q_stride` floats apart, heads side by side, RoPE applied) over the
+   layer's cache, whose keys and values for the new tokens are already at start..start+n: out rows `att_stride`
+   apart. Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
+   [n, start + n]). table (NULL: each kv head's rows contiguous, max_len of them): the sequence's block table, blocks
+   of max_len rows (a power of two >= 8) `bstride` elements apart; same numbers either way (only where a row lies
+   changes). A query's numbers never depend on n, nor on the threads: the decode and verification paths compute each
+   score, weight and sum by the same operations in the same order, so that a tree verifies bit for bit what one-token
+   steps compute. Returns 1 when scratch memory ran out. */
+int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
+                              const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
+                              const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half,
+                              const int32_t *table, int64_t bstride) {
+    int shift = 0;
+    while (table && (1 << shift) < max_len) shift++;
+    if (n == 1 && start >= DECODE_SPLIT)  /* shorter: the three passes' hand-overs cost more than they share out */
+        return decode_attention(qs, att, k_cache, v_cache, max_len, start, mask, full_mask, n_heads, n_kv, hd, scale,
+                                kv_half, table, bstride, shift);
+    return verify_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
+                            n_heads, n_kv, hd, scale, kv_half, table, bstride, shift);
+}
+
+/* The same over contiguous rows: the kernel the PyTorch blocks call (where a layer keeps them out of the native
+   path) */
+int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
+                         const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
+                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half) {
+    return specdecode_attention_rows(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask,
+                                     full_mask, n_heads, n_kv, hd, scale, kv_half, NULL, 0);
+}
