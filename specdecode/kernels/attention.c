@@ -140,21 +140,33 @@ static void scores(const float *q, const void *keys, const Rows *rows, int half,
     }
 }
 
-/* p (the scores of query i of the call) -> e^(p - max) over the keys it sees, 0 elsewhere; padded with zeros to a
-   multiple of 8 */
-static void softmax_weights(float *p, int L, int start, int n, int i, const uint8_t *mask, const uint8_t *full_mask) {
+/* One past the last key query i of the call sees (its own, in a chain; a tree's or a window's mask may say
+   otherwise): keys from there on are neither scored nor weighed, which changes no number (each key's score, weight
+   and place in the sums is its own), and halves a prefill's attention */
+static int visible_end(int L, int start, int n, int i, const uint8_t *mask, const uint8_t *full_mask) {
+    int end = full_mask ? L : mask ? start + n : start + i + 1;
+    while (end > 0 && (full_mask ? !full_mask[(int64_t)i * L + end - 1]
+                                 : mask && end > start && !mask[(int64_t)i * n + end - 1 - start]))
+        end--;
+    return end;
+}
+
+/* p (the scores of query i of the call over keys 0..end) -> e^(p - max) over the keys it sees, 0 elsewhere; padded
+   with zeros to a multiple of 8 */
+static void softmax_weights(float *p, int L, int end, int start, int n, int i, const uint8_t *mask,
+                            const uint8_t *full_mask) {
     float best = -INFINITY;
     int j0 = 0;
 #if SPECDECODE_AVX2
     if (!full_mask) {  /* the cached keys are all visible: their max 8 at a time */
         __m256 m8 = _mm256_set1_ps(-INFINITY);
-        for (; j0 + 8 <= start; j0 += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + j0));
+        for (; j0 + 8 <= start && j0 + 8 <= end; j0 += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + j0));
         float lanes[8];
         _mm256_storeu_ps(lanes, m8);
         for (int t = 0; t < 8; t++) best = lanes[t] > best ? lanes[t] : best;
     }
 #endif
-    for (int j = j0; j < L; j++) {
+    for (int j = j0; j < end; j++) {
         int visible;
         if (full_mask) visible = full_mask[(int64_t)i * L + j];
         else if (j < start) visible = 1;
@@ -162,16 +174,16 @@ static void softmax_weights(float *p, int L, int start, int n, int i, const uint
         if (!visible) p[j] = -INFINITY;
         else if (p[j] > best) best = p[j];
     }
-    for (int j = L; j < ((L + 7) & ~7); j++) p[j] = -INFINITY;
+    for (int j = end; j < ((end + 7) & ~7); j++) p[j] = -INFINITY;
 #if SPECDECODE_AVX2
-    for (int j = 0; j < L; j += 8) {
+    for (int j = 0; j < end; j += 8) {
         const __m256 v = _mm256_loadu_ps(p + j);
         const __m256 hidden = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
         const __m256 e = exp8(_mm256_sub_ps(v, _mm256_set1_ps(best)));
         _mm256_storeu_ps(p + j, _mm256_andnot_ps(hidden, e));
     }
 #else
-    for (int j = 0; j < L; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
+    for (int j = 0; j < end; j++) p[j] = p[j] == -INFINITY ? 0.0f : expf(p[j] - best);
 #endif
 }
 
@@ -257,12 +269,13 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
             const int g = task / n, i = task % n;
             const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
             const float *q = qs + (int64_t)i * q_stride + (int64_t)g * group * hd;
-            for (int j = 0; j < Lp; j += KEY_BLOCK)
+            const int end = visible_end(L, start, n, i, mask, full_mask), ends = (end + 7) & ~7;
+            for (int j = 0; j < ends; j += KEY_BLOCK)
                 for (int h = 0; h < group; h++)
-                    scores(q + (int64_t)h * hd, k_cache, &rows, half, L, max_len, hd, scale, p + h * stride, pad, j,
-                           j + KEY_BLOCK < Lp ? j + KEY_BLOCK : Lp);
-            for (int h = 0; h < group; h++) softmax_weights(p + h * stride, L, start, n, i, mask, full_mask);
-            weigh_heads(p, stride, group, v_cache, &rows, hd, L, 0, hd, half,
+                    scores(q + (int64_t)h * hd, k_cache, &rows, half, end, max_len, hd, scale, p + h * stride, pad, j,
+                           j + KEY_BLOCK < ends ? j + KEY_BLOCK : ends);
+            for (int h = 0; h < group; h++) softmax_weights(p + h * stride, L, end, start, n, i, mask, full_mask);
+            weigh_heads(p, stride, group, v_cache, &rows, hd, end, 0, hd, half,
                         att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
         free(p);
@@ -318,7 +331,7 @@ static int decode_attention(const float *q, float *att, const void *k_cache, con
         }
 #pragma omp for schedule(static)
         for (int h = 0; h < n_heads; h++)
-            if (p) softmax_weights(p + h * stride, L, start, 1, 0, mask, full_mask);
+            if (p) softmax_weights(p + h * stride, L, L, start, 1, 0, mask, full_mask);
 #pragma omp for schedule(static)
         for (int task = 0; task < n_kv * slices; task++) {
             if (!keys || !p) continue;
