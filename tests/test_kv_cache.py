@@ -108,39 +108,42 @@ def attention_rows(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, m
 
 
 @pytest.mark.parametrize(("hd", "heads_per_kv"), [(64, 3), (96, 1), (128, 4), (256, 5)])
-@pytest.mark.parametrize("start", [600, 1031])  # past the decode step's split, its last pass of keys partial
-def test_long_decode_step_computes_what_a_tree_row_computes(lib, hd: int, heads_per_kv: int, start: int) -> None:
-    """A one-token step over a long cache (its passes shared out among the threads: keys in passes, weights by head,
-    value elements by slice) gives the bits a verification's query gets for the same keys, whatever the thread count
-    and whether the rows are read through a block table; and softmax(q k^T) v within float32 rounding."""
-    g = torch.Generator().manual_seed(hd + start)
-    kv_heads, n, block = 2, 3, 64
-    cache = (torch.randn(2, kv_heads, start + n, hd, generator=g) * 2).half()
+def test_long_cache_steps_and_trees_compute_what_a_prefill_computes(lib, hd: int, heads_per_kv: int) -> None:
+    """Over a long cache, one-token steps and small trees take the shared passes (keys scored in ranges, weights by
+    query and head, value sums by element slice, shared out among the threads), a prefill's many queries a task per
+    (kv head, token): a query gets the same bits either way, whatever the thread count and whether the rows are read
+    through a block table; and softmax(q k^T) v within float32 rounding."""
+    g = torch.Generator().manual_seed(hd + heads_per_kv)
+    kv_heads, start, n, block = 2, 300, 400, 64  # the prefill's last queries see 512+ keys: steps there share
+    cache = (torch.randn(2, kv_heads, start + n + 2, hd, generator=g) * 2).half()
     q = torch.randn(n, heads_per_kv * kv_heads * hd, generator=g)
-    root_only = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.uint8)  # row 0 sees what a step sees
-    tree = attention_rows(lib, q, cache, start, n, root_only, heads_per_kv, None, 0)
+    prefill = attention_rows(lib, q, cache, start, n, None, heads_per_kv, None, 0)
     threads = torch.get_num_threads()
     try:
-        steps = []
-        for count in (1, 2, 3):
+        for i, count in ((212, 1), (331, 3), (n - 1, 2)):
             torch.set_num_threads(count)
-            steps.append(attention_rows(lib, q[:1].contiguous(), cache, start, 1, None, heads_per_kv, None, 0)[0])
+            step = attention_rows(lib, q[i : i + 1].contiguous(), cache, start + i, 1, None, heads_per_kv, None, 0)
+            assert torch.equal(step[0], prefill[i]), (i, count)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(step, tree[0]) for step in steps)
-    n_blocks = (start + n + block - 1) // block
+    last = start + n - 1  # a tree on the last query: its root sees what the step sees
+    tree_q = torch.cat([q[-1:], torch.randn(2, q.shape[1], generator=g)])
+    root_only = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.uint8)
+    tree = attention_rows(lib, tree_q, cache, last, 3, root_only, heads_per_kv, None, 0)
+    assert torch.equal(tree[0], prefill[-1])
+    n_blocks = (last + 3 + block - 1) // block
     order = torch.randperm(n_blocks, generator=g)  # block i of the sequence at order[i] of the pool
     pool = torch.zeros(2, n_blocks, kv_heads, block, hd, dtype=torch.float16)
     padded = torch.zeros(2, kv_heads, n_blocks * block, hd, dtype=torch.float16)
-    padded[:, :, : start + n] = cache
+    padded[:, :, : last + 3] = cache
     pool[:, order] = padded.view(2, kv_heads, n_blocks, block, hd).transpose(1, 2)
-    paged = attention_rows(lib, q[:1].contiguous(), pool, start, 1, None, heads_per_kv, order.int(), block)
-    assert torch.equal(paged[0], tree[0])
-    keys, values = cache[0, :, : start + 1].double(), cache[1, :, : start + 1].double()
-    qi = q[0].view(-1, hd).double()
+    paged = attention_rows(lib, tree_q, pool, last, 3, root_only, heads_per_kv, order.int(), block)
+    assert torch.equal(paged, tree)
+    keys, values = cache[0, :, : last + 1].double(), cache[1, :, : last + 1].double()
+    qi = q[-1].view(-1, hd).double()
     weights = torch.softmax(torch.einsum("hd,hkd->hk", qi, keys.repeat_interleave(heads_per_kv, 0)) * hd**-0.5, -1)
     expected = torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(heads_per_kv, 0)).reshape(-1)
-    torch.testing.assert_close(tree[0].double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prefill[-1].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_keys_and_values_are_rounded_once_as_pytorch_rounds_them(lib, monkeypatch) -> None:

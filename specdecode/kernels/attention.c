@@ -187,9 +187,10 @@ static void softmax_weights(float *p, int L, int end, int start, int n, int i, c
 #endif
 }
 
-#define KEY_BLOCK 32   /* keys whose rows a verification task's queries take in turn: they stay in L1 */
-#define DECODE_KEYS 64 /* keys a decode step's scoring task takes (a multiple of 8) */
-#define DECODE_SPLIT 512 /* cached keys from which a decode step shares its passes out (below: a task per kv head) */
+#define KEY_BLOCK 32   /* keys whose rows a task's query heads take in turn: they stay in L1 */
+#define SHARED_KEYS 64      /* keys a shared scoring task takes (a multiple of 8) */
+#define SHARED_FROM 512     /* cached keys from which a step's passes are shared out (shared_attention) */
+#define SHARED_WEIGHTS (4 << 20) /* weights (floats) the shared passes may hold at once: 16 MB */
 #define SLICE 32       /* value elements a weighing pass holds for each of its heads (fast path: hd a multiple) */
 
 /* Elements e0..e0+width of the outputs of `heads` heads (rows of out, hd floats apart) from their weights (rows of p,
@@ -246,9 +247,10 @@ static void weigh_heads(const float *p, size_t p_stride, int heads, const void *
     }
 }
 
-/* A verification (n > 1): a task per (kv head, token), holding the heads that share the kv head: they score the keys
-   in blocks of KEY_BLOCK in turn, so each block is read from L2 (or memory) once for all of them, and weigh each
-   value vector once for all of them. */
+/* Queries over a short cache, or many of them (a prefill's chunk): a task per (kv head, token), holding the heads
+   that share the kv head: they score the keys in blocks of KEY_BLOCK in turn, so each block is read from L2 (or
+   memory) once for all of them, and weigh each value vector once for all of them; the next task (the next token)
+   finds the kv head's keys and values in L2. */
 static int verify_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                             const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
                             const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int half,
@@ -294,55 +296,74 @@ static void gather_rows(const void *base, const Rows *rows, int j0, int count, i
     }
 }
 
-/* A decode step (n = 1): three passes, each shared out among the threads, so that both cores stream the cache, and
-   each reading a key or value once for all the query heads that share it (grouped-query attention):
-   1. scores, a task per (kv head, DECODE_KEYS keys): the keys widened once into floats, every head of the group
-      scored against them (the scores a query computes alone: widening is exact);
-   2. weights, a task per head (the max over the keys and e^(s - max): exact whatever the split);
-   3. values, a task per (kv head, elements e0..e0+width of the output): weigh_heads, whose element sums are each
-      their own. */
-static int decode_attention(const float *q, float *att, const void *k_cache, const void *v_cache, int max_len,
-                            int start, const uint8_t *mask, const uint8_t *full_mask, int n_heads, int n_kv, int hd,
-                            float scale, int half, const int32_t *table, int64_t bstride, int shift) {
-    const int L = start + 1, Lp = (L + 7) & ~7, group = n_heads / n_kv, chunks = (L + DECODE_KEYS - 1) / DECODE_KEYS;
+/* A decode step, or a verification of a few tokens, over a long cache: three passes, each shared out among the
+   threads so that both cores stream the cache, and each reading a key or value once for all the queries and query
+   heads that share it (grouped-query attention; a tree's tokens):
+   1. scores, a task per (kv head, SHARED_KEYS keys): the keys widened once into floats, every query and head of the
+      group scored against them (the scores a query computes alone: widening is exact);
+   2. weights, a task per (query, head): the max over its keys and e^(s - max), exact whatever the split;
+   3. values, a task per (kv head, elements e0..e0+width of the outputs): weigh_heads for each query, whose element
+      sums are each their own (the values' slice stays in L2 from one query to the next).
+   Query i's weights are the row (i * n_heads + h) of p. Returns 1 when memory ran out. */
+static int shared_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
+                            const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
+                            const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int half,
+                            const int32_t *table, int64_t bstride, int shift) {
+    const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv, chunks = (L + SHARED_KEYS - 1) / SHARED_KEYS;
     const int slices = hd % SLICE == 0 ? hd / SLICE : 1, width = hd / slices;
     const size_t stride = (size_t)Lp + 8;
-    float *p = malloc(sizeof(float) * (size_t)n_heads * stride);
-    int failed = !p;
-#pragma omp parallel if (p)
+    float *p = malloc(sizeof(float) * (size_t)n * n_heads * stride);
+    int *ends = malloc(sizeof(int) * (size_t)n);
+    if (!p || !ends) {
+        free(p);
+        free(ends);
+        return 1;
+    }
+    for (int i = 0; i < n; i++) ends[i] = visible_end(L, start, n, i, mask, full_mask);
+    int failed = 0;
+#define WEIGHTS(i, h) (p + ((size_t)(i) * n_heads + (h)) * stride)
+#pragma omp parallel
     {
-        float *keys = malloc(sizeof(float) * (DECODE_KEYS + 8) * (size_t)hd), *pad = keys ? keys + DECODE_KEYS * hd : NULL;
+        float *keys = malloc(sizeof(float) * (SHARED_KEYS + 8) * (size_t)hd);
+        float *pad = keys ? keys + SHARED_KEYS * hd : NULL;
         if (!keys) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int task = 0; task < n_kv * chunks; task++) {
-            if (!keys || !p) continue;
-            const int g = task / chunks, j0 = (task % chunks) * DECODE_KEYS;
-            const int count = L - j0 < DECODE_KEYS ? L - j0 : DECODE_KEYS, padded = (count + 7) & ~7;
+            if (!keys) continue;
+            const int g = task / chunks, j0 = (task % chunks) * SHARED_KEYS;
+            const int count = L - j0 < SHARED_KEYS ? L - j0 : SHARED_KEYS, padded = (count + 7) & ~7;
             const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
             gather_rows(k_cache, &rows, j0, count, hd, half, keys);
             memset(keys + (size_t)count * hd, 0, sizeof(float) * (size_t)(padded - count) * hd);
             const Rows flat = {NULL, 0, -(int64_t)j0 * hd, 0};  /* key j at (j - j0) * hd of the widened block */
-            for (int h = g * group; h < (g + 1) * group; h++)
-                scores(q + (int64_t)h * hd, keys, &flat, 0, L, j0 + padded, hd, scale, p + h * stride, pad, j0,
-                       j0 + padded);
+            for (int i = 0; i < n; i++) {
+                const int seen = (ends[i] + 7) & ~7, j1 = j0 + padded < seen ? j0 + padded : seen;
+                for (int h = g * group; h < (g + 1) * group && j0 < j1; h++)
+                    scores(qs + (int64_t)i * q_stride + (int64_t)h * hd, keys, &flat, 0, ends[i], j0 + padded, hd,
+                           scale, WEIGHTS(i, h), pad, j0, j1);
+            }
         }
 #pragma omp for schedule(static)
-        for (int h = 0; h < n_heads; h++)
-            if (p) softmax_weights(p + h * stride, L, L, start, 1, 0, mask, full_mask);
+        for (int task = 0; task < n * n_heads; task++)
+            softmax_weights(WEIGHTS(task / n_heads, task % n_heads), L, ends[task / n_heads], start, n,
+                            task / n_heads, mask, full_mask);
 #pragma omp for schedule(static)
         for (int task = 0; task < n_kv * slices; task++) {
-            if (!keys || !p) continue;
+            if (!keys) continue;
             const int g = task / slices;
             const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
-            weigh_heads(p + (size_t)g * group * stride, stride, group, v_cache, &rows, hd, L, (task % slices) * width,
-                        width, half, att + (int64_t)g * group * hd);
+            for (int i = 0; i < n; i++)
+                weigh_heads(WEIGHTS(i, g * group), stride, group, v_cache, &rows, hd, ends[i], (task % slices) * width,
+                            width, half, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
         free(keys);
     }
+#undef WEIGHTS
     free(p);
+    free(ends);
     return failed;
 }
 
@@ -360,9 +381,11 @@ int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att
                               const int32_t *table, int64_t bstride) {
     int shift = 0;
     while (table && (1 << shift) < max_len) shift++;
-    if (n == 1 && start >= DECODE_SPLIT)  /* shorter: the three passes' hand-overs cost more than they share out */
-        return decode_attention(qs, att, k_cache, v_cache, max_len, start, mask, full_mask, n_heads, n_kv, hd, scale,
-                                kv_half, table, bstride, shift);
+    /* the shared passes where the cache is long and the queries few (a step, a tree): shorter, their hand-overs cost
+       more than they share out; more queries (a prefill's chunk), each task's keys stay in L2 for the next */
+    if (start >= SHARED_FROM && (size_t)n * n_heads * (start + n + 8) <= SHARED_WEIGHTS)
+        return shared_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
+                                n_heads, n_kv, hd, scale, kv_half, table, bstride, shift);
     return verify_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
                             n_heads, n_kv, hd, scale, kv_half, table, bstride, shift);
 }
