@@ -15,6 +15,11 @@ the server sets them all up at start). `--workload repetitive` sends the repetit
 (`specdecode bench --workload`), answers ending where the model ends them (up to --max-tokens), and `--warm N`
 first sends N other prompts of the workload with every method, so the suffix cache of earlier outputs is warm
 (never with the measured prompts' own answers).
+
+`--modes off,on,llama.cpp` adds llama.cpp's own server beside ours (where /work/llamacpp/READY names its binaries,
+or --llamacpp-bins): `llama-server` on the model's GGUF file with `-np --max-batch` slots (continuous batching), the
+same threads, the same requests through the same OpenAI chat endpoint, interleaved with our modes. Its greedy text
+comes from other arithmetic than ours, so it is left out of the outputs' equality.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ async def one_request(client: httpx.AsyncClient, model: str, messages: list[dict
             data = json.loads(line[6:])
             if data.get("usage"):
                 usage = data["usage"]
+            elif data.get("timings", {}).get("predicted_n"):  # llama-server without include_usage
+                usage = {"completion_tokens": data["timings"]["predicted_n"]}
             for choice in data.get("choices", []):
                 content = choice.get("delta", {}).get("content")
                 if content:
@@ -150,6 +157,42 @@ def start_server(serve_args: list[str], log=None) -> tuple[subprocess.Popen, str
     raise TimeoutError("the server did not start")
 
 
+LLAMACPP = "llama.cpp"
+
+
+def start_llama_server(bins: Path, gguf: Path, slots: int, max_tokens: int, threads: int | None
+                       ) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own server on the GGUF file, `slots` requests at once (each slot a context of 4,096 positions:
+    a Spec-Bench prompt and its answer), once its /health answers."""
+    port = free_port()
+    cmd = [str(bins / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * 4096), "-n", str(max_tokens), "--no-webui", *(["-t", str(threads)] if threads else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    print("starting llama-server...", file=sys.stderr)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited during start-up: {' '.join(cmd)}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise TimeoutError("llama-server did not start")
+
+
+def llamacpp_bins(given: Path | None) -> Path:
+    ready = Path("/work/llamacpp/READY")
+    bins = given or (Path(ready.read_text().strip()) if ready.is_file() else None)
+    if bins is None or not (bins / "llama-server").is_file():
+        raise SystemExit("--modes llama.cpp needs llama.cpp's binaries: build them with scripts/build_llamacpp.sh, "
+                         "or give --llamacpp-bins")
+    return bins
+
+
 @contextmanager
 def running_server(serve_args: list[str], log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     """start_server with its output in the file `log`; the server stops when the block ends."""
@@ -166,7 +209,7 @@ def serve_args(args, modes: list[str]) -> list[str]:
     """This load test's server: the model, method and batch it measures, every method the modes name enabled."""
     out = ["--model", args.model, "--method", args.method, "--k", "auto", "--max-batch", str(args.max_batch),
            "--prefix-cache-mb", str(args.prefix_cache_mb)]
-    named = [m for m in modes if m not in ("off", "on")]
+    named = [m for m in modes if m not in ("off", "on", LLAMACPP)]
     if named:
         out += ["--methods", ",".join(dict.fromkeys([args.method, "none", *named]))]
     if args.draft:
@@ -180,7 +223,7 @@ def serve_args(args, modes: list[str]) -> list[str]:
 
 def speculation_of(mode: str):
     """A mode's `speculation` field: off (plain), on (the server's method), or a method by name."""
-    return {"off": False, "on": None}.get(mode, {"method": mode, "k": "auto"})
+    return {"off": False, "on": None, LLAMACPP: None}.get(mode, {"method": mode, "k": "auto"})
 
 
 def report(results: dict, command: str) -> str:
@@ -226,7 +269,11 @@ def report(results: dict, command: str) -> str:
                 f"{s['tau']:.2f} | {s['acceptance_rate']:.2f} | "
                 f"{ms('ttft')} | {ms('itl')} | {ms('tpot')} | {ms('e2e')} |")
     same = all(level["outputs_match"] for level in results["levels"])
-    lines += ["", f"Greedy outputs equal across the modes: {'yes' if same else 'NO'}."]
+    lines += ["", f"Greedy outputs equal across our modes: {'yes' if same else 'NO'}."]
+    if LLAMACPP in modes:
+        lines.append("llama.cpp: its own `llama-server` (-np = --max-batch slots, continuous batching, the same "
+                     "threads) on the model's GGUF file, the same requests; its text is its own arithmetic's, not "
+                     "compared.")
     return "\n".join(lines) + "\n"
 
 
@@ -270,6 +317,8 @@ def main() -> int:
     p.add_argument("--replicas", type=int, help="serve on Ray Serve with this many replicas (see README)")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs per replica")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--llamacpp-bins", type=Path, help="with --modes ...,llama.cpp: llama.cpp's binaries (default: "
+                   "the directory /work/llamacpp/READY names)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -282,16 +331,26 @@ def main() -> int:
     measured = sum(counts) * args.rounds
     everything = workload_prompts(args.workload, measured + args.warm)
     prompts, warm = everything[: len(everything) - args.warm], everything[len(everything) - args.warm :]
+    peer, urls = None, {}
+    if LLAMACPP in modes:
+        from specdecode.models.loading import gguf_source
+
+        gguf = gguf_source(args.model)
+        if gguf is None:
+            raise SystemExit(f"--modes llama.cpp needs a GGUF model; {args.model} is not one")
+        peer, urls[LLAMACPP] = start_llama_server(llamacpp_bins(args.llamacpp_bins), gguf, args.max_batch,
+                                                  args.max_tokens, args.threads)
     proc, url = (None, args.url) if args.url else start_server(serve_args(args, modes))
     results: dict[str, Any] = {"model": args.model, "method": args.method, "modes": modes, "workload": args.workload,
                "warm": args.warm, "max_batch": args.max_batch, "replicas": args.replicas, "threads": args.threads,
                "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine_description(), "levels": []}
     try:
-        asyncio.run(run_level(url, args.model, prompts[:2], 2, 16, None, args.api_key))  # warm-up
+        for where in {url, *urls.values()}:  # warm-up
+            asyncio.run(run_level(where, args.model, prompts[:2], 2, 16, None, args.api_key))
         for mode in modes if warm else []:
             print(f"warming with {len(warm)} prompts, {mode}...", file=sys.stderr, flush=True)
-            asyncio.run(run_level(url, args.model, warm, 1, args.max_tokens, speculation_of(mode), args.api_key,
-                                  ignore_eos))
+            asyncio.run(run_level(urls.get(mode, url), args.model, warm, 1, args.max_tokens, speculation_of(mode),
+                                  args.api_key, ignore_eos))
         offset = 0
         for c, n in zip(levels, counts, strict=True):
             level: dict[str, Any] = {"concurrency": c, "runs": {mode: [] for mode in modes}}
@@ -299,8 +358,8 @@ def main() -> int:
                 batch = [prompts[(offset + i) % len(prompts)] for i in range(n)]
                 offset += n
                 for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                    run = asyncio.run(run_level(url, args.model, batch, c, args.max_tokens, speculation_of(mode),
-                                                args.api_key, ignore_eos))
+                    run = asyncio.run(run_level(urls.get(mode, url), args.model, batch, c, args.max_tokens,
+                                                speculation_of(mode), args.api_key, ignore_eos))
                     run["prompts"] = [prompts.index(b) for b in batch]
                     level["runs"][mode].append(run)
                     s = summarize([run])
@@ -308,15 +367,19 @@ def main() -> int:
                           f"TTFT p50 {1e3 * s['ttft_p50']:.0f} ms, E2E p50 {s['e2e_p50']:.1f} s", flush=True)
             for mode in modes:
                 level[mode] = summarize(level["runs"][mode])
+            ours = [runs for mode, runs in level["runs"].items() if mode != LLAMACPP]
             level["outputs_match"] = all(
                 len({run["requests"][i]["text"] for run in runs}) == 1
-                for runs in zip(*level["runs"].values(), strict=True) for i in range(len(runs[0]["requests"])))
+                for runs in zip(*ours, strict=True) for i in range(len(runs[0]["requests"])))
             results["levels"].append(level)
             save(results, Path(args.out), "python benchmarks/load.py " + " ".join(sys.argv[1:]))  # so far
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
+        if peer is not None:
+            peer.terminate()
+            peer.wait(30)
     print(save(results, Path(args.out), "python benchmarks/load.py " + " ".join(sys.argv[1:])))
     return 0
 
