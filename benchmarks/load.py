@@ -100,7 +100,9 @@ async def run_level(url: str, model: str, prompts: list[list[dict]], concurrency
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     queue = list(enumerate(prompts))
     results: dict[int, dict] = {}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+    # a connection per request: llama-server may close a kept-alive one just as the next request goes out
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
         async def worker() -> None:
             while queue:
                 i, prompt = queue.pop(0)

@@ -356,6 +356,41 @@ def test_the_scheduler_chunks_a_prompt_that_arrives_mid_stream(dtype):
         loop.close()
 
 
+def test_a_queue_is_prefilled_in_chunks_worth_the_fill_time():
+    """With prompts waiting for a batch with room, a turn may cache FILL_SECONDS' worth of a prompt (64 tokens here)
+    instead of one short step's (8): the batch fills in a few turns; with none waiting, or the batch full, the
+    running batch's own step prices the chunk."""
+    import asyncio
+
+    from specdecode.server.metrics import Metrics
+    from specdecode.server.scheduler import FILL_SECONDS, Job, Scheduler
+
+    model = tiny_model(5, vocab_size=24, dtype=torch.float32)
+    ms = [0.010, 0.010, 0.020, 0.040, 0.080]  # a step 10 ms; 16, 32, 64 prompt tokens 20, 40, 80 ms
+    assert ms[-1] <= FILL_SECONDS < 2 * ms[-1]
+    cost = FrozenCost([1, 8, 16, 32, 64], [8, 512], [ms, ms])
+    engine = Engine(model, BatchCost([1, 2, 16], [cost] * 3))
+    scheduler = Scheduler(engine, max_batch=2, max_queue=8, metrics=Metrics("tiny", 256))
+    loop = asyncio.new_event_loop()
+    tokenizer = type("T", (), {"decode": lambda self, ids, **k: "x" * len(ids)})()
+
+    def job(prompt: list[int]) -> Job:
+        return Job(make_row(model, prompt, "none", 0, max_new=40), tokenizer, [], loop)
+
+    try:
+        running = job([1, 2, 3])
+        scheduler.submit(running)
+        scheduler._prefill()
+        assert engine.rows == [running.row] and scheduler.prefill_budget() == 8  # nothing waits: one step's worth
+        for _ in range(2):
+            scheduler.submit(job(list(range(20)) * 10))
+        assert scheduler.prefill_budget() == 64  # two wait, the batch has room: the fill time's worth
+        scheduler._prefill()  # one of them is being cached: it fills the batch, the other waits for room
+        assert scheduler.prefilling is not None and scheduler.prefill_budget() == 8
+    finally:
+        loop.close()
+
+
 @pytest.mark.parametrize("family", NATIVE_FAMILIES)
 def test_native_batch_rows_compute_bit_for_bit_what_each_computes_alone(family):
     """On the CPU in float32 a batch's rows run through the native blocks side by side (no padding): a chain, a

@@ -27,6 +27,9 @@ from .schemas import logprob_entries
 
 log = logging.getLogger("specdecode.server")
 MIN_PREFILL_CHUNK = 2  # prompt tokens a turn, at least, while requests run
+# while prompts wait for a batch with room, a turn may spend this long caching one: a pause within a stream that a
+# reader does not notice (llama.cpp's server pauses longer under the same load: benchmarks/results/comment-timings.md)
+FILL_SECONDS = 0.1
 
 
 @dataclass
@@ -218,12 +221,19 @@ class Scheduler:
         """Prompt tokens to cache this turn: `prefill_tokens` while nothing runs; else the most (a power of two, at
         least MIN_PREFILL_CHUNK) whose forward the cost table prices at no more than prefill_share / (1 -
         prefill_share) decode steps (0.5: one step, so a turn takes about two and a long prompt arriving mid-stream
-        slows running streams to about half their pace while it is cached, instead of stopping them)."""
+        slows running streams to about half their pace while it is cached, instead of stopping them), or, while
+        prompts wait for a batch with room, FILL_SECONDS if that is more: a small batch's step is short, and
+        priced by it a queue's prompts were cached a few tokens a turn while the batch stayed small (seconds of
+        waiting for each at 16 concurrent requests); a stream's gap grows by at most FILL_SECONDS meanwhile."""
         if not self.active:
             return self.prefill_tokens
         rows = len(self.engine.rows)
         step = self.engine.cost.seconds(rows, 1, max(self.engine.cache.lengths[:rows]))
         step *= self.prefill_share / (1 - self.prefill_share)
+        with self._cond:
+            queue = len(self.waiting)
+        if queue and rows + (self.prefilling is not None) < self.max_batch:
+            step = max(step, FILL_SECONDS)
         cached = self.engine.cache.lengths[rows] if self.engine.pending is not None else 0  # the chunk's context
         tokens = MIN_PREFILL_CHUNK
         while (tokens * 2 <= self.prefill_tokens
