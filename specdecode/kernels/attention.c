@@ -10,12 +10,6 @@
 #include "attention.h"
 #include "simd.h"
 
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 1024
-#endif
-#ifndef PREFETCH_KEYS
-#define PREFETCH_KEYS 8
-#endif
 
 #if SPECDECODE_AVX2
 /* 8 elements of a cache row from element `at` on: float32, or float16 widened (exact) */
@@ -61,8 +55,6 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
         const int64_t first = at + row_at(rows, j, hd) - (int64_t)j * hd;
         for (; j < end; j++) {
             const int64_t vj = first + (int64_t)j * hd;
-            if (j + PREFETCH_KEYS < end)
-                _mm_prefetch((const char *)vals + (vj + PREFETCH_KEYS * hd) * (half ? 2 : 4), _MM_HINT_T0);
             float pj[4];
             int any = 0;
             for (int h = 0; h < H; h++) {
@@ -102,10 +94,7 @@ static void widen_rows(const void *base, int64_t at, int count, int hd, int half
     }
     int64_t e = 0;
 #if SPECDECODE_AVX2
-    for (; e + 8 <= (int64_t)count * hd; e += 8) {
-        if (e % 32 == 0) _mm_prefetch((const char *)((const uint16_t *)base + at + e) + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm256_storeu_ps(out + e, load_kv8(base, at + e, 1));
-    }
+    for (; e + 8 <= (int64_t)count * hd; e += 8) _mm256_storeu_ps(out + e, load_kv8(base, at + e, 1));
 #endif
     for (; e < (int64_t)count * hd; e++) out[e] = kv_at(base, at + e, 1);
 }
