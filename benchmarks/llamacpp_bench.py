@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from kquant_decode import decode_seconds, read_bandwidth, step_bytes  # noqa: E402
+from llamacpp_build import built_bins, ready_file  # noqa: E402
 from llamacpp_files import (  # noqa: E402
     LLAMA3_1_7B,
     LLAMA3_8B,
@@ -257,10 +258,9 @@ def main() -> None:
         print(json.dumps(load_memory(key, Path(file), Path(config_dir))))
         return
     if args.bins is None and not args.no_peer:
-        ready = Path(os.environ.get("LLAMACPP_HOME", "/work/llamacpp")) / "READY"
-        if not ready.is_file():
-            sys.exit(f"no llama.cpp build: {ready} is missing; run scripts/build_llamacpp.sh or pass --bins")
-        args.bins = Path(ready.read_text().strip())
+        args.bins = built_bins()
+        if args.bins is None:
+            sys.exit(f"no llama.cpp build: {ready_file()} is missing; run scripts/build_llamacpp.sh or pass --bins")
     args.forward = args.forward.split(",")
     os.environ["SPECDECODE_ADAPTIVE_THREADS"] = "0"  # our side on exactly --threads threads
     torch.set_num_threads(args.threads)

@@ -43,6 +43,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from llamacpp_build import built_bins  # noqa: E402
 
 from specdecode.bench.data import load_questions  # noqa: E402
 from specdecode.bench.hardware import machine_description  # noqa: E402
@@ -142,21 +145,26 @@ def start_server(serve_args: list[str], log=None) -> tuple[subprocess.Popen, str
     port = free_port()
     cmd = [sys.executable, "-m", "specdecode.cli", "serve", *serve_args, "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=None if log is None else subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     print("starting the server (the first start may convert the weights and measure batch costs)...",
           file=sys.stderr)
-    deadline = time.monotonic() + 900
+    return proc, healthy(proc, port, "the server", 900)
+
+
+def healthy(proc: subprocess.Popen, port: int, name: str, seconds: float) -> str:
+    """The server's loopback URL once its /health answers; it is killed if it has not within `seconds`."""
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("the server exited during start-up")
+            raise RuntimeError(f"{name} exited during start-up: {' '.join(map(str, proc.args))}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return url
         except httpx.TransportError:
             pass
         time.sleep(1)
     proc.kill()
-    raise TimeoutError("the server did not start")
+    raise TimeoutError(f"{name} did not start")
 
 
 LLAMACPP = "llama.cpp"
@@ -170,25 +178,12 @@ def start_llama_server(bins: Path, gguf: Path, slots: int, max_tokens: int, thre
     cmd = [str(bins / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "-c", str(slots * 4096), "-n", str(max_tokens), "--no-webui", *(["-t", str(threads)] if threads else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     print("starting llama-server...", file=sys.stderr)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited during start-up: {' '.join(cmd)}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise TimeoutError("llama-server did not start")
+    return proc, healthy(proc, port, "llama-server", 300)
 
 
 def llamacpp_bins(given: Path | None) -> Path:
-    ready = Path("/work/llamacpp/READY")
-    bins = given or (Path(ready.read_text().strip()) if ready.is_file() else None)
+    bins = given or built_bins()
     if bins is None or not (bins / "llama-server").is_file():
         raise SystemExit("--modes llama.cpp needs llama.cpp's binaries: build them with scripts/build_llamacpp.sh, "
                          "or give --llamacpp-bins")

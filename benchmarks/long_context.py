@@ -32,8 +32,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
+from llamacpp_build import built_bins  # noqa: E402
 
 QUESTION = "\n\nSummarize the text above."
 PREFIX_CACHE_MB = 4096  # every depth's prompt entries (8,000 float16 tokens of SmolLM2: 184 MB)
@@ -100,10 +102,7 @@ def main() -> None:
     text_ids = llm.tokenizer.encode(documents(), add_special_tokens=False)
     # each depth's text from its own place in the documents: no prompt begins as another's (the prefix cache)
     prompts = {d: prompt_at(llm, text_ids[(i * 2003) % max(len(text_ids) - d, 1):], d) for i, d in enumerate(depths)}
-    bins = args.llamacpp_bins
-    ready = Path("/work/llamacpp/READY")
-    if bins is None and ready.is_file():
-        bins = Path(ready.read_text().strip())
+    bins = args.llamacpp_bins or built_bins()
     gguf = gguf_source(args.model)
     peer = bins is not None and (bins / "llama-bench").is_file() and gguf is not None
     results: dict = {"model": args.model, "depths": depths, "methods": methods, "tokens": args.tokens,
