@@ -70,7 +70,8 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
             for (int e = 0; e < NV; e++) {
                 const __m256 v = load_kv8(vals, vj + 8 * e, half);
                 for (int h = 0; h < H; h++)  /* a hidden key's value never enters a sum (it may be anything) */
-                    if (all || pj[h] != 0.0f) acc[h * NV + e] = _mm256_fmadd_ps(_mm256_set1_ps(pj[h]), v, acc[h * NV + e]);
+                    if (all || pj[h] != 0.0f)
+                        acc[h * NV + e] = _mm256_fmadd_ps(_mm256_set1_ps(pj[h]), v, acc[h * NV + e]);
             }
         }
     }

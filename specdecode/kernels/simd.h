@@ -98,20 +98,16 @@ static inline __m256 exp8(__m256 x) {
     const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
-
 #endif
 
-/* a . b over len floats: 8 lanes of fused multiply-adds, then their sum (the same order for any a and b) */
+/* a . b over len floats: 8 lanes of fused multiply-adds, then hsum's tree (the same order for any a and b) */
 static inline float dot(const float *a, const float *b, int len) {
     int e = 0;
     float total = 0.0f;
 #if SPECDECODE_AVX2
     __m256 acc = _mm256_setzero_ps();
     for (; e + 8 <= len; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    total = _mm_cvtss_f32(s);
+    total = hsum(acc);
 #endif
     for (; e < len; e++) total += a[e] * b[e];
     return total;
