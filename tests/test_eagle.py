@@ -572,3 +572,19 @@ def test_fine_tuning_starts_from_the_trained_head_and_takes_the_tokens_it_lacks(
     kept = train_eagle(target, shifted, store, tmp_path / "kept", cfg, ttt_steps=3, batch_size=16, max_len=64,
                        log=lambda *_: None, init=init, vocab_swaps=0)
     assert kept.d2t.tolist() == init.d2t.tolist()
+
+
+def test_hybrid_takes_a_head_folder_as_its_head(target, trained, reference, tmp_path) -> None:
+    """`method="hybrid", draft=HEAD_DIR`: suffix decoding beside that head (a model's checkpoint there is still a
+    model draft); greedy output stays plain decoding's."""
+    import specdecode
+    from specdecode.proposers.hybrid import eagle_head_dir
+    from specdecode.proposers.suffix_eagle import SuffixEagleProposer
+
+    llm = specdecode.LLM(target, make_tokenizer())
+    proposer = llm.proposer("hybrid", trained)
+    assert isinstance(proposer, SuffixEagleProposer) and proposer.eagle.head is llm.assets.eagle_head(trained)
+    out = llm.generate(PROMPTS[0], method="hybrid", draft=trained, k=4, max_new_tokens=NEW)
+    assert out.token_ids == reference[0]
+    checkpoint = write_checkpoint(tmp_path / "draft", make_tokenizer())
+    assert eagle_head_dir(trained) and not eagle_head_dir(checkpoint) and not eagle_head_dir("smollm2-135m-instruct")

@@ -116,6 +116,60 @@ def test_int8_storage_is_what_int8_quantization_runs(tmp_path, target, reference
     trees_of(target, reference, back)  # greedy output is plain decoding's
 
 
+@pytest.mark.parametrize("quantized", [None, "int8", "int8-a8"])
+def test_native_layer_computes_what_the_pytorch_layer_does(target, monkeypatch, quantized) -> None:
+    """A float32 EAGLE-3 head on the CPU runs its layer, norm and output layer in the native kernel (q/k/v reading
+    the wide input the call passes): the PyTorch layer's numbers, float rounding apart, for a prefix, a chain and a
+    tree over its cache, with float or int8 weights; the caller's features are left as they were."""
+    from specdecode import kernels
+    from specdecode.models import eagle3
+
+    if kernels.native() is None:
+        pytest.skip("no native kernels on this machine (kernels.native() logged why)")
+    head = made_head(target, seed=3).float()
+    if quantized:
+        head.quantize_(quantized)
+    assert head._native_block(head.new_cache(8)) is not None  # else this compares PyTorch with itself
+    h, gen = head.config.block.hidden_size, torch.Generator().manual_seed(0)
+    features, embeds = torch.randn(1, 12, h, generator=gen), torch.randn(1, 12, h, generator=gen)
+    kept = features.clone()
+    tree = torch.ones(4, 12, dtype=torch.bool)
+    tree[1, 8], tree[2, 8:10], tree[3, 9] = False, False, False  # node 1 and 2 beside each other, 3 under 1
+    runs = []
+    for path in ("native", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(eagle3.Eagle3Head, "_native_block", lambda self, cache: None)
+        cache, outs = head.new_cache(32), []
+        outs.append(head(features[:, :5], embeds[:, :5], cache, torch.arange(5)))  # a prefix, causal
+        outs.append(head(features[:, 5:8], embeds[:, 5:8], cache, torch.arange(5, 8)))  # a chain after it
+        outs.append(head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree))
+        cache.rollback(8)  # the same tree again, the last node's logits only (what a catch-up asks for)
+        last, _ = head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree, slice(-1, None))
+        assert torch.equal(last, outs[-1][0][:, -1:])
+        runs.append(outs)
+    assert torch.equal(features, kept)
+    for (a_logits, a_hidden), (b_logits, b_hidden) in zip(*runs, strict=True):
+        torch.testing.assert_close(a_hidden, b_hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a_logits, b_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_native_layer_without_its_wide_input_is_refused(target) -> None:
+    from specdecode import kernels
+    from specdecode.models import native
+
+    if kernels.native() is None:
+        pytest.skip("no native kernels on this machine (kernels.native() logged why)")
+    head = made_head(target, seed=3).float()
+    cache = head.new_cache(8)
+    lib, blocks = head._native_block(cache)
+    h = head.config.block.hidden_size
+    cos, sin = head.rope(torch.arange(1))
+    for wide in (None, torch.zeros(1, h), torch.zeros(1, 2 * h, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="needs them: wide"):
+            blocks.run(lib, torch.zeros(1, h), cache.kv, [native.RowSpan(0, 1, 0, 0, [(None, None)])], [(cos, sin)],
+                       head.config.block, wide=wide)
+
+
 def test_int8_weights_with_the_wrong_scales_are_refused() -> None:
     q, d = int8_blocks(torch.randn(4, 64))
     assert q.shape == (4, 64) and d.shape == (4, 2)
@@ -168,3 +222,38 @@ def test_a_head_directory_loads_as_the_class_its_config_names(tmp_path: Path, ta
     assert type(load_head(tmp_path / "h")) is Eagle3Head
     with pytest.raises(ValueError, match="holds an 'eagle3' head, not 'specdecode': load it with .*load_head"):
         EagleHead.load(tmp_path / "h")
+
+
+def test_the_shipped_smollm2_head_round_trips_through_the_published_layout(tmp_path) -> None:
+    """The head shipped for SmolLM2 is EAGLE-3's architecture: exported to the published layout and read back it
+    holds the same weights and, over the real model, proposes exactly the same trees (issue 58's round trip)."""
+    import specdecode
+    from specdecode.engine.assets import SHIPPED_EAGLE
+
+    from .real_model import require_smollm2, spec_bench_prompts
+
+    require_smollm2()
+    shipped = SHIPPED_EAGLE["smollm2-135m-instruct"]
+    assert export_head(shipped, tmp_path / "published") == EAGLE3
+    llm = specdecode.load("smollm2-135m-instruct")
+    ours, published = load_eagle_head(shipped, llm.model), load_eagle_head(tmp_path / "published", llm.model)
+    assert type(ours) is Eagle3Head and type(published) is Eagle3Head
+    for (name, a), (_, b) in zip(ours.state_dict().items(), published.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    prompts = [llm.tokenizer.encode(p) for p in spec_bench_prompts(2)]
+    plain = [generate_ids(llm.model, p, max_new_tokens=NEW)[0] for p in prompts]
+    runs = []
+    for head in (ours, published):
+        proposer = EagleProposer(head, llm.model, topk=3, nodes=10)  # no cost model: trees of a fixed size
+        trees: list[tuple[list[int], list[int]]] = []
+
+        def propose(context, inner=proposer.propose, trees=trees):
+            tree = inner(context)
+            trees.append((list(tree.tokens), list(tree.parents)))
+            return tree
+
+        proposer.propose = propose  # type: ignore[method-assign]
+        for prompt, expected in zip(prompts, plain, strict=True):
+            assert generate_ids(llm.model, prompt, proposer=proposer, k=4, max_new_tokens=NEW)[0] == expected
+        runs.append(trees)
+    assert len(runs[0]) > 4 and runs[1] == runs[0]

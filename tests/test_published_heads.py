@@ -460,8 +460,9 @@ def test_explicit_layer_ids_name_outputs_in_eagle_config_and_layers_entered_at_t
 
 
 def test_cli_export_head(tmp_path, capsys) -> None:
-    shipped = SHIPPED_EAGLE["smollm2-135m-instruct"]
-    assert cli_main(["export-head", str(shipped), "--out", str(tmp_path / "e3")]) == 2
+    assert cli_main(["export-head", str(SHIPPED_EAGLE["smollm2-135m-instruct"]), "--out", str(tmp_path / "s")]) == 0
+    assert "EAGLE-3" in capsys.readouterr().out and (tmp_path / "s/model.safetensors").is_file()
+    assert cli_main(["export-head", str(SHIPPED_EAGLE["gemma3-270m"]), "--out", str(tmp_path / "e3")]) == 2
     assert "cannot be written in the EAGLE-3 layout" in capsys.readouterr().err
     target = tiny_model(0, vocab_size=VOCAB, num_layers=2)
     MedusaHeads.from_target(target, 2, torch.arange(VOCAB)).save(tmp_path / "ours")

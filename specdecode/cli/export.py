@@ -12,8 +12,9 @@ def add_export_parser(sub) -> None:
     e = sub.add_parser("export-head", help=HELP, description=(
         "Our Medusa heads go to Medusa's layout (medusa_lm_head.safetensors + config.json, as FasterDecoding/Medusa "
         "writes it); an EAGLE head trained with `train eagle --arch eagle3` to EAGLE-3's; a published EAGLE-3 or "
-        "Medusa head (e.g. a pickled .bin) is written back as safetensors. A head of specdecode's first EAGLE "
-        "architecture (the shipped ones) cannot be written as EAGLE-3: the command says why (docs/GUIDE.md)."))
+        "Medusa head (e.g. a pickled .bin) is written back as safetensors (the shipped SmolLM2 head is EAGLE-3's). "
+        "A head of specdecode's first EAGLE architecture (the shipped Gemma head) cannot be written as EAGLE-3: the "
+        "command says why (docs/GUIDE.md)."))
     e.add_argument("head", help="the head's folder")
     e.add_argument("--out", required=True, help="folder to write")
     e.add_argument("--target", default=None,

@@ -140,12 +140,13 @@ class Weight(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     """A block as block.c's specdecode_blocks reads it: its norms' weights (Gemma's QK and sandwich norms, or
-    NULL), epsilon, four weights, the MLP's gate (gelu: 1 for tanh-GELU) and the index of its View."""
+    NULL), epsilon, four weights, the MLP's gate (gelu: 1 for tanh-GELU), the index of its View, and wide: 1 where
+    q/k/v read the call's own inputs (EAGLE-3's layer) instead of the normed residual stream."""
 
     _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
                 *((name, ctypes.POINTER(Weight)) for name in ("wqkv", "wo", "w13", "w2")),
                 *((name, ctypes.c_void_p) for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")),
-                ("gelu", ctypes.c_int), ("view", ctypes.c_int)]
+                ("gelu", ctypes.c_int), ("view", ctypes.c_int), ("wide", ctypes.c_int)]
 
 
 class View(ctypes.Structure):
@@ -183,7 +184,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_h_matmul.restype = None
     q = ctypes.c_int64
     lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, ctypes.POINTER(View),
-                                      ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output), q]
+                                      ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output), q, p]
     lib.specdecode_blocks.restype = i
     lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f, i]  # last: float16 keys
     lib.specdecode_attention.restype = i

@@ -176,6 +176,8 @@ typedef struct {
     const float *post_attn_norm, *post_mlp_norm; /* Gemma: on the attention's and the MLP's outputs, or NULL */
     int gelu;                                  /* the MLP gate: 0 silu (SwiGLU), 1 tanh-GELU (GeGLU) */
     int view;                                  /* index of the layer's View (Gemma: sliding or full) */
+    int wide;                                  /* 1: q/k/v read the call's wide rows [n, wqkv->n_in], normed by the
+                                                  caller (EAGLE-3's token embedding | feature), not rmsnorm(x) */
 } Layer;
 
 /* A step's working memory, allocated once for all its layers */
@@ -208,17 +210,17 @@ static void store_kv(void *base, int64_t at, const float *row, int hd, int half)
     for (; e < hd; e++) out[e] = float_to_half(row[e]);
 }
 
-static int block(float *x, int n, int H, const Layer *l, const View *v, const Span *spans, int n_spans,
-                 void *k_layer, void *v_layer, int kv_half, int max_len, int n_heads, int n_kv, int hd, int inter,
-                 float scale, const Scratch *s, int64_t bstride) {
+static int block(float *x, const float *wide, int n, int H, const Layer *l, const View *v, const Span *spans,
+                 int n_spans, void *k_layer, void *v_layer, int kv_half, int max_len, int n_heads, int n_kv, int hd,
+                 int inter, float scale, const Scratch *s, int64_t bstride) {
     int shift = 0;
     while ((1 << shift) < max_len) shift++;
     const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
     const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
 
     /* attention */
-    rmsnorm(x, l->attn_norm, l->eps, n, H, s->xn);
-    if (linear(l->wqkv, s->xn, n, s->big, s->scratch)) return 1;
+    if (!l->wide) rmsnorm(x, l->attn_norm, l->eps, n, H, s->xn);
+    if (linear(l->wqkv, l->wide ? wide : s->xn, n, s->big, s->scratch)) return 1;
     for (int r = 0; r < n_spans; r++) {
         const Span *sp = spans + r;
         void *k_cache = (char *)k_layer + sp->kv_offset * (int64_t)esize;
@@ -329,23 +331,28 @@ int specdecode_argmax(const float *x, int len) {
    elements after them (one [kv_heads, max_len, head_dim] block per row; elements: float32, float16 if kv_half; a span
    with a block table: blocks of max_len rows, block_stride elements apart), and it reads views[layer.view]; scale: the
    attention scores' (Llama: hd^-0.5); states[i], where given (not NULL), receives x after layer i; output, where
-   given, the logits of some rows (x itself stays the last block's output). Returns 1 when memory ran out. */
+   given, the logits of some rows (x itself stays the last block's output); wide: the q/k/v inputs of the layers that
+   read their own (Layer.wide), [n, their wqkv's n_in], or NULL. Returns 1 when memory ran out. */
 int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, void *kv, int64_t layer_stride,
                       int64_t v_offset, int max_len, int kv_half, const View *views, const Span *spans, int n_spans, int n_heads,
                       int n_kv, int hd, int inter, float scale, float *const *states, const Output *output,
-                      int64_t block_stride) {
+                      int64_t block_stride, const float *wide) {
     const int q_dim = n_heads * hd, qkv_dim = q_dim + 2 * n_kv * hd;
     const int widest = qkv_dim > 2 * inter ? qkv_dim : 2 * inter;
+    int widest_in = inter > H ? inter : H;  /* the widest input a matmul reads (its per-block sums: scratch) */
+    for (int i = 0; i < n_layers; i++)
+        if (layers[i].wide && layers[i].wqkv->n_in > widest_in) widest_in = layers[i].wqkv->n_in;
     Scratch s = {malloc(sizeof(float) * (size_t)n * (H > inter ? H : inter)), malloc(sizeof(float) * (size_t)n * widest),
-                 malloc(sizeof(float) * (size_t)n * q_dim),
-                 malloc(sizeof(float) * (size_t)n * (inter > H ? inter : H) / 32 + 64),
+                 malloc(sizeof(float) * (size_t)n * q_dim), malloc(sizeof(float) * (size_t)n * widest_in / 32 + 64),
                  malloc(sizeof(float) * (size_t)n * H)};
     int failed = !s.xn || !s.big || !s.att || !s.scratch || !s.out;
+    for (int i = 0; i < n_layers; i++) failed |= layers[i].wide && !wide;
     for (int i = 0; i < n_layers && !failed; i++) {
         const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
         char *k = (char *)kv + (int64_t)i * layer_stride * (int64_t)esize;
-        failed = block(x, n, H, layers + i, views + layers[i].view, spans, n_spans, k, k + v_offset * (int64_t)esize,
-                       kv_half, max_len, n_heads, n_kv, hd, inter, scale, &s, block_stride);
+        failed = block(x, wide, n, H, layers + i, views + layers[i].view, spans, n_spans, k,
+                       k + v_offset * (int64_t)esize, kv_half, max_len, n_heads, n_kv, hd, inter, scale, &s,
+                       block_stride);
         if (!failed && states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
     }
     if (!failed && output && output->n > 0) {

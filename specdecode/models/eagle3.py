@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import native
 from .cache import KVCache
 from .config import ModelConfig
 from .eagle import ARCH_EAGLE3, EagleConfig, EagleHead, copy_weights_
@@ -42,6 +43,18 @@ def wide_attention(block: ModelConfig, width: int) -> Attention:
     attn = Attention(block)
     attn.wqkv = Linear(width, sum(attn.split), bias=block.attention_bias)
     return attn
+
+
+class NativeLayer(nn.Module):
+    """The head's decoder layer as native.NativeBlocks reads a block: no attention norm (q/k/v read the wide input),
+    a Llama MLP after its own norm, no sandwich norms, full attention. Kept outside the head's modules (its
+    __dict__), so the head's state and devices stay its own."""
+
+    def __init__(self, head: Eagle3Head) -> None:
+        super().__init__()
+        self.attn, self.mlp, self.mlp_norm = head.attn, head.mlp, head.mlp_norm
+        self.attn_norm = self.post_attn_norm = self.post_mlp_norm = None
+        self.sliding = False
 
 
 def published_config(cfg: EagleConfig) -> dict[str, Any]:
@@ -104,13 +117,31 @@ class Eagle3Head(EagleHead):
         start, n = cache.length, features.shape[1]
         cos, sin, mask = self.step_inputs(start, n, positions, mask)
         wide, x = self.attn_input(features.to(self.dtype), token_embeds)
+        blocks = self._native_block(cache)
+        if blocks is not None:  # one native call: the layer, the norm and the output layer
+            lib, block = blocks
+            x = x.reshape(n, -1).clone()  # updated in place: not the caller's features
+            full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
+            logits_of = None if block.head is None or not self.norm_output else logits_at
+            logits = block.run(lib, x, cache.kv, [native.RowSpan(0, n, start, 0, [(None, full)])], [(cos, sin)],
+                               self.config.block, None, logits_of, wide=wide.reshape(n, -1).contiguous())
+            x = x.view(1, n, -1)
+            cache.length = start + n
+            return (self.lm_head(self.final(x[:, logits_at])) if logits is None else logits[None]), x
         x = x + self.attn(wide, cos, sin, cache, 0, start, mask)  # the fused feature is the residual
         x = self.mlp_step(x)
         cache.length = start + n
         return self.lm_head(self.final(x[:, logits_at])), x
 
     def _native_block(self, cache: KVCache):
-        return None  # the native block kernel runs a Llama block; this layer's q/k/v read two inputs
+        """(library, NativeBlocks) where the layer can run in the native kernel (float32 on the CPU), else None:
+        its q/k/v read the wide input the call passes (NativeBlocks.run's `wide`)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not native.cache_fits(cache):
+            return None
+        layer = self.__dict__.get("_native_layer")
+        if layer is None:
+            layer = self.__dict__["_native_layer"] = NativeLayer(self)
+        return native.runner(self, [layer], self.norm, self.lm_head)
 
     def float_copy(self) -> EagleHead:
         if self.published:

@@ -101,10 +101,11 @@ class NativeBlocks:
                 return None  # the kernel takes one epsilon a layer
             weights += ws
             eps = norms[0].eps if norms[0].eps is not None else torch.finfo(torch.float32).eps
-            described[i] = kernels.Layer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
-                                         float(eps), *(ctypes.pointer(w) for w in ws),
+            wide = block.attn_norm is None  # q/k/v read the call's `wide` rows (EAGLE-3's layer)
+            described[i] = kernels.Layer(None if wide else block.attn_norm.weight.data_ptr(),
+                                         block.mlp_norm.weight.data_ptr(), float(eps), *(ctypes.pointer(w) for w in ws),
                                          *(None if norm is None else norm.weight.data_ptr() for norm in extra),
-                                         int(block.mlp.gelu), int(block.sliding))
+                                         int(block.mlp.gelu), int(block.sliding), int(wide))
         head = None
         out = None if output is None else weight_struct(output)
         if out is not None and norm is not None and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous():
@@ -115,7 +116,7 @@ class NativeBlocks:
 
     def run(self, lib, x: torch.Tensor, kv: torch.Tensor, spans: Sequence[RowSpan], views: Sequence[View], cfg,
             states: dict[int, torch.Tensor] | None = None, logits_of: slice | None = None,
-            argmax: torch.Tensor | None = None) -> torch.Tensor | None:
+            argmax: torch.Tensor | None = None, wide: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every block on x [n, H] (updated in place): the tokens of each span, a sequence or a batch's row, layer
         i's keys and values written into kv's layer i, the span's row ([layers, 2, rows, kv_heads, max_len,
         head_dim]); views[0] for the full-attention layers, views[1] for the sliding ones (where the model has
@@ -123,7 +124,13 @@ class NativeBlocks:
         same in any company: a batch's rows compute what each computes alone.
         logits_of: rows of x (a slice of step 1) whose logits [rows, V] the call returns, through `head` (which must
         be set): x itself stays the last block's output. argmax ([rows] int32, contiguous), where given, receives each
-        of those rows' first maximum, as NumPy's argmax gives it."""
+        of those rows' first maximum, as NumPy's argmax gives it. wide ([n, q/k/v's inputs], contiguous float32): what
+        the q/k/v of layers without an attention norm read (EAGLE-3's normed token embedding | feature)."""
+        widths = {layer.attn.wqkv.in_features for layer in self.layers if layer.attn_norm is None}
+        if widths and (wide is None or wide.dtype != torch.float32 or not wide.is_contiguous()
+                       or (wide.shape[0], {wide.shape[1]}) != (x.shape[0], widths)):
+            raise ValueError("a layer whose q/k/v read their own inputs needs them: wide, [n, inputs] float32, "
+                             "contiguous")
         n, hidden = x.shape
         described = (kernels.View * 2)(*(kernels.View(cos.data_ptr(), sin.data_ptr()) for cos, sin in
                                          (views[0], views[-1])))
@@ -154,7 +161,7 @@ class NativeBlocks:
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
             kv.shape[4], int(kv.dtype == torch.float16), described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.intermediate_size, scale, outputs, None if output is None else ctypes.byref(output),
-            kv.stride(2))
+            kv.stride(2), None if wide is None else wide.data_ptr())
         if failed:
             raise MemoryError("the native block could not allocate its scratch memory")
         return logits

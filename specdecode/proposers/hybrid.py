@@ -17,13 +17,16 @@ ones before it, whatever distribution each sibling came from.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..common.method_options import HybridOptions
 from ..core.tree import DraftTree
 from ..core.verify import Verdict
+from ..models.published_io import EAGLE1, EAGLE3, OURS_EAGLE, detect_layout
 from ..policy.speculation import AdaptiveK, FixedK, Guessing, Policy, StepRecord
 from . import draft_model, layer_skip
 from .base import ProposalContext, Proposer, RequestInfo, StepOutput
@@ -88,15 +91,26 @@ class HybridProposer(Proposer):
         self.draft_policy.remember()
 
 
+def eagle_head_dir(draft: Draft) -> bool:
+    """Whether `draft` names a folder holding an EAGLE head (specdecode's or a published one), not a draft model."""
+    if not isinstance(draft, str | os.PathLike) or not Path(draft).expanduser().is_dir():
+        return False
+    try:
+        return detect_layout(draft) in (OURS_EAGLE, EAGLE3, EAGLE1)
+    except ValueError:  # a model's checkpoint, not a head
+        return False
+
+
 def build(assets: Assets, options: HybridOptions, draft: Draft, k: int | str) -> Proposer:
-    """Suffix decoding and the EAGLE head in one tree where a head ships for the model (and no draft is given); else
-    prompt lookup and a model draft: the given one, else the layer-skipped target."""
-    if draft is None and assets.has_eagle_head():
+    """Suffix decoding and an EAGLE head in one tree: the given head's folder, or the head shipped for the model
+    where no draft is given; else prompt lookup and a model draft: the given one, else the layer-skipped target."""
+    head = eagle_head_dir(draft)
+    if head or (draft is None and assets.has_eagle_head()):
         cost = assets.cost_model()
-        online = assets.online_head() if options.online_draft else None
+        online = assets.online_head(draft if head else None) if options.online_draft else None
         return SuffixEagleProposer(SuffixProposer(assets.suffix_cache(), nodes=options.nodes, cost=cost),
-                                   EagleProposer(assets.eagle_head(), assets.model, topk=options.topk,
-                                                 nodes=options.nodes, cost=cost, online=online))
+                                   EagleProposer(assets.eagle_head(draft if head else None), assets.model,
+                                                 topk=options.topk, nodes=options.nodes, cost=cost, online=online))
     if draft is not None:
         model_draft: Proposer = draft_model.build(assets, draft_model.DraftOptions(), draft, "auto")
     else:

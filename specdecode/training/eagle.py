@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..models import Transformer
-from ..models.eagle import ARCH_EAGLE3, ARCH_OURS, EagleConfig, EagleHead
+from ..models.eagle import ARCH_EAGLE3, ARCH_OURS, CONFIG, EagleConfig, EagleHead
 from ..models.eagle3 import Eagle3Head, from_specdecode_head
 from ..models.eagle_ttt import ttt_loss
 from .distributed import local_batch, summed, world
@@ -113,6 +113,9 @@ def train_eagle(
     def loss_fn(module, batch):
         return ttt_loss(module, embed, t2d, batch, ttt_steps)
 
+    if world().main:  # the config first: a run stopped early leaves a checkpoint that, with it, makes the head
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / CONFIG).write_text(head.config.to_json())
     train(head, loss_fn, batches, out_dir, cfg, evaluate=evaluate, log=log)
     head.requires_grad_(False)
     if world().main:
