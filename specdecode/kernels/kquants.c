@@ -372,12 +372,14 @@ static inline __m512i bcast4_16(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+#define WIDE_ROWS_MAX 8  /* rows a tile's blocks are unpacked for at once: 32 registers hold 8 rows' sums */
+
 static inline __attribute__((always_inline)) void k_wide_rows(
     const int KIND, const uint8_t *w, const uint16_t *dt, const uint8_t *mt, const int8_t *xq, const float *dx,
     const float *sx, const int32_t *s16, int K, float *y, int N, const int R) {
     const int nb = K / QK, bb = block_bytes(KIND), lw = 16;
     const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512 acc[ROWS];
+    __m512 acc[WIDE_ROWS_MAX];
     float ds[16 * 16], ms[SUBS * 16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -386,7 +388,7 @@ static inline __attribute__((always_inline)) void k_wide_rows(
         const uint8_t *p = w + (int64_t)bb * lw * b;
         for (int line = 0; line < bb * lw; line += 64)
             _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bb * COLS + line, _MM_HINT_T0);
-        __m512i isum[ROWS], isum2[ROWS];
+        __m512i isum[WIDE_ROWS_MAX], isum2[WIDE_ROWS_MAX];
         for (int r = 0; r < R; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
         const __m512i h0 = KIND == K_Q4 ? _mm512_setzero_si512()
                          : _mm512_loadu_si512((const void *)(p + (KIND == K_Q3 ? 8 : 16) * lw));
@@ -481,19 +483,24 @@ void specdecode_k_matmul(int kind, const int8_t *xq, const float *dx, const floa
         const uint8_t *mt = (const uint8_t *)m + n0 * m_bytes;
 #if SPECDECODE_AVX512
         if (lw == 16 && N - n0 >= 16) {
-            for (int r0 = 0; r0 < M; r0 += ROWS) {
+            /* 8 rows a pass where there are 8 (a verification's tree), else 4, 3, 2 or 1: each row's numbers are the
+               same in any pass, a row's operations never mixing with another's */
+            for (int r0 = 0, rows; r0 < M; r0 += rows) {
+                rows = M - r0 >= WIDE_ROWS_MAX ? WIDE_ROWS_MAX : M - r0 >= 4 ? 4 : M - r0;
 #define WIDE_ROWS(KIND, R) k_wide_rows(KIND, w, dt, mt, xq + (int64_t)r0 * K, dx + (int64_t)r0 * nb, \
                                        sx + (int64_t)r0 * nb, s16 + (int64_t)r0 * (K / 16), K, \
                                        y + (int64_t)r0 * N + n0, N, R)
-                const int rows = M - r0 < ROWS ? M - r0 : ROWS;
+#define WIDE_BY_ROWS(KIND) do { if (rows == WIDE_ROWS_MAX) WIDE_ROWS(KIND, WIDE_ROWS_MAX); \
+                                else BY_ROWS(WIDE_ROWS, KIND); } while (0)
                 switch (kind) {
-                    case K_Q4: BY_ROWS(WIDE_ROWS, K_Q4); break;
-                    case K_Q5: BY_ROWS(WIDE_ROWS, K_Q5); break;
-                    case K_Q51: BY_ROWS(WIDE_ROWS, K_Q51); break;
-                    case K_Q3: BY_ROWS(WIDE_ROWS, K_Q3); break;
-                    case K_IQ4: BY_ROWS(WIDE_ROWS, K_IQ4); break;
-                    default: BY_ROWS(WIDE_ROWS, K_Q6); break;
+                    case K_Q4: WIDE_BY_ROWS(K_Q4); break;
+                    case K_Q5: WIDE_BY_ROWS(K_Q5); break;
+                    case K_Q51: WIDE_BY_ROWS(K_Q51); break;
+                    case K_Q3: WIDE_BY_ROWS(K_Q3); break;
+                    case K_IQ4: WIDE_BY_ROWS(K_IQ4); break;
+                    default: WIDE_BY_ROWS(K_Q6); break;
                 }
+#undef WIDE_BY_ROWS
 #undef WIDE_ROWS
             }
             continue;
