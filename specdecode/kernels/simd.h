@@ -82,8 +82,8 @@ static inline float hsum(__m256 v) {
 
 #if SPECDECODE_AVX2
 /* e^x for x <= 0, 8 at a time (Cephes' expf: range reduction by ln 2, a degree-5 polynomial), to ~2 ulp; 0 below
-   -87.3, where e^x leaves float's normal range: an attention weight of ~1e-38 made its products with the values
-   subnormal, and each multiply-add on a subnormal takes the CPU's slow path (a sharp head's weighing ran ~10x slower) */
+   -87.3, where e^x leaves float's normal range: an attention weight of ~1e-38 makes its products with the values
+   subnormal, and each multiply-add on a subnormal takes the CPU's slow path */
 static inline __m256 exp8(__m256 x) {
     const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
