@@ -147,24 +147,31 @@ def test_greedy_eagle_equals_plain(target, head, reference, monkeypatch, k, topk
 def test_native_head_block_computes_what_the_pytorch_block_does(trained, monkeypatch, quantized) -> None:
     """A float32 head on the CPU runs its block in the native kernel: the same numbers as the PyTorch block (float
     rounding apart) for a prefix, a chain and a tree mask over its cache, with float or int8 weights."""
-    from specdecode import kernels
     from specdecode.models import eagle as eagle_head_module
 
     head = EagleHead.load(trained, dtype=torch.float32)
     if quantized:
         head.quantize_("int8")
-    h, gen = head.config.block.hidden_size, torch.Generator().manual_seed(0)
-    features, embeds = torch.randn(1, 12, h, generator=gen), torch.randn(1, 12, h, generator=gen)
-    tree = torch.ones(4, 12, dtype=torch.bool)
-    tree[1, 8], tree[2, 8:10], tree[3, 9] = False, False, False  # node 1 and 2 beside each other, 3 under 1
+    native_matches_pytorch(head, eagle_head_module.EagleHead, monkeypatch)
+
+
+def native_matches_pytorch(head: EagleHead, cls: type, monkeypatch) -> None:
+    """`head` (a float32 head on the CPU, of class `cls`) gives the same numbers, float rounding apart, through the
+    native kernel and through PyTorch, for a prefix, a chain and a tree over its cache; the caller's features are
+    left as they were."""
     if kernels.native() is None:
         pytest.skip("no native kernels on this machine (kernels.native() logged why)")
     native_run = head._native_block(head.new_cache(8))
     assert native_run is not None and native_run[1].head is not None  # else this compares PyTorch with itself
+    h, gen = head.config.block.hidden_size, torch.Generator().manual_seed(0)
+    features, embeds = torch.randn(1, 12, h, generator=gen), torch.randn(1, 12, h, generator=gen)
+    kept = features.clone()
+    tree = torch.ones(4, 12, dtype=torch.bool)
+    tree[1, 8], tree[2, 8:10], tree[3, 9] = False, False, False  # node 1 and 2 beside each other, 3 under 1
     runs = []
     for path in ("native", "torch"):
         if path == "torch":
-            monkeypatch.setattr(eagle_head_module.EagleHead, "_native_block", lambda self, cache: None)
+            monkeypatch.setattr(cls, "_native_block", lambda self, cache: None)
         cache, outs = head.new_cache(32), []
         outs.append(head(features[:, :5], embeds[:, :5], cache, torch.arange(5)))  # a prefix, causal
         outs.append(head(features[:, 5:8], embeds[:, 5:8], cache, torch.arange(5, 8)))  # a chain after it
@@ -173,6 +180,7 @@ def test_native_head_block_computes_what_the_pytorch_block_does(trained, monkeyp
         last, _ = head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree, slice(-1, None))
         assert torch.equal(last, outs[-1][0][:, -1:])
         runs.append(outs)
+    assert torch.equal(features, kept)
     for (a_logits, a_hidden), (b_logits, b_hidden) in zip(*runs, strict=True):
         torch.testing.assert_close(a_hidden, b_hidden, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(a_logits, b_logits, rtol=1e-4, atol=1e-4)

@@ -23,7 +23,7 @@ from specdecode.proposers import EagleProposer
 from specdecode.training.loop import TrainConfig
 
 from .helpers import tiny_model
-from .test_eagle import distilled
+from .test_eagle import distilled, native_matches_pytorch
 from .test_lossless import PROMPTS, VOCAB
 
 NEW = 24
@@ -121,36 +121,12 @@ def test_native_layer_computes_what_the_pytorch_layer_does(target, monkeypatch, 
     """A float32 EAGLE-3 head on the CPU runs its layer, norm and output layer in the native kernel (q/k/v reading
     the wide input the call passes): the PyTorch layer's numbers, float rounding apart, for a prefix, a chain and a
     tree over its cache, with float or int8 weights; the caller's features are left as they were."""
-    from specdecode import kernels
     from specdecode.models import eagle3
 
-    if kernels.native() is None:
-        pytest.skip("no native kernels on this machine (kernels.native() logged why)")
     head = made_head(target, seed=3).float()
     if quantized:
         head.quantize_(quantized)
-    assert head._native_block(head.new_cache(8)) is not None  # else this compares PyTorch with itself
-    h, gen = head.config.block.hidden_size, torch.Generator().manual_seed(0)
-    features, embeds = torch.randn(1, 12, h, generator=gen), torch.randn(1, 12, h, generator=gen)
-    kept = features.clone()
-    tree = torch.ones(4, 12, dtype=torch.bool)
-    tree[1, 8], tree[2, 8:10], tree[3, 9] = False, False, False  # node 1 and 2 beside each other, 3 under 1
-    runs = []
-    for path in ("native", "torch"):
-        if path == "torch":
-            monkeypatch.setattr(eagle3.Eagle3Head, "_native_block", lambda self, cache: None)
-        cache, outs = head.new_cache(32), []
-        outs.append(head(features[:, :5], embeds[:, :5], cache, torch.arange(5)))  # a prefix, causal
-        outs.append(head(features[:, 5:8], embeds[:, 5:8], cache, torch.arange(5, 8)))  # a chain after it
-        outs.append(head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree))
-        cache.rollback(8)  # the same tree again, the last node's logits only (what a catch-up asks for)
-        last, _ = head(features[:, 8:12], embeds[:, 8:12], cache, torch.tensor([8, 9, 9, 10]), tree, slice(-1, None))
-        assert torch.equal(last, outs[-1][0][:, -1:])
-        runs.append(outs)
-    assert torch.equal(features, kept)
-    for (a_logits, a_hidden), (b_logits, b_hidden) in zip(*runs, strict=True):
-        torch.testing.assert_close(a_hidden, b_hidden, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(a_logits, b_logits, rtol=1e-4, atol=1e-4)
+    native_matches_pytorch(head, eagle3.Eagle3Head, monkeypatch)
 
 
 def test_a_native_layer_without_its_wide_input_is_refused(target) -> None:

@@ -233,16 +233,24 @@ class EagleHead(nn.Module):
         x = self.embed_input(features, token_embeds)
         blocks = self._native_block(cache)
         if blocks is not None:  # one native call instead of a dozen PyTorch operators' dispatch
-            lib, block = blocks
-            x = x.reshape(n, -1).contiguous()
-            full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
-            logits = block.run(lib, x, cache.kv, [native.RowSpan(0, n, start, 0, [(None, full)])], [(cos, sin)],
-                               self.config.block, None, None if block.head is None else logits_at)
-            x = x.view(1, n, -1)
+            logits, x = self.run_native(blocks, x, cos, sin, cache, mask, logits_at)
         else:
             x, logits = self.block(x, cos, sin, cache, 0, start, mask), None
         cache.length = start + n
         return (self.lm_head(self.norm(x[:, logits_at])) if logits is None else logits[None]), x
+
+    def run_native(self, blocks, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                   mask: torch.Tensor | None, logits_at: slice | None, wide: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits of `logits_at` where the kernel computes them, else None; the layer's output [1, n, H]) for x
+        [1, n, H], which the kernel updates in place, after the cache's length entries (`wide`: NativeBlocks.run's)."""
+        lib, block = blocks
+        start, n = cache.length, x.shape[1]
+        x = x.reshape(n, -1).contiguous()
+        full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
+        logits = block.run(lib, x, cache.kv, [native.RowSpan(0, n, start, 0, [(None, full)])], [(cos, sin)],
+                           self.config.block, None, None if block.head is None else logits_at, wide=wide)
+        return logits, x.view(1, n, -1)
 
     def warm_up(self) -> None:
         """One forward of a position: a head's first forward builds its native description and RoPE table (many

@@ -119,13 +119,9 @@ class Eagle3Head(EagleHead):
         wide, x = self.attn_input(features.to(self.dtype), token_embeds)
         blocks = self._native_block(cache)
         if blocks is not None:  # one native call: the layer, the norm and the output layer
-            lib, block = blocks
-            x = x.reshape(n, -1).clone()  # updated in place: not the caller's features
-            full = None if mask is None else mask.to(torch.uint8).contiguous()  # [n, start + n]
-            logits_of = None if block.head is None or not self.norm_output else logits_at
-            logits = block.run(lib, x, cache.kv, [native.RowSpan(0, n, start, 0, [(None, full)])], [(cos, sin)],
-                               self.config.block, None, logits_of, wide=wide.reshape(n, -1).contiguous())
-            x = x.view(1, n, -1)
+            # x is updated in place: a copy, not the caller's features
+            logits, x = self.run_native(blocks, x.clone(), cos, sin, cache, mask,
+                                        logits_at if self.norm_output else None, wide.reshape(n, -1).contiguous())
             cache.length = start + n
             return (self.lm_head(self.final(x[:, logits_at])) if logits is None else logits[None]), x
         x = x + self.attn(wide, cos, sin, cache, 0, start, mask)  # the fused feature is the residual
