@@ -23,18 +23,14 @@ from specdecode import kernels
 
 
 def build_before(rev: str, out: Path) -> Path:
-    """The native library of `rev`'s kernel sources, compiled with this checkout's flags."""
+    """The native library of `rev`'s kernel sources, built as this checkout builds its own."""
     src = out / "kernels"
     src.mkdir(parents=True)
     for path in kernels.SOURCES + kernels.HEADERS:
         name = f"specdecode/kernels/{path.name}"
         (src / path.name).write_bytes(subprocess.run(["git", "show", f"{rev}:{name}"], check=True,
                                                      capture_output=True).stdout)
-    lib = out / "before.so"
-    flags = [*kernels.FLAGS, *kernels._target_flags()]  # the flags the library builds with
-    sources = [str(src / path.name) for path in kernels.SOURCES]
-    subprocess.run([str(kernels._compiler()), *flags, *sources, "-o", str(lib), "-lm"], check=True)
-    return lib
+    return kernels._build(out, src)  # noqa: SLF001 - the library's own build, from other sources
 
 
 def main() -> None:

@@ -59,13 +59,17 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
 
 
-def _build(cache_dir: Path) -> Path:
+def _build(cache_dir: Path, source_dir: Path | None = None) -> Path:
+    """The library built from the kernels' sources (in `source_dir` where given: another revision's), cached by
+    their hash, the flags, the compiler and the CPU."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    sources = SOURCES if source_dir is None else [source_dir / s.name for s in SOURCES]
+    headers = HEADERS if source_dir is None else [source_dir / h.name for h in HEADERS]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     flags = [*_target_flags(), *FLAGS]
-    key = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(flags).encode() + version.encode()
+    key = hashlib.sha1(b"".join(s.read_bytes() for s in sources + headers) + " ".join(flags).encode() + version.encode()
                        + cpu_flags().encode()).hexdigest()[:16]
     lib = cache_dir / "kernels" / f"specdecode-{key}.so"
     if lib.exists():
@@ -75,7 +79,7 @@ def _build(cache_dir: Path) -> Path:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, *map(str, sources), "-o", str(out), "-lm"], capture_output=True, text=True,
                               check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-400:]}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from .eagle import CONFIG as OUR_EAGLE_CONFIG
@@ -54,8 +55,8 @@ def weights_file(path: Path) -> Path | None:
     return None
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The state dict in `path` (a folder), with a leading `model.` dropped where every key has one."""
+def head_weights_file(path: Path) -> Path:
+    """The folder's one weight file; a clear error where it holds none or a sharded checkpoint."""
     file = weights_file(path)
     if file is None:
         if (path / "model.safetensors.index.json").exists() or (path / "pytorch_model.bin.index.json").exists():
@@ -64,10 +65,30 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path} holds no head weights: expected one of "
                                 f"{', '.join((*SAFE_FILES, *PICKLE_FILES))} (a published head's folder, or train one: "
                                 "`specdecode train eagle|medusa --out DIR`)")
-    state = load_file(str(file)) if file.suffix == ".safetensors" else read_pickle(file)
+    return file
+
+
+def without_model_prefix(state: dict[str, Any]) -> dict[str, Any]:
+    """The keys with a leading `model.` dropped where every key has one."""
     if state and all(k.startswith("model.") for k in state):
-        state = {k.removeprefix("model."): v for k, v in state.items()}
+        return {k.removeprefix("model."): v for k, v in state.items()}
     return state
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in `path` (a folder), with a leading `model.` dropped where every key has one."""
+    file = head_weights_file(path)
+    return without_model_prefix(load_file(str(file)) if file.suffix == ".safetensors" else read_pickle(file))
+
+
+def weight_names(path: Path) -> list[str]:
+    """read_weights(path)'s keys, from a safetensors header alone (no tensor read: telling a head from a model's
+    checkpoint must not load the model)."""
+    file = head_weights_file(path)
+    if file.suffix != ".safetensors":
+        return list(read_weights(path))
+    with safe_open(str(file), "pt") as f:
+        return list(without_model_prefix(dict.fromkeys(f.keys())))
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -97,7 +118,7 @@ def detect_layout(path: Path | str) -> str:
         return OURS_MEDUSA
     if "medusa_num_heads" in config:
         return MEDUSA
-    keys = read_weights(path).keys()
+    keys = weight_names(path)
     if any(k.startswith("midlayer.") for k in keys):
         return EAGLE3
     if any(k.startswith(("medusa_head.", "0.0.linear.")) for k in keys):

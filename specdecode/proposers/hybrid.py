@@ -97,7 +97,7 @@ def eagle_head_dir(draft: Draft) -> bool:
         return False
     try:
         return detect_layout(draft) in (OURS_EAGLE, EAGLE3, EAGLE1)
-    except ValueError:  # a model's checkpoint, not a head
+    except (ValueError, FileNotFoundError):  # a model's checkpoint (or no weights at all): not a head
         return False
 
 
