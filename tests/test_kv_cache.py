@@ -17,7 +17,7 @@ from specdecode import kernels
 from specdecode.core.tree import DraftTree
 from specdecode.engine.loop import generate_ids
 from specdecode.models import BatchKVCache
-from specdecode.models.cache import KVCache, kv_dtype
+from specdecode.models.cache import KV_KINDS, KVCache, kv_dtype
 
 from .helpers import noisy_copy, tiny_model
 from .test_lossless import METHODS, NEW, PROMPTS, VOCAB
@@ -28,9 +28,11 @@ BUILDS = ["", "portable"]  # this CPU's (AVX2/AVX-512: F16C conversions) and pla
 def test_cache_dtype_follows_the_model_and_the_option() -> None:
     assert kv_dtype(torch.float32) == torch.float16  # the default: half the memory
     assert kv_dtype(torch.float32, "float32") == torch.float32
+    assert kv_dtype(torch.float32, "int8") == torch.int8
     assert kv_dtype(torch.float64) == torch.float64  # the tiny test models keep theirs
     assert kv_dtype(torch.bfloat16, "float16") == torch.bfloat16
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float16, float32, got 'int4'"):
+    assert kv_dtype(torch.float64, "int8") == torch.float64
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float16, float32, int8, got 'int4'"):
         kv_dtype(torch.float32, "int4")
     model = tiny_model(0, dtype=torch.float32)
     assert model.new_cache(8).kv.dtype == torch.float16
@@ -50,14 +52,17 @@ def lib(request, monkeypatch):
     kernels.reset()
 
 
-def attention(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: torch.Tensor | None) -> torch.Tensor:
-    """block.c's attention of q [n, heads * hd] over kv [2, kv_heads, max_len, hd] (float32 or float16)."""
-    heads, hd = q.shape[1] // kv.shape[3], kv.shape[3]
+def attention(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: torch.Tensor | None,
+              hd: int | None = None) -> torch.Tensor:
+    """block.c's attention of q [n, heads * hd] over kv [2, kv_heads, max_len, row] (float32, float16, or int8 rows
+    of hd values and a scale)."""
+    hd = hd or kv.shape[3]
+    heads = q.shape[1] // hd
     out = torch.empty_like(q)
     failed = lib.specdecode_attention(q.data_ptr(), q.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(),
                                       kv[1].data_ptr(), kv.shape[2], start, n,
                                       None if mask is None else mask.data_ptr(), None, heads, kv.shape[1], hd,
-                                      hd**-0.5, int(kv.dtype == torch.float16))
+                                      hd**-0.5, KV_KINDS[kv.dtype])
     assert failed == 0
     return out
 
@@ -88,10 +93,10 @@ def test_native_attention_reads_float16_exactly(lib, hd: int, n: int) -> None:
 
 
 def attention_rows(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: torch.Tensor | None,
-                   heads_per_kv: int, table: torch.Tensor | None, block: int) -> torch.Tensor:
-    """block.c's call of the attention: kv [2, kv_heads, max_len, hd] contiguous (table None), or blocks
-    [2, n_blocks, kv_heads, block, hd] read through the table."""
-    hd, kv_heads = kv.shape[-1], kv.shape[-3] if table is not None else kv.shape[1]
+                   heads_per_kv: int, table: torch.Tensor | None, block: int, hd: int | None = None) -> torch.Tensor:
+    """block.c's call of the attention: kv [2, kv_heads, max_len, row] contiguous (table None), or blocks
+    [2, n_blocks, kv_heads, block, row] read through the table (rows of hd values: int8's with a scale)."""
+    hd, kv_heads = hd or kv.shape[-1], kv.shape[-3] if table is not None else kv.shape[1]
     lib.specdecode_attention_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -101,8 +106,8 @@ def attention_rows(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, m
     failed = lib.specdecode_attention_rows(
         q.data_ptr(), q.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(), kv[1].data_ptr(),
         block if table is not None else kv.shape[2], start, n, None if mask is None else mask.data_ptr(), None,
-        heads_per_kv * kv_heads, kv_heads, hd, hd**-0.5, int(kv.dtype == torch.float16),
-        None if table is None else table.data_ptr(), kv_heads * block * hd)
+        heads_per_kv * kv_heads, kv_heads, hd, hd**-0.5, KV_KINDS[kv.dtype],
+        None if table is None else table.data_ptr(), kv_heads * block * kv.shape[-1])
     assert failed == 0
     return out
 
@@ -253,8 +258,8 @@ def test_without_kernels_the_float16_cache_computes_what_the_kernels_compute(mon
 def test_a_bad_cache_dtype_is_refused_before_loading() -> None:
     import specdecode
 
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float16, float32, got 'int8'"):
-        specdecode.load("no-such-model", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float16, float32, int8, got 'int4'"):
+        specdecode.load("no-such-model", kv_cache_dtype="int4")
 
 
 @pytest.mark.parametrize("argv", [["generate", "hi"], ["bench", "--out"]], ids=["generate", "bench"])

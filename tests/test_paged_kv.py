@@ -259,7 +259,7 @@ def lib(request, monkeypatch):
     kernels.reset()
 
 
-@pytest.mark.parametrize("kv", ["float16", "float32"])
+@pytest.mark.parametrize("kv", ["float16", "float32", "int8"])
 def test_native_blocks_read_through_the_block_table_bit_for_bit(lib, kv):
     """A float32 model's batch in the native kernel over a paged cache (blocks scattered, rows preempted and prefilled
     anew) decodes exactly what the contiguous cache decodes, and the kernel did read through the tables."""

@@ -104,8 +104,9 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                    "others in --dtype; none = all in --dtype; int4/int8 = weight-only, float32 activations; "
                    "int4-a8/int8-a8 = int8 activations too (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="float16", choices=list(KV_CACHE_DTYPES),
-                   help="keys and values of a float32 model: float16 = half the memory, as llama.cpp; float32 = as "
-                   "computed (default: %(default)s)")
+                   help="keys and values of a float32 model: float16 = half the memory, as llama.cpp; int8 = a quarter "
+                   "(a scale a row: long contexts read half float16's bytes); float32 = as computed "
+                   "(default: %(default)s)")
 
 
 def quantization(args: argparse.Namespace) -> str | None:

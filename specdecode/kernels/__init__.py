@@ -190,7 +190,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.specdecode_blocks.argtypes = [p, i, i, ctypes.POINTER(Layer), i, p, q, q, i, i, ctypes.POINTER(View),
                                       ctypes.POINTER(Span), i, i, i, i, i, f, p, ctypes.POINTER(Output), q, p]
     lib.specdecode_blocks.restype = i
-    lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f, i]  # last: float16 keys
+    lib.specdecode_attention.argtypes = [p, i, p, i, p, p, i, i, i, p, p, i, i, i, f, i]  # last: kv_kind
     lib.specdecode_attention.restype = i
     lib.specdecode_argmax.argtypes = [p, i]
     lib.specdecode_argmax.restype = i

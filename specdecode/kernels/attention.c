@@ -1,6 +1,8 @@
-/* Scaled dot-product attention over a layer's KV cache (float32 or float16 rows, contiguous or paged), for the
-   blocks (block.c) and the PyTorch models: scores q . k * scale, softmax with the max subtracted, the weighted sum of
-   the values; every number of a query computed by the same operations in the same order whatever the call holds. */
+/* Scaled dot-product attention over a layer's KV cache (float32, float16 or int8 rows, contiguous or paged), for
+   the blocks (block.c) and the PyTorch models: scores q . k * scale, softmax with the max subtracted, the weighted sum
+   of the values; every number of a query computed by the same operations in the same order whatever the call holds.
+   An int8 row's scale is applied once per key: a score is (q . k_int) * s_k * scale, a value row enters its sums with
+   weight p * s_v (the totals sum p alone). */
 
 #include <math.h>
 #include <stdint.h>
@@ -12,21 +14,23 @@
 
 
 #if SPECDECODE_AVX2
-/* 8 elements of a cache row from element `at` on: float32, or float16 widened (exact) */
-static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t at, const int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
-                : _mm256_loadu_ps((const float *)base + at);
+/* 8 elements of a cache row from element `at` on, as floats (exact): float32, float16 widened, or int8 unscaled */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, int64_t at, const int kind) {
+    if (kind == KV_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + at))));
+    return kind == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
+                          : _mm256_loadu_ps((const float *)base + at);
 }
 
-/* q . k_t for the 8 keys k_0..k_7 (rows of hd elements from element `at` of k, hd a multiple of 8; half: float16):
-   lane t holds key t's product, from the same additions whatever the other lanes hold */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd,
-                                                         const int half) {
+/* q . k_t for the 8 keys k_0..k_7 (rows of hd elements, rs apart, from element `at` of k, hd a multiple of 8; int8
+   rows unscaled): lane t holds key t's product, from the same additions whatever the other lanes hold */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd, int rs,
+                                                         const int kind) {
     __m256 a[8];
     for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
     for (int e = 0; e < hd; e += 8) {
         const __m256 qv = _mm256_loadu_ps(q + e);
-        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * hd + e, half), a[t]);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * rs + e, kind), a[t]);
     }
     const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -34,15 +38,16 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const v
 }
 /* Keys j0..j1 of o_h = sum_j p_hj v_j / sum_j p_hj for H heads (weights p + h * p_stride), over 8 NV floats of the
    keys' value rows from element `at` of a row: the sums carried in acc (H rows of 8 NV floats) and totals (H) from the
-   keys before, in registers over the range (H, NV and half constants at each call: the loops unroll, each value
-   vector is widened once for the H heads). Both sums run over the visible keys (p_hj != 0) in cache order, one at a
+   keys before, in registers over the range (H, NV and kind constants at each call: the loops unroll, each value
+   vector is widened once for the H heads; an int8 row's scale multiplies each head's weight, not the totals). Both sums run over the visible keys (p_hj != 0) in cache order, one at a
    time: a tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart.
    A head's sums are the same whatever ranges its keys are taken in (a range stores and reloads them exactly), whatever
    heads and elements share the call (an element's sum is its own). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, size_t p_stride, const void *vals,
                                                                int64_t at, const Rows *rows, int hd, int j0, int j1,
                                                                float *acc_mem, float *totals, const int H,
-                                                               const int NV, const int half) {
+                                                               const int NV, const int kind) {
+    const int rs = kv_row(hd, kind);
     __m256 acc[16];
     float sum[4];
     for (int h = 0; h < H; h++) {
@@ -52,9 +57,9 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
     for (int j = j0; j < j1;) {  /* a run of keys whose rows are contiguous (a block, or the whole range) at a time */
         int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j1;
         if (end > j1) end = j1;
-        const int64_t first = at + row_at(rows, j, hd) - (int64_t)j * hd;
+        const int64_t first = at + row_at(rows, j, rs) - (int64_t)j * rs;
         for (; j < end; j++) {
-            const int64_t vj = first + (int64_t)j * hd;
+            const int64_t vj = first + (int64_t)j * rs;
             float pj[4];
             int any = 0;
             for (int h = 0; h < H; h++) {
@@ -67,11 +72,14 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
                 sum[h] += pj[h];  /* + 0 is exact */
                 all &= pj[h] != 0.0f;
             }
+            float wj[4];
+            const float sj = kind == KV_I8 ? kv_scale(vals, vj - at, rs) : 1.0f;
+            for (int h = 0; h < H; h++) wj[h] = kind == KV_I8 ? pj[h] * sj : pj[h];
             for (int e = 0; e < NV; e++) {
-                const __m256 v = load_kv8(vals, vj + 8 * e, half);
+                const __m256 v = load_kv8(vals, vj + 8 * e, kind);
                 for (int h = 0; h < H; h++)  /* a hidden key's value never enters a sum (it may be anything) */
                     if (all || pj[h] != 0.0f)
-                        acc[h * NV + e] = _mm256_fmadd_ps(_mm256_set1_ps(pj[h]), v, acc[h * NV + e]);
+                        acc[h * NV + e] = _mm256_fmadd_ps(_mm256_set1_ps(wj[h]), v, acc[h * NV + e]);
             }
         }
     }
@@ -82,51 +90,77 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
 }
 #endif
 
-/* Element `at` of a cache row, as a float */
-static inline float kv_at(const void *base, int64_t at, int half) {
-    return half ? half_to_float(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+/* Element `at` of a cache row, as a float (exact; int8 unscaled) */
+static inline float kv_at(const void *base, int64_t at, int kind) {
+    return kind == KV_I8    ? (float)((const int8_t *)base)[at]
+           : kind == KV_F16 ? half_to_float(((const uint16_t *)base)[at])
+                            : ((const float *)base)[at];
 }
 
-/* count consecutive cache rows (hd elements each) from element `at` into out as floats (exact) */
-static void widen_rows(const void *base, int64_t at, int count, int hd, int half, float *out) {
-    if (!half) {
+/* count consecutive cache rows (hd elements each, rs apart) from element `at` into out as floats, hd apart (exact;
+   int8 unscaled: their scales into scales, where given) */
+static void widen_rows(const void *base, int64_t at, int count, int hd, int kind, float *out, float *scales) {
+    const int rs = kv_row(hd, kind);
+    if (kind == KV_F32) {
         memcpy(out, (const float *)base + at, sizeof(float) * (size_t)count * hd);
         return;
     }
-    int64_t e = 0;
+    for (int r = 0; r < count; r++) {
+        const int64_t row = at + (int64_t)r * rs;
+        float *o = out + (int64_t)r * hd;
+        int e = 0;
 #if SPECDECODE_AVX2
-    for (; e + 8 <= (int64_t)count * hd; e += 8) _mm256_storeu_ps(out + e, load_kv8(base, at + e, 1));
+        if (kind == KV_I8)
+            for (; e + 8 <= hd; e += 8) _mm256_storeu_ps(o + e, load_kv8(base, row + e, KV_I8));
+        else
+            for (; e + 8 <= hd; e += 8) _mm256_storeu_ps(o + e, load_kv8(base, row + e, KV_F16));
 #endif
-    for (; e < (int64_t)count * hd; e++) out[e] = kv_at(base, at + e, 1);
+        for (; e < hd; e++) o[e] = kv_at(base, row + e, kind);
+        if (scales && kind == KV_I8) scales[r] = kv_scale(base, row, rs);
+    }
 }
 
-/* Scores of one query over the keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it applies (a
-   key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8 (pad: 8 * hd
-   floats) */
-static void scores(const float *q, const void *keys, const Rows *rows, int half, int L, int max_len, int hd,
+/* The scale of key j (int8 rows, or keys widened from them: rows->scales), 1 where the keys are floats */
+static inline float key_scale(const void *keys, const Rows *rows, int j, int rs, int kind) {
+    if (rows->scales) return rows->scales[j - rows->first];
+    return kind == KV_I8 ? kv_scale(keys, row_at(rows, j, rs), rs) : 1.0f;
+}
+
+/* Scores of one query over the keys (p[j] = q . k_j * scale for j < L; int8 keys: (q . k_j) * s_j * scale), every
+   key's by dot8 where it applies (a key's number never depends on L or n), padding rows of zeros where the cache ends
+   inside a group of 8 (pad: 8 * hd floats) */
+static void scores(const float *q, const void *keys, const Rows *rows, int kind, int L, int max_len, int hd,
                    float scale, float *p, float *pad, int j0, int j1) {
+    const int rs = kv_row(hd, kind), scaled = kind == KV_I8 || rows->scales;
 #if SPECDECODE_AVX2
     if (hd % 8 == 0) {
         for (int j = j0; j < j1; j += 8) {
             __m256 s;
-            if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
+            const int in_cache = !rows->table && j + 8 > max_len ? max_len - j : 8;
+            if (in_cache < 8) {  /* the cache ends inside this group: zero rows past its end */
                 memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
-                widen_rows(keys, row_at(rows, j, hd), max_len - j, hd, half, pad);
-                s = dot8(q, pad, 0, hd, 0);
-            } else if (half) s = dot8(q, keys, row_at(rows, j, hd), hd, 1);
-            else s = dot8(q, keys, row_at(rows, j, hd), hd, 0);
+                widen_rows(keys, row_at(rows, j, rs), in_cache, hd, kind, pad, NULL);
+                s = dot8(q, pad, 0, hd, hd, KV_F32);
+            } else if (kind == KV_I8) s = dot8(q, keys, row_at(rows, j, rs), hd, rs, KV_I8);
+            else if (kind == KV_F16) s = dot8(q, keys, row_at(rows, j, rs), hd, rs, KV_F16);
+            else s = dot8(q, keys, row_at(rows, j, rs), hd, rs, KV_F32);
+            if (scaled) {
+                float k_scales[8] = {0};
+                for (int t = 0; t < in_cache; t++) k_scales[t] = key_scale(keys, rows, j + t, rs, kind);
+                s = _mm256_mul_ps(s, _mm256_loadu_ps(k_scales));
+            }
             _mm256_storeu_ps(p + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
         }
         return;
     }
 #endif
     for (int j = j0; j < j1 && j < L; j++) {
-        const float *k = (const float *)keys + row_at(rows, j, hd);
-        if (half) {  /* widened into pad first: dot reads floats */
-            widen_rows(keys, row_at(rows, j, hd), 1, hd, 1, pad);
+        const float *k = (const float *)keys + row_at(rows, j, rs);
+        if (kind != KV_F32) {  /* widened into pad first: dot reads floats */
+            widen_rows(keys, row_at(rows, j, rs), 1, hd, kind, pad, NULL);
             k = pad;
         }
-        p[j] = dot(q, k, hd) * scale;
+        p[j] = scaled ? dot(q, k, hd) * key_scale(keys, rows, j, rs, kind) * scale : dot(q, k, hd) * scale;
     }
 }
 
@@ -188,7 +222,7 @@ static void softmax_weights(float *p, int L, int end, int start, int n, int i, c
    once for the pass's heads (see weigh_values). Elements without the fast path: each head's sums one at a time, in
    the same order (keys in cache order, hidden ones skipped). */
 static void weigh_heads(const float *p, size_t p_stride, int heads, const void *vals, const Rows *rows, int hd, int L,
-                        int e0, int width, int half, float *out) {
+                        int e0, int width, int kind, float *out) {
 #if SPECDECODE_AVX2
     if (hd % SLICE == 0) {
         float acc[4 * SLICE], totals[4];
@@ -198,17 +232,15 @@ static void weigh_heads(const float *p, size_t p_stride, int heads, const void *
                 const float *ph = p + (size_t)h0 * p_stride;
                 memset(acc, 0, sizeof acc);
                 memset(totals, 0, sizeof totals);
-#define WEIGH(h, f16) weigh_values(ph, p_stride, vals, e, rows, hd, 0, L, acc, totals, h, SLICE / 8, f16)
-                switch (2 * H + (half != 0)) {  /* constants at each call: the loops unroll, the loads fold */
-                    case 2: WEIGH(1, 0); break;
-                    case 3: WEIGH(1, 1); break;
-                    case 4: WEIGH(2, 0); break;
-                    case 5: WEIGH(2, 1); break;
-                    case 6: WEIGH(3, 0); break;
-                    case 7: WEIGH(3, 1); break;
-                    case 8: WEIGH(4, 0); break;
-                    default: WEIGH(4, 1); break;
+#define WEIGH(h, k) weigh_values(ph, p_stride, vals, e, rows, hd, 0, L, acc, totals, h, SLICE / 8, k)
+#define KINDS(h) if (kind == KV_I8) WEIGH(h, KV_I8); else if (kind == KV_F16) WEIGH(h, KV_F16); else WEIGH(h, KV_F32)
+                switch (H) {  /* constants at each call: the loops unroll, the loads fold */
+                    case 1: KINDS(1); break;
+                    case 2: KINDS(2); break;
+                    case 3: KINDS(3); break;
+                    default: KINDS(4); break;
                 }
+#undef KINDS
 #undef WEIGH
                 for (int h = 0; h < H; h++) {
                     const __m256 inv = _mm256_set1_ps(1.0f / totals[h]);
@@ -227,11 +259,12 @@ static void weigh_heads(const float *p, size_t p_stride, int heads, const void *
         for (int j = 0; j < L; j++) total += w[j];
         const float inv = 1.0f / total;
         for (int e = e0; e < e0 + width; e++) o[e] = 0.0f;
+        const int rs = kv_row(hd, kind);
         for (int j = 0; j < L; j++) {
             if (w[j] == 0.0f) continue;
-            const float pj = w[j];
-            const int64_t vj = row_at(rows, j, hd);
-            for (int e = e0; e < e0 + width; e++) o[e] += pj * kv_at(vals, vj + e, half);
+            const int64_t vj = row_at(rows, j, rs);
+            const float pj = kind == KV_I8 ? w[j] * kv_scale(vals, vj, rs) : w[j];
+            for (int e = e0; e < e0 + width; e++) o[e] += pj * kv_at(vals, vj + e, kind);
         }
         for (int e = e0; e < e0 + width; e++) o[e] *= inv;
     }
@@ -243,9 +276,9 @@ static void weigh_heads(const float *p, size_t p_stride, int heads, const void *
    finds the kv head's keys and values in L2. */
 static int verify_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                             const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                            const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int half,
+                            const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kind,
                             const int32_t *table, int64_t bstride, int shift) {
-    const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv;
+    const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv, rs = kv_row(hd, kind);
     const size_t stride = (size_t)Lp + 8;
     int failed = 0;
 #pragma omp parallel
@@ -259,15 +292,15 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
         for (int task = 0; task < n_kv * n; task++) {
             if (!p || !pad) continue;  /* this thread's scratch is missing: `failed` says so */
             const int g = task / n, i = task % n;
-            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
+            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift, NULL, 0};
             const float *q = qs + (int64_t)i * q_stride + (int64_t)g * group * hd;
             const int end = visible_end(L, start, n, i, mask, full_mask), ends = (end + 7) & ~7;
             for (int j = 0; j < ends; j += KEY_BLOCK)
                 for (int h = 0; h < group; h++)
-                    scores(q + (int64_t)h * hd, k_cache, &rows, half, end, max_len, hd, scale, p + h * stride, pad, j,
+                    scores(q + (int64_t)h * hd, k_cache, &rows, kind, end, max_len, hd, scale, p + h * stride, pad, j,
                            j + KEY_BLOCK < ends ? j + KEY_BLOCK : ends);
             for (int h = 0; h < group; h++) softmax_weights(p + h * stride, L, end, start, n, i, mask, full_mask);
-            weigh_heads(p, stride, group, v_cache, &rows, hd, end, 0, hd, half,
+            weigh_heads(p, stride, group, v_cache, &rows, hd, end, 0, hd, kind,
                         att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
         free(p);
@@ -276,12 +309,15 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
     return failed;
 }
 
-/* count rows of one kv head from row j0 on, widened to floats into out (exact) */
-static void gather_rows(const void *base, const Rows *rows, int j0, int count, int hd, int half, float *out) {
+/* count rows of one kv head from row j0 on, widened to floats into out (exact; int8 rows unscaled, their scales
+   into scales) */
+static void gather_rows(const void *base, const Rows *rows, int j0, int count, int hd, int kind, float *out,
+                        float *scales) {
     for (int j = j0; j < j0 + count;) {  /* a run of contiguous rows (a block, or all of them) at a time */
         int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j0 + count;
         if (end > j0 + count) end = j0 + count;
-        widen_rows(base, row_at(rows, j, hd), end - j, hd, half, out + (int64_t)(j - j0) * hd);
+        widen_rows(base, row_at(rows, j, kv_row(hd, kind)), end - j, hd, kind, out + (int64_t)(j - j0) * hd,
+                   scales + (j - j0));
         j = end;
     }
 }
@@ -290,16 +326,17 @@ static void gather_rows(const void *base, const Rows *rows, int j0, int count, i
    threads so that both cores stream the cache, and each reading a key or value once for all the queries and query
    heads that share it (grouped-query attention; a tree's tokens):
    1. scores, a task per (kv head, SHARED_KEYS keys): the keys widened once into floats, every query and head of the
-      group scored against them (the scores a query computes alone: widening is exact);
+      group scored against them (the scores a query computes alone: widening is exact, int8 scales kept aside);
    2. weights, a task per (query, head): the max over its keys and e^(s - max), exact whatever the split;
    3. values, a task per (kv head, elements e0..e0+width of the outputs): weigh_heads for each query, whose element
       sums are each their own (the values' slice stays in L2 from one query to the next).
    Query i's weights are the row (i * n_heads + h) of p. Returns 1 when memory ran out. */
 static int shared_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                             const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                            const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int half,
+                            const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kind,
                             const int32_t *table, int64_t bstride, int shift) {
     const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv, chunks = (L + SHARED_KEYS - 1) / SHARED_KEYS;
+    const int rs = kv_row(hd, kind);
     const int slices = hd % SLICE == 0 ? hd / SLICE : 1, width = hd / slices;
     const size_t stride = (size_t)Lp + 8;
     float *p = malloc(sizeof(float) * (size_t)n * n_heads * stride);
@@ -314,8 +351,8 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
 #define WEIGHTS(i, h) (p + ((size_t)(i) * n_heads + (h)) * stride)
 #pragma omp parallel
     {
-        float *keys = malloc(sizeof(float) * (SHARED_KEYS + 8) * (size_t)hd);
-        float *pad = keys ? keys + SHARED_KEYS * hd : NULL;
+        float *keys = malloc(sizeof(float) * ((SHARED_KEYS + 8) * (size_t)hd + SHARED_KEYS));
+        float *pad = keys ? keys + SHARED_KEYS * hd : NULL, *key_scales = keys ? pad + 8 * hd : NULL;
         if (!keys) {
 #pragma omp atomic write
             failed = 1;
@@ -325,10 +362,12 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
             if (!keys) continue;
             const int g = task / chunks, j0 = (task % chunks) * SHARED_KEYS;
             const int count = L - j0 < SHARED_KEYS ? L - j0 : SHARED_KEYS, padded = (count + 7) & ~7;
-            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
-            gather_rows(k_cache, &rows, j0, count, hd, half, keys);
+            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift, NULL, 0};
+            gather_rows(k_cache, &rows, j0, count, hd, kind, keys, key_scales);
             memset(keys + (size_t)count * hd, 0, sizeof(float) * (size_t)(padded - count) * hd);
-            const Rows flat = {NULL, 0, -(int64_t)j0 * hd, 0};  /* key j at (j - j0) * hd of the widened block */
+            for (int t = count; t < padded; t++) key_scales[t] = 0.0f;
+            /* key j at (j - j0) * hd of the widened block (its int8 scale at key_scales[j - j0]) */
+            const Rows flat = {NULL, 0, -(int64_t)j0 * hd, 0, kind == KV_I8 ? key_scales : NULL, j0};
             for (int i = 0; i < n; i++) {
                 const int seen = (ends[i] + 7) & ~7, j1 = j0 + padded < seen ? j0 + padded : seen;
                 for (int h = g * group; h < (g + 1) * group && j0 < j1; h++)
@@ -344,10 +383,10 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
         for (int task = 0; task < n_kv * slices; task++) {
             if (!keys) continue;
             const int g = task / slices;
-            const Rows rows = {table, bstride, (int64_t)g * max_len * hd, shift};
+            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift, NULL, 0};
             for (int i = 0; i < n; i++)
                 weigh_heads(WEIGHTS(i, g * group), stride, group, v_cache, &rows, hd, ends[i], (task % slices) * width,
-                            width, half, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
+                            width, kind, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
         free(keys);
     }
@@ -359,7 +398,7 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
 
 /* Attention of n new queries (rows of q, `q_stride` floats apart, heads side by side, RoPE applied) over the
    layer's cache, whose keys and values for the new tokens are already at start..start+n: out rows `att_stride`
-   apart. Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
+   apart (kv_kind: KV_F32, KV_F16 or KV_I8). Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
    [n, start + n]). table (NULL: each kv head's rows contiguous, max_len of them): the sequence's block table, blocks
    of max_len rows (a power of two >= 8) `bstride` elements apart; same numbers either way (only where a row lies
    changes). A query's numbers never depend on n, nor on the threads: the decode and verification paths compute each
@@ -367,7 +406,7 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
    steps compute. Returns 1 when scratch memory ran out. */
 int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                               const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                              const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half,
+                              const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_kind,
                               const int32_t *table, int64_t bstride) {
     int shift = 0;
     while (table && (1 << shift) < max_len) shift++;
@@ -375,16 +414,16 @@ int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att
        more than they share out; more queries (a prefill's chunk), each task's keys stay in L2 for the next */
     if (start >= SHARED_FROM && (size_t)n * n_heads * (start + n + 8) <= SHARED_WEIGHTS)
         return shared_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
-                                n_heads, n_kv, hd, scale, kv_half, table, bstride, shift);
+                                n_heads, n_kv, hd, scale, kv_kind, table, bstride, shift);
     return verify_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
-                            n_heads, n_kv, hd, scale, kv_half, table, bstride, shift);
+                            n_heads, n_kv, hd, scale, kv_kind, table, bstride, shift);
 }
 
 /* The same over contiguous rows: the kernel the PyTorch blocks call (where a layer keeps them out of the native
    path) */
 int specdecode_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                          const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half) {
+                         const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_kind) {
     return specdecode_attention_rows(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask,
-                                     full_mask, n_heads, n_kv, hd, scale, kv_half, NULL, 0);
+                                     full_mask, n_heads, n_kv, hd, scale, kv_kind, NULL, 0);
 }

@@ -4,26 +4,47 @@
 #define SPECDECODE_ATTENTION_H
 
 #include <stdint.h>
+#include <string.h>
 
-/* Where a sequence's key (or value) rows lie for one kv head: contiguous (table NULL: row j at head + j * hd), or
-   paged (row j in block table[j >> shift], `bstride` elements apart, at head + (j & mask) * hd within it; blocks hold
-   a power of two >= 8 rows, so the 8 rows a group of keys reads are contiguous) */
+/* A cache row's elements (kv_kind): float32, float16, or int8 (the row's values padded to a multiple of 4, then the
+   row's float32 scale: value e is q_e * scale, q_e in -127..127). One tensor keeps a row's numbers together, so
+   copying, paging and gathering rows need not know the kind. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
+
+/* elements (of the kind's size) from one row to the next */
+static inline int kv_row(int hd, int kind) { return kind == KV_I8 ? ((hd + 3) & ~3) + 4 : hd; }
+
+static inline int kv_esize(int kind) { return kind == KV_F32 ? 4 : kind == KV_F16 ? 2 : 1; }
+
+/* the scale of the int8 row starting at element `row` of base (rows rs elements apart) */
+static inline float kv_scale(const void *base, int64_t row, int rs) {
+    float s;
+    memcpy(&s, (const int8_t *)base + row + rs - 4, sizeof s);
+    return s;
+}
+
+/* Where a sequence's key (or value) rows lie for one kv head: contiguous (table NULL: row j at head + j * rs, rs the
+   elements of a row), or paged (row j in block table[j >> shift], `bstride` elements apart, at head + (j & mask) * rs
+   within it; blocks hold a power of two >= 8 rows, so the 8 rows a group of keys reads are contiguous). scales: the
+   int8 rows' scales where the rows were widened to floats (key j's at scales[j - first]), else NULL. */
 typedef struct {
     const int32_t *table;
     int64_t bstride, head;
     int shift;
+    const float *scales;
+    int first;
 } Rows;
 
-static inline int64_t row_at(const Rows *r, int j, int hd) {
-    if (!r->table) return r->head + (int64_t)j * hd;
-    return (int64_t)r->table[j >> r->shift] * r->bstride + r->head + (int64_t)(j & ((1 << r->shift) - 1)) * hd;
+static inline int64_t row_at(const Rows *r, int j, int rs) {
+    if (!r->table) return r->head + (int64_t)j * rs;
+    return (int64_t)r->table[j >> r->shift] * r->bstride + r->head + (int64_t)(j & ((1 << r->shift) - 1)) * rs;
 }
 
 /* Attention of n new queries over the layer's cache (see attention.c); table NULL: each kv head's rows contiguous.
    Returns 1 when scratch memory ran out. */
 int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                               const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
-                              const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_half,
+                              const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_kind,
                               const int32_t *table, int64_t bstride);
 
 #endif

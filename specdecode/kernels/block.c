@@ -18,8 +18,8 @@
    normalisation, rotate-half RoPE from the given cos/sin tables, softmax with the max subtracted. The attention
    itself is attention.c's (specdecode_attention, exported: the PyTorch blocks of other families call it too).
 
-   The cache holds float32 or float16 keys and values (kv_half): a token's key and value are rounded to float16 once,
-   when they are written, and every query (its own token's included) reads them widened back, which is exact; so a
+   The cache holds float32, float16 or int8 keys and values (kv_kind): a token's key and value are rounded (or
+   quantized) once, when they are written, and every query (its own token's included) reads what is stored; so a
    query's numbers still never depend on how many tokens share the call. */
 
 #include <math.h>
@@ -194,11 +194,27 @@ static void add_output(float *x, float *out, const float *norm, float eps, int n
 
 /* One layer on the n tokens of every span: the norms, matmuls and activations over all of them at once (each token's
    numbers independent of the others), RoPE, the cache writes and the attention span by span */
-/* row (hd floats) into element `at` of a cache block: float32, or float16 rounded to nearest even (as PyTorch's
-   conversion rounds, so both paths store the same bits) */
-static void store_kv(void *base, int64_t at, const float *row, int hd, int half) {
-    if (!half) {
+/* row (hd floats) into element `at` of a cache block: float32; float16 rounded to nearest even (as PyTorch's
+   conversion rounds, so both paths store the same bits); or int8, as models/cache.py's quantize_rows computes it:
+   scale = max |x| / 127, q = x / scale rounded to nearest even (IEEE division and rounding: the same bits), all 0 with
+   scale 0 where the row is all zeros */
+static void store_kv(void *base, int64_t at, const float *row, int hd, int kind) {
+    if (kind == KV_F32) {
         memcpy((float *)base + at, row, sizeof(float) * hd);
+        return;
+    }
+    if (kind == KV_I8) {
+        int8_t *out = (int8_t *)base + at;
+        const int rs = kv_row(hd, KV_I8);
+        float amax = 0.0f;
+        for (int e = 0; e < hd; e++) amax = fabsf(row[e]) > amax ? fabsf(row[e]) : amax;
+        const float scale = amax / 127.0f;
+        memset(out, 0, (size_t)rs - 4);
+        for (int e = 0; e < hd && scale > 0.0f; e++) {
+            const float r = nearbyintf(row[e] / scale);
+            out[e] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        }
+        memcpy(out + rs - 4, &scale, sizeof scale);
         return;
     }
     uint16_t *out = (uint16_t *)base + at;
@@ -211,11 +227,11 @@ static void store_kv(void *base, int64_t at, const float *row, int hd, int half)
 }
 
 static int block(float *x, const float *wide, int n, int H, const Layer *l, const View *v, const Span *spans,
-                 int n_spans, void *k_layer, void *v_layer, int kv_half, int max_len, int n_heads, int n_kv, int hd,
+                 int n_spans, void *k_layer, void *v_layer, int kv_kind, int max_len, int n_heads, int n_kv, int hd,
                  int inter, float scale, const Scratch *s, int64_t bstride) {
     int shift = 0;
     while ((1 << shift) < max_len) shift++;
-    const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
+    const int64_t esize = kv_esize(kv_kind), rs = kv_row(hd, kv_kind);
     const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
 
     /* attention */
@@ -225,7 +241,7 @@ static int block(float *x, const float *wide, int n, int H, const Layer *l, cons
         const Span *sp = spans + r;
         void *k_cache = (char *)k_layer + sp->kv_offset * (int64_t)esize;
         void *v_cache = (char *)v_layer + sp->kv_offset * (int64_t)esize;
-        const Rows rows0 = {sp->table, bstride, 0, shift};
+        const Rows rows0 = {sp->table, bstride, 0, shift, NULL, 0};
         for (int i = 0; i < sp->n; i++) {
             const int t = sp->first + i;
             float *row = s->big + (int64_t)t * qkv_dim;
@@ -238,14 +254,14 @@ static int block(float *x, const float *wide, int n, int H, const Layer *l, cons
             for (int g = 0; g < n_kv; g++) {
                 float *k = row + q_dim + g * hd;
                 rope(k, c, sn, hd);
-                const int64_t at = (int64_t)g * max_len * hd + row_at(&rows0, sp->start + i, hd);
-                store_kv(k_cache, at, k, hd, kv_half);
-                store_kv(v_cache, at, row + q_dim + kv_dim + g * hd, hd, kv_half);
+                const int64_t at = (int64_t)g * max_len * rs + row_at(&rows0, sp->start + i, rs);
+                store_kv(k_cache, at, k, hd, kv_kind);
+                store_kv(v_cache, at, row + q_dim + kv_dim + g * hd, hd, kv_kind);
             }
         }
         if (specdecode_attention_rows(s->big + (int64_t)sp->first * qkv_dim, qkv_dim, s->att + (int64_t)sp->first * q_dim, q_dim,
                       k_cache, v_cache, max_len, sp->start, sp->n, sp->masks[l->view], sp->full_masks[l->view],
-                      n_heads, n_kv, hd, scale, kv_half, sp->table, bstride))
+                      n_heads, n_kv, hd, scale, kv_kind, sp->table, bstride))
             return 1;
     }
     if (linear(l->wo, s->att, n, s->out, s->scratch)) return 1;
@@ -328,13 +344,14 @@ int specdecode_argmax(const float *x, int len) {
 /* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
    step. x [n, H]: the tokens of every span (one sequence, or each row of a batch: the same numbers as each alone).
    Layer i's keys start at kv + i * layer_stride (a span's row kv_offset elements further), its values v_offset
-   elements after them (one [kv_heads, max_len, head_dim] block per row; elements: float32, float16 if kv_half; a span
+   elements after them (one [kv_heads, max_len, row] block per row; kv_kind: KV_F32, KV_F16, KV_I8 (attention.h,
+   whose kv_row gives a row's elements); a span
    with a block table: blocks of max_len rows, block_stride elements apart), and it reads views[layer.view]; scale: the
    attention scores' (Llama: hd^-0.5); states[i], where given (not NULL), receives x after layer i; output, where
    given, the logits of some rows (x itself stays the last block's output); wide: the q/k/v inputs of the layers that
    read their own (Layer.wide), [n, their wqkv's n_in], or NULL. Returns 1 when memory ran out. */
 int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, void *kv, int64_t layer_stride,
-                      int64_t v_offset, int max_len, int kv_half, const View *views, const Span *spans, int n_spans, int n_heads,
+                      int64_t v_offset, int max_len, int kv_kind, const View *views, const Span *spans, int n_spans, int n_heads,
                       int n_kv, int hd, int inter, float scale, float *const *states, const Output *output,
                       int64_t block_stride, const float *wide) {
     const int q_dim = n_heads * hd, qkv_dim = q_dim + 2 * n_kv * hd;
@@ -348,10 +365,10 @@ int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers,
     int failed = !s.xn || !s.big || !s.att || !s.scratch || !s.out;
     for (int i = 0; i < n_layers; i++) failed |= layers[i].wide && !wide;
     for (int i = 0; i < n_layers && !failed; i++) {
-        const size_t esize = kv_half ? sizeof(uint16_t) : sizeof(float);
-        char *k = (char *)kv + (int64_t)i * layer_stride * (int64_t)esize;
+        const int64_t esize = kv_esize(kv_kind);
+        char *k = (char *)kv + (int64_t)i * layer_stride * esize;
         failed = block(x, wide, n, H, layers + i, views + layers[i].view, spans, n_spans, k,
-                       k + v_offset * (int64_t)esize, kv_half, max_len, n_heads, n_kv, hd, inter, scale, &s,
+                       k + v_offset * esize, kv_kind, max_len, n_heads, n_kv, hd, inter, scale, &s,
                        block_stride);
         if (!failed && states && states[i]) memcpy(states[i], x, sizeof(float) * (size_t)n * H);
     }

@@ -4,10 +4,16 @@ One tensor holds every layer's keys and values, so rollback is a pointer move an
 accepted tree path is one index copy for all layers at once (not a loop over layers).
 
 The cache's element type (`kv_dtype`): a float32 model keeps its keys and values in float16 by default (half the
-memory and half the bytes an attention reads, as llama.cpp does), or in float32 (`kv_cache_dtype="float32"`). A key
-or value is rounded once, when it is written; every reader widens what is stored, so a token's numbers never depend
-on how many tokens share its forward, and greedy speculation stays equal to plain decoding with the same cache type.
-Models in another dtype keep their own: float64 (the tiny test models) and the half-precision ones.
+memory and half the bytes an attention reads, as llama.cpp does), in int8 (`kv_cache_dtype="int8"`: a quarter, plus
+a float32 scale a row), or in float32 (`kv_cache_dtype="float32"`). A key or value is rounded (quantized) once, when
+it is written; every reader reads what is stored, so a token's numbers never depend on how many tokens share its
+forward, and greedy speculation stays equal to plain decoding with the same cache type. Models in another dtype keep
+their own: float64 (the tiny test models) and the half-precision ones.
+
+An int8 row (one token's key or value for one kv head) holds its head_dim values, padded to a multiple of 4, then its
+float32 scale in the last 4 bytes (`row_width`): value e = q_e * scale, scale = max |x| / 127 (symmetric, per row, as
+llama.cpp's Q8_0 per block of 32). A row's numbers stay together in the one tensor, so copies, rollbacks, tree
+compaction, paging and the prefix cache move int8 rows as they move float ones.
 """
 
 from __future__ import annotations
@@ -16,13 +22,43 @@ import torch
 
 from ..common.names import KV_CACHE_DTYPES
 
+_DTYPES = {"float16": torch.float16, "int8": torch.int8}
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # the kernels' kv_kind (kernels/attention.h)
+
 
 def kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str = "float16") -> torch.dtype:
-    """The element type of a cache for a model in `model_dtype`: float16 halves a float32 model's cache; other
-    model dtypes (float64, float16, bfloat16) are kept whatever the option."""
+    """The element type of a cache for a model in `model_dtype`: float16 halves a float32 model's cache, int8
+    quarters it; other model dtypes (float64, float16, bfloat16) are kept whatever the option."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return torch.float16 if model_dtype == torch.float32 and kv_cache_dtype == "float16" else model_dtype
+    return _DTYPES.get(kv_cache_dtype, model_dtype) if model_dtype == torch.float32 else model_dtype
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements a cache row holds: head_dim, or for int8 the values padded to a multiple of 4 and a float32 scale."""
+    return (head_dim + 3) // 4 * 4 + 4 if dtype == torch.int8 else head_dim
+
+
+def store_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows x [..., head_dim] as the cache stores them: int8 quantized (see the module's docstring; the same bits as
+    kernels/block.c's store_kv), other dtypes as they are (the assignment into the cache rounds them)."""
+    if dtype != torch.int8:
+        return x
+    x = x.float()
+    head_dim = x.shape[-1]
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(x / scale), 0.0).clamp(-127, 127)
+    out = torch.zeros(*x.shape[:-1], row_width(head_dim, dtype), dtype=torch.int8, device=x.device)
+    out[..., :head_dim] = q.to(torch.int8)
+    out[..., -4:] = scale.view(torch.int8)
+    return out
+
+
+def read_rows(stored: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows as numbers of `dtype` [..., head_dim] (int8: q * scale; widening a float16 row is exact)."""
+    if stored.dtype != torch.int8:
+        return stored.to(dtype)
+    return stored[..., :head_dim].to(dtype) * stored[..., -4:].view(torch.float32).to(dtype)
 
 
 class KVCache:
@@ -37,19 +73,20 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, 2, batch_size, num_kv_heads, max_len, head_dim)
+        shape = (num_layers, 2, batch_size, num_kv_heads, max_len, row_width(head_dim, dtype))
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0  # tokens [0, length) hold valid entries
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([B, H, n, D]) at positions start.. and return the layer's keys/values up to there."""
+        """Store k, v ([B, H, n, D]) at positions start.. and return the layer's keys/values up to there (as stored:
+        `read_rows` gives their numbers)."""
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: need {end} positions, cache holds {self.max_len}")
         layer_kv = self.kv[layer]
-        layer_kv[0, :, :, start:end] = k
-        layer_kv[1, :, :, start:end] = v
+        layer_kv[0, :, :, start:end] = store_rows(k, layer_kv.dtype)
+        layer_kv[1, :, :, start:end] = store_rows(v, layer_kv.dtype)
         return layer_kv[0, :, :, :end], layer_kv[1, :, :, :end]
 
     def rollback(self, length: int) -> None:
@@ -92,7 +129,8 @@ class BatchKVCache:
         limit: int | None = None,
     ) -> None:
         """limit: the most positions a row may ever need (growth stops there)."""
-        self.kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        width = row_width(head_dim, dtype)
+        self.kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, max_len, width), dtype=dtype, device=device)
         self.lengths = [0] * batch_size
         self.limit = limit
         self.initial = (batch_size, max_len)  # what `release` shrinks back to
@@ -149,8 +187,8 @@ class BatchKVCache:
             raise RuntimeError("BatchKVCache.write outside a batched forward (call begin_step first)")
         rows, positions, visible = self._write
         layer_kv = self.kv[layer]
-        layer_kv[0][rows, :, positions] = k.transpose(1, 2)
-        layer_kv[1][rows, :, positions] = v.transpose(1, 2)
+        layer_kv[0][rows, :, positions] = store_rows(k.transpose(1, 2), layer_kv.dtype)
+        layer_kv[1][rows, :, positions] = store_rows(v.transpose(1, 2), layer_kv.dtype)
         b = k.shape[0]
         return layer_kv[0, :b, :, :visible], layer_kv[1, :b, :, :visible]
 

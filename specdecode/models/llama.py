@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import kernels
 from . import native
-from .cache import BatchKVCache, KVCache, kv_dtype
+from .cache import KV_KINDS, BatchKVCache, KVCache, kv_dtype, read_rows
 from .config import ModelConfig
 from .linear import Linear
 from .masks import attention_mask, padded_masks, ragged_mask
@@ -116,8 +116,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, start)
         lib = kernels.native() if native_attention(q, cache) else None
-        if lib is None and keys.dtype != q.dtype:  # a float16 cache: its values widened (exactly) for SDPA
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if lib is None and keys.dtype != q.dtype:  # a float16 (widened exactly) or int8 cache's numbers for SDPA
+            keys, values = read_rows(keys, self.head_dim, q.dtype), read_rows(values, self.head_dim, q.dtype)
         if lib is not None:  # a query's numbers independent of the forward's size: trees verify bit for bit
             return self.wo(self._native(lib, q, cache, layer, start, mask).view(b, n, -1))
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
@@ -135,18 +135,18 @@ class Attention(nn.Module):
         if lib.specdecode_attention(rows.data_ptr(), rows.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(),
                                     kv[1].data_ptr(), cache.max_len, start, n, None,
                                     None if full is None else full.data_ptr(), self.n_heads, self.n_kv,
-                                    self.head_dim, scale, int(kv.dtype == torch.float16)):
+                                    self.head_dim, scale, KV_KINDS[kv.dtype]):
             raise MemoryError("the native attention could not allocate its scratch memory")
         return out
 
 
 def native_attention(q: torch.Tensor, cache) -> bool:
     """Whether the PyTorch block's attention runs in the native kernel: one sequence on the CPU in float32 (its cache
-    float32 or float16), where some layer keeps the blocks out of the native path (SDPA's numbers for a query depend
-    on the others in the call)."""
+    float32, float16 or int8), where some layer keeps the blocks out of the native path (SDPA's numbers for a query
+    depend on the others in the call)."""
     # a RowCache (one row of the server's batch) qualifies: the kernel reads one row's [kv_heads, max_len, head_dim]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[0] == 1 and isinstance(cache, KVCache)
-            and cache.kv.dtype in (torch.float32, torch.float16) and cache.kv[0, 0, 0].is_contiguous()
+            and cache.kv.dtype in KV_KINDS and cache.kv[0, 0, 0].is_contiguous()
             and not torch.is_grad_enabled())
 
 
@@ -224,8 +224,8 @@ class Transformer(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """Its caches' element type: float16 for a float32 model unless kv_cache_dtype is "float32"; the model's
-        dtype otherwise (cache.kv_dtype)."""
+        """Its caches' element type: for a float32 model float16 unless kv_cache_dtype says "float32" or "int8"; the
+        model's dtype otherwise (cache.kv_dtype)."""
         return kv_dtype(self.dtype, self.kv_cache_dtype)
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:

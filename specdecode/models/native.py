@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from .cache import BatchKVCache, KVCache
+from .cache import KV_KINDS, BatchKVCache, KVCache
 from .halflinear import HalfLinear
 from .linear import Linear
 from .paged import PagedKVCache, PagedRow
@@ -159,7 +159,7 @@ class NativeBlocks:
                                     None if argmax is None else argmax.data_ptr())
         failed = lib.specdecode_blocks(
             x.data_ptr(), n, hidden, self.described, len(self.layers), kv.data_ptr(), kv.stride(0), kv.stride(1),
-            kv.shape[4], int(kv.dtype == torch.float16), described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads,
+            kv.shape[4], KV_KINDS[kv.dtype], described, rows, len(spans), cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.intermediate_size, scale, outputs, None if output is None else ctypes.byref(output),
             kv.stride(2), None if wide is None else wide.data_ptr())
         if failed:
@@ -206,10 +206,9 @@ def table_of(cache, row: int) -> torch.Tensor | None:
 
 def cache_fits(cache) -> bool:
     """The kernel reads each layer's keys (and values) of a sequence (a row of a batch's cache) as one [kv_heads,
-    max_len, head_dim] block, or through its block table (a paged cache: blocks of [kv_heads, block_size,
-    head_dim]), of float32 or float16 elements."""
-    if not isinstance(cache, KVCache | BatchKVCache | PagedKVCache | PagedRow) or \
-            cache.kv.dtype not in (torch.float32, torch.float16):
+    max_len, row] block, or through its block table (a paged cache: blocks of [kv_heads, block_size, row]), of
+    float32, float16 or int8 elements (cache.row_width)."""
+    if not isinstance(cache, KVCache | BatchKVCache | PagedKVCache | PagedRow) or cache.kv.dtype not in KV_KINDS:
         return False
     # kv[0, 0, 0].is_contiguous() read off the strides: no view made each forward
     (*_, heads, length, dim), stride = cache.kv.shape, cache.kv.stride()

@@ -1,10 +1,11 @@
 """Paged KV cache: a pool of fixed-size blocks and a block table per sequence (as vLLM's block manager and
 llama.cpp's unified cache keep them).
 
-The pool is one tensor [layers, k|v, blocks, kv_heads, block_size, head_dim] sized by a memory budget; a sequence's
-position p lives in block table[p // block_size] at offset p % block_size. Memory follows the tokens actually held
-(not the longest row times the row count), rollback frees whole blocks, and sequences that begin with the same tokens
-share the blocks of that beginning: reference counted, a block written while shared is copied first (copy on write).
+The pool is one tensor [layers, k|v, blocks, kv_heads, block_size, row] (cache.row_width) sized by a memory budget; a
+sequence's position p lives in block table[p // block_size] at offset p % block_size. Memory follows the tokens
+actually held (not the longest row times the row count), rollback frees whole blocks, and sequences that begin with
+the same tokens share the blocks of that beginning: reference counted, a block written while shared is copied first
+(copy on write).
 
 Block 0 is scratch: never handed out, it pads the tables a batched PyTorch forward gathers through and takes the
 writes of a ragged batch's padding tokens (seen by no real token).
@@ -23,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+from .cache import row_width, store_rows
 
 SCRATCH = 0  # the block that pads tables and takes padding writes
 
@@ -45,8 +48,8 @@ class BlockPool:
         # not zeroed here (that would make the whole budget resident at once): a block is zeroed when first handed
         # out, so memory becomes resident as blocks are used, and padding read by a batched PyTorch forward (masked,
         # but multiplied by a zero weight) is never a stale NaN
-        self.kv = torch.empty((num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim), dtype=dtype,
-                              device=device)
+        shape = (num_layers, 2, num_blocks + 1, num_kv_heads, block_size, row_width(head_dim, dtype))
+        self.kv = torch.empty(shape, dtype=dtype, device=device)
         self.kv[:, :, SCRATCH] = 0
         self.zeroed = bytearray(num_blocks + 1)
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -60,7 +63,8 @@ class BlockPool:
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                         dtype: torch.dtype) -> int:
-        return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * num_kv_heads * block_size * row_width(head_dim, dtype) * element
 
     @property
     def available(self) -> int:
@@ -354,8 +358,8 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.write outside a batched forward (call begin_step first)")
         tables, blocks, offsets, visible = self._write
         layer_kv = self.pool.kv[layer]
-        layer_kv[0][blocks, :, offsets] = k.transpose(1, 2).to(layer_kv.dtype)
-        layer_kv[1][blocks, :, offsets] = v.transpose(1, 2).to(layer_kv.dtype)
+        layer_kv[0][blocks, :, offsets] = store_rows(k.transpose(1, 2), layer_kv.dtype).to(layer_kv.dtype)
+        layer_kv[1][blocks, :, offsets] = store_rows(v.transpose(1, 2), layer_kv.dtype).to(layer_kv.dtype)
         return gather(layer_kv[0], tables, visible), gather(layer_kv[1], tables, visible)
 
     def end_step(self) -> None:
@@ -401,7 +405,7 @@ class PagedRow:
         positions = torch.arange(start, end)
         blocks, offsets = cache._locate(self.row, positions)
         layer_kv = cache.pool.kv[layer]
-        layer_kv[0][blocks, :, offsets] = k[0].transpose(0, 1).to(layer_kv.dtype)
-        layer_kv[1][blocks, :, offsets] = v[0].transpose(0, 1).to(layer_kv.dtype)
+        layer_kv[0][blocks, :, offsets] = store_rows(k[0].transpose(0, 1), layer_kv.dtype).to(layer_kv.dtype)
+        layer_kv[1][blocks, :, offsets] = store_rows(v[0].transpose(0, 1), layer_kv.dtype).to(layer_kv.dtype)
         table = torch.tensor(cache.tables[self.row][: cache.blocks_for(end)], dtype=torch.long)[None]
         return gather(layer_kv[0], table, end), gather(layer_kv[1], table, end)
