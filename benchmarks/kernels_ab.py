@@ -1,7 +1,7 @@
-"""T(n), a forward of n new tokens after 64 cached ones, with two builds of the native kernels in one process: the
-kernels of a revision (`--before REV`, built from `git show REV:specdecode/kernels/...`) against this checkout's,
-swapped between calls, the order flipping every round (a drifting machine hits both alike); every call's logits must
-be equal across the builds (rows never depend on their company, so a kernel change keeps every bit).
+"""T(n), a forward of n new tokens after 64 cached ones (--context), with two builds of the native kernels in one
+process: the kernels of a revision (`--before REV`, built from `git show REV:specdecode/kernels/...`) against this
+checkout's, swapped between calls, the order flipping every round (a drifting machine hits both alike); every call's
+logits must be equal across the builds (rows never depend on their company, so a kernel change keeps every bit).
 
     python benchmarks/kernels_ab.py --model /path/to/1.7b-q4_k_m.gguf --before HEAD~1 --widths 1,4,8,16 --rounds 7
 """
@@ -39,17 +39,19 @@ def main() -> None:
     p.add_argument("--before", required=True, help="git revision whose kernels run as A")
     p.add_argument("--widths", default="1,4,8,16")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--context", type=int, default=64, help="cached tokens before the timed forward")
+    p.add_argument("--kv-cache-dtype", default="float16")
     args = p.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     torch.set_num_threads(2)
-    model = specdecode.LLM.load(args.model).model
+    model = specdecode.LLM.load(args.model, kv_cache_dtype=args.kv_cache_dtype).model
     after = kernels.native()
     assert after is not None, "no native kernels on this machine"
     with tempfile.TemporaryDirectory() as tmp:
         before = ctypes.CDLL(str(build_before(args.before, Path(tmp))))
     kernels._declare(before)  # noqa: SLF001
     libs = {"before": before, "after": after}
-    vocab, context = model.config.vocab_size, 64
+    vocab, context = model.config.vocab_size, args.context
     g = torch.Generator().manual_seed(0)
     ms: dict[tuple[str, int], list[float]] = {(n, w): [] for n in libs for w in widths}
     with torch.inference_mode():

@@ -1,13 +1,14 @@
-"""Decode cost by context depth, float32 vs float16 KV cache: ms per one-token forward after 100, 500, 1000 and 2000
-cached tokens (issue 56: long contexts are bound by reading the cache's keys and values).
+"""Decode cost by context depth and KV cache dtype (float32, float16, int8): ms per one-token forward after 100, 500,
+1000 and 2000 cached tokens (issue 56: long contexts are bound by reading the cache's keys and values).
 
 One process, one model (the default, SmolLM2-135M-Instruct as the registry gives it): per depth and cache dtype a
 cache is prefilled once with random tokens; a round times `--steps` one-token forwards at each depth with each dtype,
-rolling the cache back to the depth before each, the dtype order flipping every round (a machine whose speed drifts
-hits both alike). Reported: per depth and dtype the median ms per token over rounds with its spread, the ratio
-float32 / float16 paired round by round, and each dtype's speed at a depth relative to its speed at the smallest.
+rolling the cache back to the depth before each, the dtype order rotating every round (a machine whose speed drifts
+hits all alike). Reported: per depth and dtype the median ms per token over rounds with its spread, each dtype's time
+over the first dtype's paired round by round, and each dtype's speed at a depth relative to its speed at the smallest.
 
-    python benchmarks/kv_cache_depth.py --threads 1 --rounds 7 --out benchmarks/results/kv-cache-depth.md
+    python benchmarks/kv_cache_depth.py --dtypes float16,int8,float32 --threads 2 --rounds 7 \
+        --out benchmarks/results/kv-cache-depth-int8.md
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="one-token forwards timed per depth, dtype and round")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtypes", default="float32,float16", help="cache dtypes, the first the ratios' reference")
     ap.add_argument("--out", type=Path, help="the report (markdown); printed when not given")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -43,7 +45,7 @@ def main() -> None:
 
     model = specdecode.LLM.load(args.model).model
     depths = [int(d) for d in args.depths.split(",")]
-    dtypes = ["float32", "float16"]
+    dtypes = args.dtypes.split(",")
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     caches = {}
@@ -70,24 +72,27 @@ def main() -> None:
         ms: dict[tuple[str, int], list[float]] = {key: [] for key in caches}
         for r in range(args.rounds):
             for d in depths:
-                for name in dtypes if r % 2 == 0 else dtypes[::-1]:
+                for name in dtypes[r % len(dtypes):] + dtypes[: r % len(dtypes)]:
                     ms[name, d].append(timed(name, d))
 
     cfg = model.config
-    per_token_kb = {name: 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (4 if name == "float32" else 2) / 1024
-                    for name in dtypes}
+    per_token_kb = {name: caches[name, depths[0]].kv[:, :, :, :, :1].numel()
+                    * caches[name, depths[0]].kv.element_size() / 1024 for name in dtypes}
+    first, others = dtypes[0], dtypes[1:]
     lines = [f"# KV cache dtype by context depth ({date.today().isoformat()})", "",
              f"Command: `python {' '.join(sys.argv)}`", "",
              f"Model: {args.model} ({model.quantization} weights, {cfg.num_layers} layers, {cfg.num_kv_heads} kv heads "
              f"of {cfg.head_dim}); kernels: {kernels.simd()}; {args.threads} thread(s); {args.rounds} interleaved "
              f"rounds of {args.steps} one-token forwards per depth and dtype.", "",
              f"Machine: {machine_description()}", "",
-             "| depth | float32 ms/token | float16 ms/token | float32 / float16 (paired) | KV MB read (f32 / f16) |",
-             "|---:|---:|---:|---:|---:|"]
+             "| depth | " + " | ".join(f"{name} ms/token" for name in dtypes) + " | "
+             + " | ".join(f"{name} / {first} (paired)" for name in others) + f" | KV MB read ({' / '.join(dtypes)}) |",
+             "|---:|" + "---:|" * (2 * len(dtypes))]
     for d in depths:
-        ratios = [a / b for a, b in zip(ms["float32", d], ms["float16", d], strict=True)]
-        mb = "/".join(f"{per_token_kb[name] * d / 1024:.1f}" for name in dtypes)
-        lines.append(f"| {d} | {spread(ms['float32', d])} | {spread(ms['float16', d])} | {spread(ratios)} | {mb} |")
+        ratios = [spread([a / b for a, b in zip(ms[name, d], ms[first, d], strict=True)]) for name in others]
+        mb = " / ".join(f"{per_token_kb[name] * d / 1024:.1f}" for name in dtypes)
+        lines.append(f"| {d} | " + " | ".join(spread(ms[name, d]) for name in dtypes) + " | " + " | ".join(ratios)
+                     + f" | {mb} |")
     lines += ["", "Speed at a depth relative to the same dtype's at the smallest depth (median ms ratio):", "",
               "| depth | " + " | ".join(dtypes) + " |", "|---:|" + "---:|" * len(dtypes)]
     for d in depths:

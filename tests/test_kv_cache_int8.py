@@ -67,8 +67,9 @@ def quantized_cache(g: torch.Generator, kv_heads: int, length: int, hd: int) -> 
 @pytest.mark.parametrize("hd", [16, 64, 128])
 @pytest.mark.parametrize("n", [1, 5])
 def test_native_attention_over_int8_rows(lib, hd: int, n: int) -> None:  # noqa: F811 - the fixture
-    """softmax(q k^T * scale) v over the rows' numbers (q * s) within float32 rounding, the cache ending inside a
-    group of 8 keys; a tree's root computes what a one-token step computes, bit for bit."""
+    """softmax(q k^T * scale) v over the rows' numbers (q * s), each query head quantized as a row is (its products
+    with the keys exact integers), within float32 rounding, the cache ending inside a group of 8 keys; a tree's root
+    computes what a one-token step computes, bit for bit."""
     g = torch.Generator().manual_seed(hd + n)
     kv_heads, heads, max_len, start = 2, 4, 45, 37
     cache = quantized_cache(g, kv_heads, max_len, hd)
@@ -80,7 +81,7 @@ def test_native_attention_over_int8_rows(lib, hd: int, n: int) -> None:  # noqa:
     for i in range(n):
         seen = list(range(start)) + [start + j for j in range(n) if (mask is None or mask[i, j])]
         keys, values = wide[0][:, seen], wide[1][:, seen]
-        qi = q[i].view(heads, hd).double()
+        qi = read_rows(store_rows(q[i].view(heads, hd), torch.int8), hd, torch.float64)  # quantized as a row is
         weights = torch.softmax(torch.einsum("hd,hkd->hk", qi, keys.repeat_interleave(2, 0)) * hd**-0.5, -1)
         expected = torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(2, 0)).reshape(-1)
         torch.testing.assert_close(got[i].double(), expected, rtol=1e-5, atol=1e-5)

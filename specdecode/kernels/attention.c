@@ -1,8 +1,9 @@
 /* Scaled dot-product attention over a layer's KV cache (float32, float16 or int8 rows, contiguous or paged), for
    the blocks (block.c) and the PyTorch models: scores q . k * scale, softmax with the max subtracted, the weighted sum
    of the values; every number of a query computed by the same operations in the same order whatever the call holds.
-   An int8 row's scale is applied once per key: a score is (q . k_int) * s_k * scale, a value row enters its sums with
-   weight p * s_v (the totals sum p alone). */
+   Over int8 rows each query head is quantized as a row is, a score is an exact integer dot product times the two
+   scales (as llama.cpp scores a Q8_0 cache), and a value row enters its sums with weight p * s_v (the totals sum p
+   alone). */
 
 #include <math.h>
 #include <stdint.h>
@@ -22,21 +23,46 @@ static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, i
                           : _mm256_loadu_ps((const float *)base + at);
 }
 
-/* q . k_t for the 8 keys k_0..k_7 (rows of hd elements, rs apart, from element `at` of k, hd a multiple of 8; int8
-   rows unscaled): lane t holds key t's product, from the same additions whatever the other lanes hold */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd, int rs,
+/* q . k_t for the 8 keys k_0..k_7 (rows of hd float32 or float16 elements from element `at` of k, hd a multiple of
+   8): lane t holds key t's product, from the same additions whatever the other lanes hold */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd,
                                                          const int kind) {
     __m256 a[8];
     for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
     for (int e = 0; e < hd; e += 8) {
         const __m256 qv = _mm256_loadu_ps(q + e);
-        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * rs + e, kind), a[t]);
+        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * hd + e, kind), a[t]);
     }
     const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
-/* Keys j0..j1 of o_h = sum_j p_hj v_j / sum_j p_hj for H heads (weights p + h * p_stride), over 8 NV floats of the
+/* The values pass's vectors: 16 floats where the build has AVX-512 (half the instructions a key), else 8; each
+   element's sum is the same chain of fmas either way, so both give the same numbers */
+#if SPECDECODE_AVX512
+typedef __m512 vfloat;
+#define VF 16
+static inline __attribute__((always_inline)) vfloat load_vals(const void *base, int64_t at, const int kind) {
+    if (kind == KV_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + at))));
+    return kind == KV_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)))
+                          : _mm512_loadu_ps((const float *)base + at);
+}
+#define vf_set1 _mm512_set1_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_loadu _mm512_loadu_ps
+#define vf_storeu _mm512_storeu_ps
+#else
+typedef __m256 vfloat;
+#define VF 8
+#define load_vals load_kv8
+#define vf_set1 _mm256_set1_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_loadu _mm256_loadu_ps
+#define vf_storeu _mm256_storeu_ps
+#endif
+
+/* Keys j0..j1 of o_h = sum_j p_hj v_j / sum_j p_hj for H heads (weights p + h * p_stride), over VF NV floats of the
    keys' value rows from element `at` of a row: the sums carried in acc (H rows of 8 NV floats) and totals (H) from the
    keys before, in registers over the range (H, NV and kind constants at each call: the loops unroll, each value
    vector is widened once for the H heads; an int8 row's scale multiplies each head's weight, not the totals). Both sums run over the visible keys (p_hj != 0) in cache order, one at a
@@ -48,11 +74,11 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
                                                                float *acc_mem, float *totals, const int H,
                                                                const int NV, const int kind) {
     const int rs = kv_row(hd, kind);
-    __m256 acc[16];
+    vfloat acc[16];
     float sum[4];
     for (int h = 0; h < H; h++) {
         sum[h] = totals[h];
-        for (int e = 0; e < NV; e++) acc[h * NV + e] = _mm256_loadu_ps(acc_mem + (size_t)h * 8 * NV + 8 * e);
+        for (int e = 0; e < NV; e++) acc[h * NV + e] = vf_loadu(acc_mem + (size_t)h * VF * NV + VF * e);
     }
     for (int j = j0; j < j1;) {  /* a run of keys whose rows are contiguous (a block, or the whole range) at a time */
         int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j1;
@@ -76,16 +102,16 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
             const float sj = kind == KV_I8 ? kv_scale(vals, vj - at, rs) : 1.0f;
             for (int h = 0; h < H; h++) wj[h] = kind == KV_I8 ? pj[h] * sj : pj[h];
             for (int e = 0; e < NV; e++) {
-                const __m256 v = load_kv8(vals, vj + 8 * e, kind);
+                const vfloat v = load_vals(vals, vj + VF * e, kind);
                 for (int h = 0; h < H; h++)  /* a hidden key's value never enters a sum (it may be anything) */
                     if (all || pj[h] != 0.0f)
-                        acc[h * NV + e] = _mm256_fmadd_ps(_mm256_set1_ps(wj[h]), v, acc[h * NV + e]);
+                        acc[h * NV + e] = vf_fmadd(vf_set1(wj[h]), v, acc[h * NV + e]);
             }
         }
     }
     for (int h = 0; h < H; h++) {
         totals[h] = sum[h];
-        for (int e = 0; e < NV; e++) _mm256_storeu_ps(acc_mem + (size_t)h * 8 * NV + 8 * e, acc[h * NV + e]);
+        for (int e = 0; e < NV; e++) vf_storeu(acc_mem + (size_t)h * VF * NV + VF * e, acc[h * NV + e]);
     }
 }
 #endif
@@ -97,70 +123,121 @@ static inline float kv_at(const void *base, int64_t at, int kind) {
                             : ((const float *)base)[at];
 }
 
-/* count consecutive cache rows (hd elements each, rs apart) from element `at` into out as floats, hd apart (exact;
-   int8 unscaled: their scales into scales, where given) */
-static void widen_rows(const void *base, int64_t at, int count, int hd, int kind, float *out, float *scales) {
-    const int rs = kv_row(hd, kind);
+/* count consecutive float32 or float16 cache rows (hd elements each) from element `at` into out as floats (exact) */
+static void widen_rows(const void *base, int64_t at, int count, int hd, int kind, float *out) {
     if (kind == KV_F32) {
         memcpy(out, (const float *)base + at, sizeof(float) * (size_t)count * hd);
         return;
     }
-    for (int r = 0; r < count; r++) {
-        const int64_t row = at + (int64_t)r * rs;
-        float *o = out + (int64_t)r * hd;
-        int e = 0;
+    int64_t e = 0;
 #if SPECDECODE_AVX2
-        if (kind == KV_I8)
-            for (; e + 8 <= hd; e += 8) _mm256_storeu_ps(o + e, load_kv8(base, row + e, KV_I8));
-        else
-            for (; e + 8 <= hd; e += 8) _mm256_storeu_ps(o + e, load_kv8(base, row + e, KV_F16));
+    for (; e + 8 <= (int64_t)count * hd; e += 8) _mm256_storeu_ps(out + e, load_kv8(base, at + e, KV_F16));
 #endif
-        for (; e < hd; e++) o[e] = kv_at(base, row + e, kind);
-        if (scales && kind == KV_I8) scales[r] = kv_scale(base, row, rs);
-    }
+    for (; e < (int64_t)count * hd; e++) out[e] = kv_at(base, at + e, KV_F16);
 }
 
-/* The scale of key j (int8 rows, or keys widened from them: rows->scales), 1 where the keys are floats */
-static inline float key_scale(const void *keys, const Rows *rows, int j, int rs, int kind) {
-    if (rows->scales) return rows->scales[j - rows->first];
-    return kind == KV_I8 ? kv_scale(keys, row_at(rows, j, rs), rs) : 1.0f;
-}
-
-/* Scores of one query over the keys (p[j] = q . k_j * scale for j < L; int8 keys: (q . k_j) * s_j * scale), every
-   key's by dot8 where it applies (a key's number never depends on L or n), padding rows of zeros where the cache ends
-   inside a group of 8 (pad: 8 * hd floats) */
+/* Scores of one query over float32 or float16 keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it
+   applies (a key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8
+   (pad: 8 * hd floats) */
 static void scores(const float *q, const void *keys, const Rows *rows, int kind, int L, int max_len, int hd,
                    float scale, float *p, float *pad, int j0, int j1) {
-    const int rs = kv_row(hd, kind), scaled = kind == KV_I8 || rows->scales;
 #if SPECDECODE_AVX2
     if (hd % 8 == 0) {
         for (int j = j0; j < j1; j += 8) {
             __m256 s;
-            const int in_cache = !rows->table && j + 8 > max_len ? max_len - j : 8;
-            if (in_cache < 8) {  /* the cache ends inside this group: zero rows past its end */
+            if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
                 memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
-                widen_rows(keys, row_at(rows, j, rs), in_cache, hd, kind, pad, NULL);
-                s = dot8(q, pad, 0, hd, hd, KV_F32);
-            } else if (kind == KV_I8) s = dot8(q, keys, row_at(rows, j, rs), hd, rs, KV_I8);
-            else if (kind == KV_F16) s = dot8(q, keys, row_at(rows, j, rs), hd, rs, KV_F16);
-            else s = dot8(q, keys, row_at(rows, j, rs), hd, rs, KV_F32);
-            if (scaled) {
-                float k_scales[8] = {0};
-                for (int t = 0; t < in_cache; t++) k_scales[t] = key_scale(keys, rows, j + t, rs, kind);
-                s = _mm256_mul_ps(s, _mm256_loadu_ps(k_scales));
-            }
+                widen_rows(keys, row_at(rows, j, hd), max_len - j, hd, kind, pad);
+                s = dot8(q, pad, 0, hd, KV_F32);
+            } else if (kind == KV_F16) s = dot8(q, keys, row_at(rows, j, hd), hd, KV_F16);
+            else s = dot8(q, keys, row_at(rows, j, hd), hd, KV_F32);
             _mm256_storeu_ps(p + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
         }
         return;
     }
 #endif
     for (int j = j0; j < j1 && j < L; j++) {
-        const float *k = (const float *)keys + row_at(rows, j, rs);
-        if (kind != KV_F32) {  /* widened into pad first: dot reads floats */
-            widen_rows(keys, row_at(rows, j, rs), 1, hd, kind, pad, NULL);
+        const float *k = (const float *)keys + row_at(rows, j, hd);
+        if (kind == KV_F16) {  /* widened into pad first: dot reads floats */
+            widen_rows(keys, row_at(rows, j, hd), 1, hd, KV_F16, pad);
             k = pad;
         }
-        p[j] = scaled ? dot(q, k, hd) * key_scale(keys, rows, j, rs, kind) * scale : dot(q, k, hd) * scale;
+        p[j] = dot(q, k, hd) * scale;
+    }
+}
+
+/* A query head quantized as an int8 cache row is (models/cache.py's rule: scale max |q| / 127, q / scale rounded to
+   nearest even), so that its products with int8 keys are integers: returns the scale */
+static float quantize_query(const float *q, int hd, int8_t *out) {
+    float amax = 0.0f;
+    for (int e = 0; e < hd; e++) amax = fabsf(q[e]) > amax ? fabsf(q[e]) : amax;
+    const float qscale = amax / 127.0f;
+    for (int e = 0; e < hd; e++) {
+        const float r = qscale > 0.0f ? nearbyintf(q[e] / qscale) : 0.0f;
+        out[e] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    return qscale;
+}
+
+#if SPECDECODE_AVX2
+/* acc + the products of 32 int8 pairs, 4 to a lane: |q| (unsigned) times k with q's sign (never saturates: at most
+   2 * 127 * 127 a pair) */
+static inline __m256i dot_i8(__m256i acc, __m256i q_abs, __m256i q, __m256i k) {
+    const __m256i signed_k = _mm256_sign_epi8(k, q);
+#if SPECDECODE_VNNI
+    return dpbusd(acc, q_abs, signed_k);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, signed_k), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* lane t: the sum of the 8 lanes of a[t] */
+static inline __m256i hsum8_epi32(const __m256i *a) {
+    const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+#endif
+
+/* Scores of one quantized query head (q8, its scale qscale) over int8 keys j0..j1: p[j] = ((q8 . k_j) * qscale) * s_j
+   * scale, the dot an exact integer (so its order of additions cannot matter: every path and build gets the same
+   bits); keys past a contiguous cache's end score 0 (their rows are not read) */
+static void int8_scores(const int8_t *q8, float qscale, const void *keys, const Rows *rows, int max_len, int hd,
+                        float scale, float *p, int j0, int j1) {
+    const int rs = kv_row(hd, KV_I8);
+    const int8_t *base = (const int8_t *)keys;
+    int j = j0;
+#if SPECDECODE_AVX2
+    if (hd % 32 == 0 && hd <= 256) {
+        __m256i q_abs[8], q_vec[8];
+        for (int c = 0; c < hd / 32; c++) {
+            q_vec[c] = _mm256_loadu_si256((const __m256i *)(q8 + 32 * c));
+            q_abs[c] = _mm256_abs_epi8(q_vec[c]);
+        }
+        for (; j + 8 <= j1 && (rows->table || j + 8 <= max_len); j += 8) {
+            const int8_t *k = base + row_at(rows, j, rs);  /* the group's 8 rows are contiguous (attention.h) */
+            __m256i a[8];
+            for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_si256();
+            for (int c = 0; c < hd / 32; c++)
+                for (int t = 0; t < 8; t++)
+                    a[t] = dot_i8(a[t], q_abs[c], q_vec[c],
+                                  _mm256_loadu_si256((const __m256i *)(k + (int64_t)t * rs + 32 * c)));
+            float k_scales[8];
+            for (int t = 0; t < 8; t++) k_scales[t] = kv_scale(k, (int64_t)t * rs, rs);
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(a)), _mm256_set1_ps(qscale));
+            _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_mul_ps(s, _mm256_loadu_ps(k_scales)), _mm256_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; j < j1; j++) {
+        if (!rows->table && j >= max_len) {
+            p[j] = 0.0f;
+            continue;
+        }
+        const int64_t row = row_at(rows, j, rs);
+        int32_t dot_q = 0;
+        for (int e = 0; e < hd; e++) dot_q += (int32_t)q8[e] * base[row + e];
+        p[j] = (float)dot_q * qscale * kv_scale(base, row, rs) * scale;
     }
 }
 
@@ -232,7 +309,7 @@ static void weigh_heads(const float *p, size_t p_stride, int heads, const void *
                 const float *ph = p + (size_t)h0 * p_stride;
                 memset(acc, 0, sizeof acc);
                 memset(totals, 0, sizeof totals);
-#define WEIGH(h, k) weigh_values(ph, p_stride, vals, e, rows, hd, 0, L, acc, totals, h, SLICE / 8, k)
+#define WEIGH(h, k) weigh_values(ph, p_stride, vals, e, rows, hd, 0, L, acc, totals, h, SLICE / VF, k)
 #define KINDS(h) if (kind == KV_I8) WEIGH(h, KV_I8); else if (kind == KV_F16) WEIGH(h, KV_F16); else WEIGH(h, KV_F32)
                 switch (H) {  /* constants at each call: the loops unroll, the loads fold */
                     case 1: KINDS(1); break;
@@ -273,11 +350,12 @@ static void weigh_heads(const float *p, size_t p_stride, int heads, const void *
 /* Queries over a short cache, or many of them (a prefill's chunk): a task per (kv head, token), holding the heads
    that share the kv head: they score the keys in blocks of KEY_BLOCK in turn, so each block is read from L2 (or
    memory) once for all of them, and weigh each value vector once for all of them; the next task (the next token)
-   finds the kv head's keys and values in L2. */
+   finds the kv head's keys and values in L2. q8, q8_scales: the queries quantized (int8 keys), else NULL. */
 static int verify_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                             const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
                             const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kind,
-                            const int32_t *table, int64_t bstride, int shift) {
+                            const int32_t *table, int64_t bstride, int shift, const int8_t *q8,
+                            const float *q8_scales) {
     const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv, rs = kv_row(hd, kind);
     const size_t stride = (size_t)Lp + 8;
     int failed = 0;
@@ -292,13 +370,20 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
         for (int task = 0; task < n_kv * n; task++) {
             if (!p || !pad) continue;  /* this thread's scratch is missing: `failed` says so */
             const int g = task / n, i = task % n;
-            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift, NULL, 0};
+            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift};
             const float *q = qs + (int64_t)i * q_stride + (int64_t)g * group * hd;
             const int end = visible_end(L, start, n, i, mask, full_mask), ends = (end + 7) & ~7;
-            for (int j = 0; j < ends; j += KEY_BLOCK)
+            const int64_t first_head = (int64_t)i * n_heads + (int64_t)g * group;
+            for (int j = 0; j < ends; j += KEY_BLOCK) {
+                const int j1 = j + KEY_BLOCK < ends ? j + KEY_BLOCK : ends;
                 for (int h = 0; h < group; h++)
-                    scores(q + (int64_t)h * hd, k_cache, &rows, kind, end, max_len, hd, scale, p + h * stride, pad, j,
-                           j + KEY_BLOCK < ends ? j + KEY_BLOCK : ends);
+                    if (q8)
+                        int8_scores(q8 + (first_head + h) * hd, q8_scales[first_head + h], k_cache, &rows, max_len,
+                                    hd, scale, p + h * stride, j, j1);
+                    else
+                        scores(q + (int64_t)h * hd, k_cache, &rows, kind, end, max_len, hd, scale, p + h * stride,
+                               pad, j, j1);
+            }
             for (int h = 0; h < group; h++) softmax_weights(p + h * stride, L, end, start, n, i, mask, full_mask);
             weigh_heads(p, stride, group, v_cache, &rows, hd, end, 0, hd, kind,
                         att + (int64_t)i * att_stride + (int64_t)g * group * hd);
@@ -309,15 +394,12 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
     return failed;
 }
 
-/* count rows of one kv head from row j0 on, widened to floats into out (exact; int8 rows unscaled, their scales
-   into scales) */
-static void gather_rows(const void *base, const Rows *rows, int j0, int count, int hd, int kind, float *out,
-                        float *scales) {
+/* count float32 or float16 rows of one kv head from row j0 on, widened to floats into out (exact) */
+static void gather_rows(const void *base, const Rows *rows, int j0, int count, int hd, int kind, float *out) {
     for (int j = j0; j < j0 + count;) {  /* a run of contiguous rows (a block, or all of them) at a time */
         int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j0 + count;
         if (end > j0 + count) end = j0 + count;
-        widen_rows(base, row_at(rows, j, kv_row(hd, kind)), end - j, hd, kind, out + (int64_t)(j - j0) * hd,
-                   scales + (j - j0));
+        widen_rows(base, row_at(rows, j, hd), end - j, hd, kind, out + (int64_t)(j - j0) * hd);
         j = end;
     }
 }
@@ -325,8 +407,9 @@ static void gather_rows(const void *base, const Rows *rows, int j0, int count, i
 /* A decode step, or a verification of a few tokens, over a long cache: three passes, each shared out among the
    threads so that both cores stream the cache, and each reading a key or value once for all the queries and query
    heads that share it (grouped-query attention; a tree's tokens):
-   1. scores, a task per (kv head, SHARED_KEYS keys): the keys widened once into floats, every query and head of the
-      group scored against them (the scores a query computes alone: widening is exact, int8 scales kept aside);
+   1. scores, a task per (kv head, SHARED_KEYS keys): the keys widened once into floats (int8 keys: read as they are,
+      against the quantized queries), every query and head of the group scored against them (the scores a query
+      computes alone: widening is exact, an int8 dot an integer);
    2. weights, a task per (query, head): the max over its keys and e^(s - max), exact whatever the split;
    3. values, a task per (kv head, elements e0..e0+width of the outputs): weigh_heads for each query, whose element
       sums are each their own (the values' slice stays in L2 from one query to the next).
@@ -334,7 +417,8 @@ static void gather_rows(const void *base, const Rows *rows, int j0, int count, i
 static int shared_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                             const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
                             const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kind,
-                            const int32_t *table, int64_t bstride, int shift) {
+                            const int32_t *table, int64_t bstride, int shift, const int8_t *q8,
+                            const float *q8_scales) {
     const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv, chunks = (L + SHARED_KEYS - 1) / SHARED_KEYS;
     const int rs = kv_row(hd, kind);
     const int slices = hd % SLICE == 0 ? hd / SLICE : 1, width = hd / slices;
@@ -351,8 +435,8 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
 #define WEIGHTS(i, h) (p + ((size_t)(i) * n_heads + (h)) * stride)
 #pragma omp parallel
     {
-        float *keys = malloc(sizeof(float) * ((SHARED_KEYS + 8) * (size_t)hd + SHARED_KEYS));
-        float *pad = keys ? keys + SHARED_KEYS * hd : NULL, *key_scales = keys ? pad + 8 * hd : NULL;
+        float *keys = malloc(sizeof(float) * (SHARED_KEYS + 8) * (size_t)hd);
+        float *pad = keys ? keys + SHARED_KEYS * hd : NULL;
         if (!keys) {
 #pragma omp atomic write
             failed = 1;
@@ -362,12 +446,19 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
             if (!keys) continue;
             const int g = task / chunks, j0 = (task % chunks) * SHARED_KEYS;
             const int count = L - j0 < SHARED_KEYS ? L - j0 : SHARED_KEYS, padded = (count + 7) & ~7;
-            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift, NULL, 0};
-            gather_rows(k_cache, &rows, j0, count, hd, kind, keys, key_scales);
+            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift};
+            if (q8) {
+                for (int i = 0; i < n; i++) {
+                    const int seen = (ends[i] + 7) & ~7, j1 = j0 + padded < seen ? j0 + padded : seen;
+                    for (int h = g * group; h < (g + 1) * group && j0 < j1; h++)
+                        int8_scores(q8 + ((int64_t)i * n_heads + h) * hd, q8_scales[i * n_heads + h], k_cache, &rows,
+                                    max_len, hd, scale, WEIGHTS(i, h), j0, j1);
+                }
+                continue;
+            }
+            gather_rows(k_cache, &rows, j0, count, hd, kind, keys);
             memset(keys + (size_t)count * hd, 0, sizeof(float) * (size_t)(padded - count) * hd);
-            for (int t = count; t < padded; t++) key_scales[t] = 0.0f;
-            /* key j at (j - j0) * hd of the widened block (its int8 scale at key_scales[j - j0]) */
-            const Rows flat = {NULL, 0, -(int64_t)j0 * hd, 0, kind == KV_I8 ? key_scales : NULL, j0};
+            const Rows flat = {NULL, 0, -(int64_t)j0 * hd, 0};  /* key j at (j - j0) * hd of the widened block */
             for (int i = 0; i < n; i++) {
                 const int seen = (ends[i] + 7) & ~7, j1 = j0 + padded < seen ? j0 + padded : seen;
                 for (int h = g * group; h < (g + 1) * group && j0 < j1; h++)
@@ -383,7 +474,7 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
         for (int task = 0; task < n_kv * slices; task++) {
             if (!keys) continue;
             const int g = task / slices;
-            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift, NULL, 0};
+            const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift};
             for (int i = 0; i < n; i++)
                 weigh_heads(WEIGHTS(i, g * group), stride, group, v_cache, &rows, hd, ends[i], (task % slices) * width,
                             width, kind, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
@@ -410,13 +501,33 @@ int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att
                               const int32_t *table, int64_t bstride) {
     int shift = 0;
     while (table && (1 << shift) < max_len) shift++;
+    int8_t *q8 = NULL;  /* int8 keys: each query head quantized once for every key it meets */
+    float *q8_scales = NULL;
+    if (kv_kind == KV_I8) {
+        q8 = malloc((size_t)n * n_heads * hd);
+        q8_scales = malloc(sizeof(float) * (size_t)n * n_heads);
+        if (!q8 || !q8_scales) {
+            free(q8);
+            free(q8_scales);
+            return 1;
+        }
+        for (int i = 0; i < n; i++)
+            for (int h = 0; h < n_heads; h++)
+                q8_scales[i * n_heads + h] = quantize_query(qs + (int64_t)i * q_stride + (int64_t)h * hd, hd,
+                                                            q8 + ((int64_t)i * n_heads + h) * hd);
+    }
+    int failed;
     /* the shared passes where the cache is long and the queries few (a step, a tree): shorter, their hand-overs cost
        more than they share out; more queries (a prefill's chunk), each task's keys stay in L2 for the next */
     if (start >= SHARED_FROM && (size_t)n * n_heads * (start + n + 8) <= SHARED_WEIGHTS)
-        return shared_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
-                                n_heads, n_kv, hd, scale, kv_kind, table, bstride, shift);
-    return verify_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
-                            n_heads, n_kv, hd, scale, kv_kind, table, bstride, shift);
+        failed = shared_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
+                                  n_heads, n_kv, hd, scale, kv_kind, table, bstride, shift, q8, q8_scales);
+    else
+        failed = verify_attention(qs, q_stride, att, att_stride, k_cache, v_cache, max_len, start, n, mask, full_mask,
+                                  n_heads, n_kv, hd, scale, kv_kind, table, bstride, shift, q8, q8_scales);
+    free(q8);
+    free(q8_scales);
+    return failed;
 }
 
 /* The same over contiguous rows: the kernel the PyTorch blocks call (where a layer keeps them out of the native

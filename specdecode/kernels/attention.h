@@ -25,14 +25,11 @@ static inline float kv_scale(const void *base, int64_t row, int rs) {
 
 /* Where a sequence's key (or value) rows lie for one kv head: contiguous (table NULL: row j at head + j * rs, rs the
    elements of a row), or paged (row j in block table[j >> shift], `bstride` elements apart, at head + (j & mask) * rs
-   within it; blocks hold a power of two >= 8 rows, so the 8 rows a group of keys reads are contiguous). scales: the
-   int8 rows' scales where the rows were widened to floats (key j's at scales[j - first]), else NULL. */
+   within it; blocks hold a power of two >= 8 rows, so the 8 rows a group of keys reads are contiguous) */
 typedef struct {
     const int32_t *table;
     int64_t bstride, head;
     int shift;
-    const float *scales;
-    int first;
 } Rows;
 
 static inline int64_t row_at(const Rows *r, int j, int rs) {

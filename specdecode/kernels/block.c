@@ -241,7 +241,7 @@ static int block(float *x, const float *wide, int n, int H, const Layer *l, cons
         const Span *sp = spans + r;
         void *k_cache = (char *)k_layer + sp->kv_offset * (int64_t)esize;
         void *v_cache = (char *)v_layer + sp->kv_offset * (int64_t)esize;
-        const Rows rows0 = {sp->table, bstride, 0, shift, NULL, 0};
+        const Rows rows0 = {sp->table, bstride, 0, shift};
         for (int i = 0; i < sp->n; i++) {
             const int t = sp->first + i;
             float *row = s->big + (int64_t)t * qkv_dim;

@@ -13,7 +13,9 @@ their own: float64 (the tiny test models) and the half-precision ones.
 An int8 row (one token's key or value for one kv head) holds its head_dim values, padded to a multiple of 4, then its
 float32 scale in the last 4 bytes (`row_width`): value e = q_e * scale, scale = max |x| / 127 (symmetric, per row, as
 llama.cpp's Q8_0 per block of 32). A row's numbers stay together in the one tensor, so copies, rollbacks, tree
-compaction, paging and the prefix cache move int8 rows as they move float ones.
+compaction, paging and the prefix cache move int8 rows as they move float ones. Queries meet int8 keys quantized the
+same way (each head's, as llama.cpp quantizes the queries it multiplies with a Q8_0 cache): the kernels' scores are
+exact integer dot products times the two scales.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import kernels
 from . import native
-from .cache import KV_KINDS, BatchKVCache, KVCache, kv_dtype, read_rows
+from .cache import KV_KINDS, BatchKVCache, KVCache, kv_dtype, read_rows, store_rows
 from .config import ModelConfig
 from .linear import Linear
 from .masks import attention_mask, padded_masks, ragged_mask
@@ -116,6 +116,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(layer, k, v, start)
         lib = kernels.native() if native_attention(q, cache) else None
+        if lib is None and keys.dtype == torch.int8:  # int8 keys meet queries quantized as rows are (the kernel's)
+            q = read_rows(store_rows(q, torch.int8), self.head_dim, q.dtype)
         if lib is None and keys.dtype != q.dtype:  # a float16 (widened exactly) or int8 cache's numbers for SDPA
             keys, values = read_rows(keys, self.head_dim, q.dtype), read_rows(values, self.head_dim, q.dtype)
         if lib is not None:  # a query's numbers independent of the forward's size: trees verify bit for bit
