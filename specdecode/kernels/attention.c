@@ -62,11 +62,21 @@ typedef __m256 vfloat;
 #define vf_storeu _mm256_storeu_ps
 #endif
 
+/* Whether keys j..j+7 have a nonzero weight for each of the H heads (rows of p, p_stride apart) */
+static inline int every_head_sees8(const float *p, size_t p_stride, int j, int H) {
+    __m256 seen = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int h = 0; h < H; h++)
+        seen = _mm256_and_ps(seen, _mm256_cmp_ps(_mm256_loadu_ps(p + (size_t)h * p_stride + j), _mm256_setzero_ps(),
+                                                 _CMP_NEQ_UQ));
+    return _mm256_movemask_ps(seen) == 0xff;
+}
+
 /* Keys j0..j1 of o_h = sum_j p_hj v_j / sum_j p_hj for H heads (weights p + h * p_stride), over VF NV floats of the
-   keys' value rows from element `at` of a row: the sums carried in acc (H rows of 8 NV floats) and totals (H) from the
-   keys before, in registers over the range (H, NV and kind constants at each call: the loops unroll, each value
-   vector is widened once for the H heads; an int8 row's scale multiplies each head's weight, not the totals). Both sums run over the visible keys (p_hj != 0) in cache order, one at a
-   time: a tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart.
+   keys' value rows from element `at` of a row: the sums carried in acc (H rows of VF NV floats) and totals (H) from
+   the keys before, in registers over the range (H, NV and kind constants at each call: the loops unroll, each value
+   vector is widened once for the H heads; an int8 row's scale multiplies each head's weight, not the totals; runs of
+   8 keys every head sees skip the per-key tests). Both sums run over the visible keys (p_hj != 0) in cache order, one
+   at a time: a tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart.
    A head's sums are the same whatever ranges its keys are taken in (a range stores and reloads them exactly), whatever
    heads and elements share the call (an element's sum is its own). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, size_t p_stride, const void *vals,
@@ -84,7 +94,25 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
         int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j1;
         if (end > j1) end = j1;
         const int64_t first = at + row_at(rows, j, rs) - (int64_t)j * rs;
-        for (; j < end; j++) {
+        while (j < end) {
+            if (j + 8 <= end && every_head_sees8(p, p_stride, j, H)) {  /* the usual case: no test a key */
+                for (int t = j; t < j + 8; t++) {
+                    const int64_t vj = first + (int64_t)t * rs;
+                    const float sj = kind == KV_I8 ? kv_scale(vals, vj - at, rs) : 1.0f;
+                    vfloat w[4];
+                    for (int h = 0; h < H; h++) {
+                        const float pj = p[(size_t)h * p_stride + t];
+                        sum[h] += pj;
+                        w[h] = vf_set1(kind == KV_I8 ? pj * sj : pj);
+                    }
+                    for (int e = 0; e < NV; e++) {
+                        const vfloat v = load_vals(vals, vj + VF * e, kind);
+                        for (int h = 0; h < H; h++) acc[h * NV + e] = vf_fmadd(w[h], v, acc[h * NV + e]);
+                    }
+                }
+                j += 8;
+                continue;
+            }
             const int64_t vj = first + (int64_t)j * rs;
             float pj[4];
             int any = 0;
@@ -92,6 +120,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
                 pj[h] = p[(size_t)h * p_stride + j];
                 any |= pj[h] != 0.0f;
             }
+            j++;
             if (!any) continue;
             int all = 1;
             for (int h = 0; h < H; h++) {
@@ -197,6 +226,19 @@ static inline __m256i hsum8_epi32(const __m256i *a) {
     const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
+
+/* lane t: the integer dot product of q (C chunks of 32: its absolute values and signs) and key t's row (rows rs
+   apart from k) */
+static inline __attribute__((always_inline)) __m256i int8_dot8(const __m256i *q_abs, const __m256i *q_vec,
+                                                              const int8_t *k, int64_t rs, const int C) {
+    __m256i a[8];
+    for (int t = 0; t < 8; t++) {
+        a[t] = _mm256_setzero_si256();
+        for (int c = 0; c < C; c++)
+            a[t] = dot_i8(a[t], q_abs[c], q_vec[c], _mm256_loadu_si256((const __m256i *)(k + t * rs + 32 * c)));
+    }
+    return hsum8_epi32(a);
+}
 #endif
 
 /* Scores of one quantized query head (q8, its scale qscale) over int8 keys j0..j1: p[j] = ((q8 . k_j) * qscale) * s_j
@@ -216,15 +258,12 @@ static void int8_scores(const int8_t *q8, float qscale, const void *keys, const 
         }
         for (; j + 8 <= j1 && (rows->table || j + 8 <= max_len); j += 8) {
             const int8_t *k = base + row_at(rows, j, rs);  /* the group's 8 rows are contiguous (attention.h) */
-            __m256i a[8];
-            for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_si256();
-            for (int c = 0; c < hd / 32; c++)
-                for (int t = 0; t < 8; t++)
-                    a[t] = dot_i8(a[t], q_abs[c], q_vec[c],
-                                  _mm256_loadu_si256((const __m256i *)(k + (int64_t)t * rs + 32 * c)));
+            const __m256i dots = hd == 64    ? int8_dot8(q_abs, q_vec, k, rs, 2)  /* constants: the loops unroll */
+                                 : hd == 128 ? int8_dot8(q_abs, q_vec, k, rs, 4)
+                                             : int8_dot8(q_abs, q_vec, k, rs, hd / 32);
             float k_scales[8];
             for (int t = 0; t < 8; t++) k_scales[t] = kv_scale(k, (int64_t)t * rs, rs);
-            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(a)), _mm256_set1_ps(qscale));
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(qscale));
             _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_mul_ps(s, _mm256_loadu_ps(k_scales)), _mm256_set1_ps(scale)));
         }
     }
