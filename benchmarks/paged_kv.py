@@ -145,7 +145,7 @@ def burst(llm, args, docs: list[int]) -> dict:
     weights = weights_bytes(model)
     runtime = args.runtime_rss
     return dict(requests=args.requests, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                 pool_blocks=engine.cache.pool.num_blocks, most_running_at_once=most_running,
                 admitted_in_turn=len(set(admitted_at)) > 1, admitted_at_step=admitted_at,
                 preemptions=engine.paging.preemptions,
@@ -226,6 +226,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=memory_size, default=memory_size("1GiB"))
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="float16", help="a float32 model's cache: float16, int8 or float32")
     p.add_argument("--sessions", type=int, default=3)
     p.add_argument("--session-tokens", type=int, default=1500)
     p.add_argument("--decode-rows", type=int, default=8)
@@ -236,7 +237,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     args.runtime_rss = runtime = rss()  # the interpreter and torch, before any model
-    llm = tiny_llm(args.tiny) if args.tiny else LLM.load(args.model)
+    llm = tiny_llm(args.tiny) if args.tiny else LLM.load(args.model, kv_cache_dtype=args.kv_cache_dtype)
+    llm.model.kv_cache_dtype = args.kv_cache_dtype
     docs = llm.tokenizer.encode(doc_text())
     name = f"tiny-random-{args.tiny}-layers" if args.tiny else args.model
     result: dict = dict(command=" ".join(sys.argv), model=name, runtime_rss=runtime, cpu_flags=cpu_flags(),

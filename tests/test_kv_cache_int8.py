@@ -245,3 +245,24 @@ def test_sampling_with_an_int8_cache_follows_the_target_exactly(name: str) -> No
     assert 0 < accepted < drafted
     pvalue, tv = chi_square(counts, joint, case.samples)
     assert pvalue > 1e-4 and tv < 0.1, (pvalue, tv)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method,options", [("prompt-lookup", {"k": 8, "branches": 3}), ("suffix", {"k": 6})])
+def test_real_model_greedy_speculation_equals_plain_decoding_with_an_int8_cache(method, options) -> None:
+    """SmolLM2 (its Q4_1 weights, int8 activations) with the int8 cache, on Spec-Bench prompts: every method's greedy
+    text is plain decoding's with the same cache."""
+    import specdecode
+
+    from .real_model import require_smollm2, spec_bench_prompts
+
+    require_smollm2()
+    llm = specdecode.load("smollm2-135m-instruct", kv_cache_dtype="int8")
+    assert llm.model.kv_dtype == torch.int8
+    drafted = accepted = 0
+    for prompt in spec_bench_prompts(4):
+        plain = llm.generate(prompt, method="none", chat=True, max_new_tokens=40)
+        spec = llm.generate(prompt, chat=True, max_new_tokens=40, method=method, **options)
+        assert spec.token_ids == plain.token_ids, prompt
+        drafted, accepted = drafted + spec.stats.drafted, accepted + spec.stats.accepted
+    assert 0 < accepted < drafted
