@@ -74,11 +74,11 @@ static inline int every_head_sees8(const float *p, size_t p_stride, int j, int H
 /* Keys j0..j1 of o_h = sum_j p_hj v_j / sum_j p_hj for H heads (weights p + h * p_stride), over VF NV floats of the
    keys' value rows from element `at` of a row: the sums carried in acc (H rows of VF NV floats) and totals (H) from
    the keys before, in registers over the range (H, NV and kind constants at each call: the loops unroll, each value
-   vector is widened once for the H heads; an int8 row's scale multiplies each head's weight, not the totals; runs of
-   8 keys every head sees skip the per-key tests). Both sums run over the visible keys (p_hj != 0) in cache order, one
-   at a time: a tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8) would round apart.
-   A head's sums are the same whatever ranges its keys are taken in (a range stores and reloads them exactly), whatever
-   heads and elements share the call (an element's sum is its own). */
+   vector is widened once for the H heads; an int8 row's scale multiplies each head's weight, not the totals; runs
+   of 8 keys every head sees skip the per-key tests). Both sums run over the visible keys (p_hj != 0) in cache
+   order, one at a time: a tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8)
+   would round apart. A head's sums are the same whatever ranges its keys are taken in (a range stores and reloads
+   them exactly), whatever heads and elements share the call (an element's sum is its own). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, size_t p_stride, const void *vals,
                                                                int64_t at, const Rows *rows, int hd, int j0, int j1,
                                                                float *acc_mem, float *totals, const int H,
@@ -529,12 +529,12 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
 
 /* Attention of n new queries (rows of q, `q_stride` floats apart, heads side by side, RoPE applied) over the
    layer's cache, whose keys and values for the new tokens are already at start..start+n: out rows `att_stride`
-   apart (kv_kind: KV_F32, KV_F16 or KV_I8). Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a causal chain; full_mask:
-   [n, start + n]). table (NULL: each kv head's rows contiguous, max_len of them): the sequence's block table, blocks
-   of max_len rows (a power of two >= 8) `bstride` elements apart; same numbers either way (only where a row lies
-   changes). A query's numbers never depend on n, nor on the threads: the decode and verification paths compute each
-   score, weight and sum by the same operations in the same order, so that a tree verifies bit for bit what one-token
-   steps compute. Returns 1 when scratch memory ran out. */
+   apart (kv_kind: KV_F32, KV_F16 or KV_I8). Visibility as in a Span (mask: [n, n] among the new tokens, NULL: a
+   causal chain; full_mask: [n, start + n]). table (NULL: each kv head's rows contiguous, max_len of them): the
+   sequence's block table, blocks of max_len rows (a power of two >= 8) `bstride` elements apart; same numbers
+   either way (only where a row lies changes). A query's numbers never depend on n, nor on the threads: the decode
+   and verification paths compute each score, weight and sum by the same operations in the same order, so that a
+   tree verifies bit for bit what one-token steps compute. Returns 1 when scratch memory ran out. */
 int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                               const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
                               const uint8_t *full_mask, int n_heads, int n_kv, int hd, float scale, int kv_kind,

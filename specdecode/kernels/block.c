@@ -195,7 +195,7 @@ static void add_output(float *x, float *out, const float *norm, float eps, int n
 /* One layer on the n tokens of every span: the norms, matmuls and activations over all of them at once (each token's
    numbers independent of the others), RoPE, the cache writes and the attention span by span */
 /* row (hd floats) into element `at` of a cache block: float32; float16 rounded to nearest even (as PyTorch's
-   conversion rounds, so both paths store the same bits); or int8, as models/cache.py's quantize_rows computes it:
+   conversion rounds, so both paths store the same bits); or int8, as models/cache.py's store_rows computes it:
    scale = max |x| / 127, q = x / scale rounded to nearest even (IEEE division and rounding: the same bits), all 0 with
    scale 0 where the row is all zeros */
 static void store_kv(void *base, int64_t at, const float *row, int hd, int kind) {
