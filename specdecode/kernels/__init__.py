@@ -27,7 +27,8 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the ker
 
 log = logging.getLogger("specdecode")
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("qmatmul.c", "a8matmul.c", "kquants.c", "f16matmul.c", "attention.c", "block.c")]
+           for name in ("qmatmul.c", "a8matmul.c", "kquants.c", "f16matmul.c", "attention.c", "attention_int8.c",
+                        "block.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "kquants.h", "attention.h")]
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
