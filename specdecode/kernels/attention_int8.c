@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) __m256i int8_dot8(const __m256i *q_
    * scale, the dot an exact integer (so its order of additions cannot matter: every path and build gets the same
    bits); keys past a contiguous cache's end score 0 (their rows are not read) */
 void attention_int8_scores(const int8_t *q8, float qscale, const void *keys, const Rows *rows, int max_len, int hd,
-                        float scale, float *p, int j0, int j1) {
+                           float scale, float *p, int j0, int j1) {
     const int rs = kv_row(hd, KV_I8);
     const int8_t *base = (const int8_t *)keys;
     int j = j0;

@@ -341,15 +341,15 @@ int specdecode_argmax(const float *x, int len) {
     return best_at;
 }
 
-/* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a decode
-   step. x [n, H]: the tokens of every span (one sequence, or each row of a batch: the same numbers as each alone).
-   Layer i's keys start at kv + i * layer_stride (a span's row kv_offset elements further), its values v_offset
-   elements after them (one [kv_heads, max_len, row] block per row; kv_kind: KV_F32, KV_F16, KV_I8 (attention.h,
-   whose kv_row gives a row's elements); a span
-   with a block table: blocks of max_len rows, block_stride elements apart), and it reads views[layer.view]; scale: the
-   attention scores' (Llama: hd^-0.5); states[i], where given (not NULL), receives x after layer i; output, where
-   given, the logits of some rows (x itself stays the last block's output); wide: the q/k/v inputs of the layers that
-   read their own (Layer.wide), [n, their wqkv's n_in], or NULL. Returns 1 when memory ran out. */
+/* A step's layers in one call: a ctypes call costs Python several microseconds, and one per layer was ~3% of a
+   decode step. x [n, H]: the tokens of every span (one sequence, or each row of a batch: the same numbers as each
+   alone). Layer i's keys start at kv + i * layer_stride (a span's row kv_offset elements further), its values
+   v_offset elements after them (one [kv_heads, max_len, row] block per row, kv_kind KV_F32, KV_F16 or KV_I8:
+   attention.h's kv_row gives a row's elements; a span with a block table: blocks of max_len rows, block_stride
+   elements apart), and it reads views[layer.view]; scale: the attention scores' (Llama: hd^-0.5); states[i], where
+   given (not NULL), receives x after layer i; output, where given, the logits of some rows (x itself stays the last
+   block's output); wide: the q/k/v inputs of the layers that read their own (Layer.wide), [n, their wqkv's n_in],
+   or NULL. Returns 1 when memory ran out. */
 int specdecode_blocks(float *x, int n, int H, const Layer *layers, int n_layers, void *kv, int64_t layer_stride,
                       int64_t v_offset, int max_len, int kv_kind, const View *views, const Span *spans, int n_spans, int n_heads,
                       int n_kv, int hd, int inter, float scale, float *const *states, const Output *output,
