@@ -253,3 +253,21 @@ def ask(tokens: list[int], k: int, params: SamplingParams | None = None,
         generator: torch.Generator | None = None) -> ProposalContext:
     """A proposal's question asked by hand (greedy unless `params` says otherwise)."""
     return ProposalContext(tokens, k, params or SamplingParams(), generator)
+
+
+def assert_tree_matches_steps(model: Transformer, cache, prefix: list[int], tree: DraftTree) -> None:
+    """Lossless verification rests on it: after the prefix (its last token the tree's root), each node of the tree,
+    verified in one forward, gets the logits that one-token forwards along its path get, bit for bit."""
+    model.forward(torch.tensor([prefix[:-1]]), cache, logits_at=None)
+    start = cache.length
+    tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
+                                tree_mask=tree.attention_mask()).logits[0]
+    for node in range(len(tree)):
+        path, i = [], node
+        while i > 0:
+            path.append(tree.tokens[i])
+            i = tree.parents[i]
+        cache.rollback(start)
+        for token in [prefix[-1], *path[::-1]]:  # one token per forward, as plain decoding runs
+            step = model.forward(torch.tensor([[token]]), cache).logits[0, -1]
+        assert torch.equal(step, tree_logits[node]), f"node {node}"

@@ -33,7 +33,7 @@ from specdecode.proposers import (
 from specdecode.proposers.layer_skip import skip_layers
 from specdecode.proposers.quantized import low_bit_copy
 
-from .helpers import guessing_pays, noisy_copy, randomize_, tiny_model
+from .helpers import assert_tree_matches_steps, guessing_pays, noisy_copy, randomize_, tiny_model
 from .test_distribution import ALPHA, PROMPT, V, chi_square, exact_joint
 from .test_lossless import PROMPTS, VOCAB, naive_greedy
 from .test_medusa import WIDE, random_heads
@@ -178,19 +178,7 @@ def test_float32_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_ro
     cfg = model.config
     cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=2).row(1) if in_batch_row \
         else model.new_cache(64)
-    model.forward(torch.tensor([prefix[:-1]]), cache, logits_at=None)
-    start = cache.length
-    tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
-                                tree_mask=tree.attention_mask()).logits[0]
-    for node in range(len(tree)):
-        path, i = [], node
-        while i > 0:
-            path.append(tree.tokens[i])
-            i = tree.parents[i]
-        cache.rollback(start)
-        for token in [prefix[-1], *path[::-1]]:  # one token per forward, as plain decoding runs
-            step = model.forward(torch.tensor([[token]]), cache).logits[0, -1]
-        assert torch.equal(step, tree_logits[node]), f"node {node}"
+    assert_tree_matches_steps(model, cache, prefix, tree)
 
 
 def test_ragged_batch_equals_single_sequences() -> None:

@@ -17,9 +17,9 @@ from specdecode import kernels
 from specdecode.core.tree import DraftTree
 from specdecode.engine.loop import generate_ids
 from specdecode.models import BatchKVCache
-from specdecode.models.cache import KV_KINDS, KVCache, kv_dtype
+from specdecode.models.cache import KV_KINDS, KVCache, kv_dtype, read_rows, store_rows
 
-from .helpers import noisy_copy, tiny_model
+from .helpers import assert_tree_matches_steps, noisy_copy, tiny_model
 from .test_lossless import METHODS, NEW, PROMPTS, VOCAB
 
 BUILDS = ["", "portable"]  # this CPU's (AVX2/AVX-512: F16C conversions) and plain C
@@ -67,6 +67,27 @@ def attention(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: 
     return out
 
 
+def random_cache(g: torch.Generator, kv_heads: int, length: int, hd: int, kv: str) -> torch.Tensor:
+    """[2, kv_heads, length, row]: random keys and values as a float16 or int8 cache stores them (int8: one row of
+    zeros among them, whose scale is 0)."""
+    x = torch.randn(2, kv_heads, length, hd, generator=g) * 2
+    if kv == "float16":
+        return x.half()
+    x[:, 0, 3] = 0
+    return store_rows(x, torch.int8)
+
+
+def expected_attention(q_heads: torch.Tensor, cache: torch.Tensor, seen: list[int], hd: int) -> torch.Tensor:
+    """softmax(q k^T * hd^-0.5) v in float64 over the stored numbers of keys `seen` (q_heads [heads, hd], each group
+    of heads meeting its kv head's; over int8 keys the query quantized as a row is, as the kernel quantizes it)."""
+    wide = read_rows(cache, hd, torch.float64)
+    keys, values = wide[0][:, seen], wide[1][:, seen]
+    group = q_heads.shape[0] // keys.shape[0]
+    q = read_rows(store_rows(q_heads, torch.int8), hd, torch.float64) if cache.dtype == torch.int8 else q_heads.double()
+    weights = torch.softmax(torch.einsum("hd,hkd->hk", q, keys.repeat_interleave(group, 0)) * hd**-0.5, -1)
+    return torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(group, 0)).reshape(-1)
+
+
 @pytest.mark.parametrize("hd", [16, 64, 128, 256])  # plain loops, values weighed 64 / 128 / 2 x 128 at a time
 @pytest.mark.parametrize("n", [1, 5])
 def test_native_attention_reads_float16_exactly(lib, hd: int, n: int) -> None:
@@ -80,14 +101,10 @@ def test_native_attention_reads_float16_exactly(lib, hd: int, n: int) -> None:
                                              [1, 0, 1, 0, 1]], dtype=torch.uint8)
     got = attention(lib, q, half, start, n, mask)
     assert torch.equal(got, attention(lib, q, half.float(), start, n, mask))
-    wide = half.float()  # the reference: softmax(q k^T * scale) v in float64 over the widened numbers
-    for i in range(n):
+    for i in range(n):  # the reference: softmax(q k^T * scale) v in float64 over the widened numbers
         seen = list(range(start)) + [start + j for j in range(n) if (mask is None or mask[i, j])]
-        keys, values = wide[0][:, seen].double(), wide[1][:, seen].double()
-        qi = q[i].view(heads, hd).double()
-        weights = torch.softmax(torch.einsum("hd,hkd->hk", qi, keys.repeat_interleave(2, 0)) * hd**-0.5, -1)
-        expected = torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(2, 0)).reshape(-1)
-        torch.testing.assert_close(got[i].double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i].double(), expected_attention(q[i].view(heads, hd), half, seen, hd),
+                                   rtol=1e-5, atol=1e-5)
     if mask is not None:  # the tree's root alone (a one-token step) sees the same keys: the same bits
         assert torch.equal(attention(lib, q[:1].contiguous(), half, start, 1, None)[0], got[0])
 
@@ -112,43 +129,43 @@ def attention_rows(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, m
     return out
 
 
+@pytest.mark.parametrize("kv", ["float16", "int8"])
 @pytest.mark.parametrize(("hd", "heads_per_kv"), [(64, 3), (96, 1), (128, 4), (256, 5)])
-def test_long_cache_steps_and_trees_compute_what_a_prefill_computes(lib, hd: int, heads_per_kv: int) -> None:
+def test_long_cache_steps_and_trees_compute_what_a_prefill_computes(lib, hd: int, heads_per_kv: int, kv: str) -> None:
     """Over a long cache, one-token steps and small trees take the shared passes (keys scored in ranges, weights by
     query and head, value sums by element slice, shared out among the threads), a prefill's many queries a task per
     (kv head, token): a query gets the same bits either way, whatever the thread count and whether the rows are read
-    through a block table; and softmax(q k^T) v within float32 rounding."""
+    through a block table; and softmax(q k^T) v within float32 rounding. float16 and int8 rows alike."""
     g = torch.Generator().manual_seed(hd + heads_per_kv)
     kv_heads, start, n, block = 2, 300, 400, 64  # the prefill's last queries see 512+ keys: steps there share
-    cache = (torch.randn(2, kv_heads, start + n + 2, hd, generator=g) * 2).half()
+    cache = random_cache(g, kv_heads, start + n + 2, hd, kv)
     q = torch.randn(n, heads_per_kv * kv_heads * hd, generator=g)
-    prefill = attention_rows(lib, q, cache, start, n, None, heads_per_kv, None, 0)
+    prefill = attention_rows(lib, q, cache, start, n, None, heads_per_kv, None, 0, hd)
     threads = torch.get_num_threads()
     try:
         for i, count in ((212, 1), (331, 3), (n - 1, 2)):
             torch.set_num_threads(count)
-            step = attention_rows(lib, q[i : i + 1].contiguous(), cache, start + i, 1, None, heads_per_kv, None, 0)
+            step = attention_rows(lib, q[i : i + 1].contiguous(), cache, start + i, 1, None, heads_per_kv, None, 0,
+                                  hd)
             assert torch.equal(step[0], prefill[i]), (i, count)
     finally:
         torch.set_num_threads(threads)
     last = start + n - 1  # a tree on the last query: its root sees what the step sees
     tree_q = torch.cat([q[-1:], torch.randn(2, q.shape[1], generator=g)])
     root_only = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.uint8)
-    tree = attention_rows(lib, tree_q, cache, last, 3, root_only, heads_per_kv, None, 0)
+    tree = attention_rows(lib, tree_q, cache, last, 3, root_only, heads_per_kv, None, 0, hd)
     assert torch.equal(tree[0], prefill[-1])
-    n_blocks = (last + 3 + block - 1) // block
+    n_blocks, width = (last + 3 + block - 1) // block, cache.shape[-1]
     order = torch.randperm(n_blocks, generator=g)  # block i of the sequence at order[i] of the pool
-    pool = torch.zeros(2, n_blocks, kv_heads, block, hd, dtype=torch.float16)
-    padded = torch.zeros(2, kv_heads, n_blocks * block, hd, dtype=torch.float16)
-    padded[:, :, : last + 3] = cache
-    pool[:, order] = padded.view(2, kv_heads, n_blocks, block, hd).transpose(1, 2)
-    paged = attention_rows(lib, tree_q, pool, last, 3, root_only, heads_per_kv, order.int(), block)
+    pool = torch.zeros(2, n_blocks, kv_heads, block, width, dtype=cache.dtype)
+    padded = torch.zeros(2, kv_heads, n_blocks * block, width, dtype=cache.dtype)
+    padded[:, :, : last + 3] = cache[:, :, : last + 3]
+    pool[:, order] = padded.view(2, kv_heads, n_blocks, block, width).transpose(1, 2)
+    paged = attention_rows(lib, tree_q, pool, last, 3, root_only, heads_per_kv, order.int(), block, hd)
     assert torch.equal(paged, tree)
-    keys, values = cache[0, :, : last + 1].double(), cache[1, :, : last + 1].double()
-    qi = q[-1].view(-1, hd).double()
-    weights = torch.softmax(torch.einsum("hd,hkd->hk", qi, keys.repeat_interleave(heads_per_kv, 0)) * hd**-0.5, -1)
-    expected = torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(heads_per_kv, 0)).reshape(-1)
-    torch.testing.assert_close(prefill[-1].double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prefill[-1].double(), expected_attention(q[-1].view(-1, hd), cache,
+                                                                        list(range(last + 1)), hd),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_keys_and_values_are_rounded_once_as_pytorch_rounds_them(lib, monkeypatch) -> None:
@@ -171,31 +188,22 @@ def test_keys_and_values_are_rounded_once_as_pytorch_rounds_them(lib, monkeypatc
     torch.testing.assert_close(stored[True, "float32"], stored[False, "float32"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv", ["float16", "int8"])
 @pytest.mark.parametrize("in_batch_row", [False, True], ids=["own-cache", "engine-batch-row"])
-def test_float16_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool) -> None:
-    """Lossless verification rests on it: a tree's node gets the logits one-token steps along its path get."""
+def test_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool, kv: str) -> None:
+    """Lossless verification rests on it, with each cache type: a tree's node gets the logits one-token steps along
+    its path get."""
     if kernels.native() is None:
         pytest.skip("native kernels unavailable")
     model = tiny_model(4, dtype=torch.float32, head_dim=64, num_layers=3)
+    model.kv_cache_dtype = kv
     cfg = model.config
     prefix = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(7)).tolist()
     tree = DraftTree.from_paths(prefix[-1], [[5, 6, 7, 8, 9], [5, 6, 9], [5, 10], [11, 12]])
     cache: KVCache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=2,
-                                  dtype=torch.float16).row(1) if in_batch_row else model.new_cache(64)
-    assert cache.kv.dtype == torch.float16
-    model.forward(torch.tensor([prefix[:-1]]), cache, logits_at=None)
-    start = cache.length
-    tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
-                                tree_mask=tree.attention_mask()).logits[0]
-    for node in range(len(tree)):
-        path, i = [], node
-        while i > 0:
-            path.append(tree.tokens[i])
-            i = tree.parents[i]
-        cache.rollback(start)
-        for token in [prefix[-1], *path[::-1]]:
-            step = model.forward(torch.tensor([[token]]), cache).logits[0, -1]
-        assert torch.equal(step, tree_logits[node]), f"node {node}"
+                                  dtype=model.kv_dtype).row(1) if in_batch_row else model.new_cache(64)
+    assert cache.kv.dtype == getattr(torch, kv)
+    assert_tree_matches_steps(model, cache, prefix, tree)
 
 
 def test_float16_cache_stays_within_float16_rounding_of_float32() -> None:
@@ -212,18 +220,20 @@ def test_float16_cache_stays_within_float16_rounding_of_float32() -> None:
     assert 0 < (half - full).abs().max().item() <= bound
 
 
-@pytest.fixture(scope="module")
-def models():
-    """A float32 target (its cache float16) and a draft that mostly agrees with it (copied before any forward)."""
+@pytest.fixture(scope="module", params=["float16", "int8"])
+def models(request):
+    """A float32 target (its cache float16, the default, or int8) and a draft that mostly agrees with it (copied
+    before any forward, its cache the same type)."""
     model = tiny_model(0, dtype=torch.float32, vocab_size=VOCAB)
-    assert model.kv_dtype == torch.float16
+    model.kv_cache_dtype = request.param
+    assert model.kv_dtype == getattr(torch, request.param)
     return model, noisy_copy(model, seed=1, noise=0.05)
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_speculation_equals_plain_decoding_with_a_float16_cache(models, method: str) -> None:
-    """test_lossless's methods on a float32 target with the float16 cache: every prompt's output equals plain
-    decoding's with the same cache type."""
+def test_greedy_speculation_equals_plain_decoding_with_each_cache_type(models, method: str) -> None:
+    """test_lossless's methods on a float32 target with the float16 or the int8 cache: every prompt's output equals
+    plain decoding's with the same cache type."""
     target32, draft = models
     proposer = METHODS[method](target32, draft)
     drafted = accepted = 0

@@ -1,10 +1,12 @@
 """The int8 KV cache (`kv_cache_dtype="int8"`): what a row stores, how the native attention reads it, and that
-speculation stays lossless with it (greedy equal to plain decoding, sampling exactly the target's distribution).
+speculation stays lossless with it (sampling exactly the target's distribution, the real model's greedy output).
+test_kv_cache.py runs its float16 tests on int8 rows too: long caches' steps, trees and block tables bit for bit,
+trees against one-token steps, greedy speculation equal to plain decoding for every method.
 
 A row (one token's key or value for one kv head) is quantized once, when written: its values q_e = round(x_e / s) in
--127..127 with s = max |x| / 127, then s as float32 in the row's last 4 bytes. The attention applies each key's scale
-to its dot product and each value row's scale to its weight, in the same order in every path, so a query's numbers
-never depend on how many tokens share its forward (a tree verifies what one-token steps compute).
+-127..127 with s = max |x| / 127, then s as float32 in the row's last 4 bytes. The attention quantizes each query head
+the same way, so a score is an exact integer dot product times the two scales, and weighs each value row by p * s:
+the same operations in every path, so a query's numbers never depend on how many tokens share its forward.
 """
 
 from __future__ import annotations
@@ -15,16 +17,14 @@ import pytest
 import torch
 
 from specdecode import kernels
-from specdecode.core.tree import DraftTree
 from specdecode.engine.loop import generate_ids
-from specdecode.models import BatchKVCache
-from specdecode.models.cache import KVCache, read_rows, row_width, store_rows
+from specdecode.models.cache import read_rows, row_width, store_rows
 from specdecode.models.paged import BlockPool
 
 from .helpers import noisy_copy, tiny_model
 from .test_distribution import CASES, PROMPT, V, chi_square, exact_joint
-from .test_kv_cache import attention, attention_rows, lib  # noqa: F401 - lib: the fixture (native, portable)
-from .test_lossless import METHODS, NEW, PROMPTS, VOCAB
+from .test_kv_cache import attention, expected_attention, lib, random_cache  # noqa: F401 - lib: the fixture
+from .test_lossless import VOCAB
 
 
 def test_a_row_holds_its_values_and_scale() -> None:
@@ -57,13 +57,6 @@ def test_the_cache_is_a_quarter_of_float32_and_a_scale() -> None:
     assert BlockPool.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, 64, 16, torch.int8) / half == 68 / 128
 
 
-def quantized_cache(g: torch.Generator, kv_heads: int, length: int, hd: int) -> torch.Tensor:
-    """[2, kv_heads, length, row] int8 rows of random keys and values (one row of zeros: scale 0)."""
-    x = torch.randn(2, kv_heads, length, hd, generator=g) * 2
-    x[:, 0, 3] = 0
-    return store_rows(x, torch.int8)
-
-
 @pytest.mark.parametrize("hd", [16, 64, 128])
 @pytest.mark.parametrize("n", [1, 5])
 def test_native_attention_over_int8_rows(lib, hd: int, n: int) -> None:  # noqa: F811 - the fixture
@@ -72,54 +65,17 @@ def test_native_attention_over_int8_rows(lib, hd: int, n: int) -> None:  # noqa:
     computes what a one-token step computes, bit for bit."""
     g = torch.Generator().manual_seed(hd + n)
     kv_heads, heads, max_len, start = 2, 4, 45, 37
-    cache = quantized_cache(g, kv_heads, max_len, hd)
+    cache = random_cache(g, kv_heads, max_len, hd, "int8")
     q = torch.randn(n, heads * hd, generator=g)
     mask = None if n == 1 else torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
                                              [1, 0, 1, 0, 1]], dtype=torch.uint8)
     got = attention(lib, q, cache, start, n, mask, hd)
-    wide = read_rows(cache, hd, torch.float64)
     for i in range(n):
         seen = list(range(start)) + [start + j for j in range(n) if (mask is None or mask[i, j])]
-        keys, values = wide[0][:, seen], wide[1][:, seen]
-        qi = read_rows(store_rows(q[i].view(heads, hd), torch.int8), hd, torch.float64)  # quantized as a row is
-        weights = torch.softmax(torch.einsum("hd,hkd->hk", qi, keys.repeat_interleave(2, 0)) * hd**-0.5, -1)
-        expected = torch.einsum("hk,hkd->hd", weights, values.repeat_interleave(2, 0)).reshape(-1)
-        torch.testing.assert_close(got[i].double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i].double(), expected_attention(q[i].view(heads, hd), cache, seen, hd),
+                                   rtol=1e-5, atol=1e-5)
     if mask is not None:
         assert torch.equal(attention(lib, q[:1].contiguous(), cache, start, 1, None, hd)[0], got[0])
-
-
-@pytest.mark.parametrize(("hd", "heads_per_kv"), [(64, 3), (128, 4)])
-def test_long_int8_cache_steps_trees_and_pages_compute_what_a_prefill_computes(lib, hd, heads_per_kv) -> None:  # noqa: F811
-    """Steps and trees over a long cache take the shared passes (keys widened, their scales kept aside), a prefill
-    a task per (kv head, token): the same bits either way, at any thread count, and through a block table."""
-    g = torch.Generator().manual_seed(hd)
-    kv_heads, start, n, block = 2, 300, 400, 64
-    cache = quantized_cache(g, kv_heads, start + n + 2, hd)
-    q = torch.randn(n, heads_per_kv * kv_heads * hd, generator=g)
-    prefill = attention_rows(lib, q, cache, start, n, None, heads_per_kv, None, 0, hd)
-    threads = torch.get_num_threads()
-    try:
-        for i, count in ((212, 1), (331, 3), (n - 1, 2)):
-            torch.set_num_threads(count)
-            step = attention_rows(lib, q[i : i + 1].contiguous(), cache, start + i, 1, None, heads_per_kv, None, 0,
-                                  hd)
-            assert torch.equal(step[0], prefill[i]), (i, count)
-    finally:
-        torch.set_num_threads(threads)
-    last = start + n - 1
-    tree_q = torch.cat([q[-1:], torch.randn(2, q.shape[1], generator=g)])
-    root_only = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.uint8)
-    tree = attention_rows(lib, tree_q, cache, last, 3, root_only, heads_per_kv, None, 0, hd)
-    assert torch.equal(tree[0], prefill[-1])
-    n_blocks, width = (last + 3 + block - 1) // block, cache.shape[-1]
-    order = torch.randperm(n_blocks, generator=g)
-    pool = torch.zeros(2, n_blocks, kv_heads, block, width, dtype=torch.int8)
-    padded = torch.zeros(2, kv_heads, n_blocks * block, width, dtype=torch.int8)
-    padded[:, :, : last + 3] = cache[:, :, : last + 3]
-    pool[:, order] = padded.view(2, kv_heads, n_blocks, block, width).transpose(1, 2)
-    assert torch.equal(attention_rows(lib, tree_q, pool, last, 3, root_only, heads_per_kv, order.int(), block, hd),
-                       tree)
 
 
 def test_native_blocks_store_what_store_rows_computes(lib, monkeypatch) -> None:  # noqa: F811
@@ -134,33 +90,6 @@ def test_native_blocks_store_what_store_rows_computes(lib, monkeypatch) -> None:
         model.forward(ids, cache)
         stored[name] = cache.kv[0, :, :, :, :11]
     assert torch.equal(stored["int8"], store_rows(stored["float32"], torch.int8))
-
-
-@pytest.mark.parametrize("in_batch_row", [False, True], ids=["own-cache", "engine-batch-row"])
-def test_int8_tree_verifies_bit_for_bit_what_single_steps_compute(in_batch_row: bool) -> None:
-    if kernels.native() is None:
-        pytest.skip("native kernels unavailable")
-    model = tiny_model(4, dtype=torch.float32, head_dim=64, num_layers=3)
-    model.kv_cache_dtype = "int8"
-    cfg = model.config
-    prefix = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(7)).tolist()
-    tree = DraftTree.from_paths(prefix[-1], [[5, 6, 7, 8, 9], [5, 6, 9], [5, 10], [11, 12]])
-    cache: KVCache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, batch_size=2,
-                                  dtype=torch.int8).row(1) if in_batch_row else model.new_cache(64)
-    assert cache.kv.dtype == torch.int8
-    model.forward(torch.tensor([prefix[:-1]]), cache, logits_at=None)
-    start = cache.length
-    tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
-                                tree_mask=tree.attention_mask()).logits[0]
-    for node in range(len(tree)):
-        path, i = [], node
-        while i > 0:
-            path.append(tree.tokens[i])
-            i = tree.parents[i]
-        cache.rollback(start)
-        for token in [prefix[-1], *path[::-1]]:
-            step = model.forward(torch.tensor([[token]]), cache).logits[0, -1]
-        assert torch.equal(step, tree_logits[node]), f"node {node}"
 
 
 def logits_by_cache(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -200,28 +129,6 @@ def test_without_kernels_the_int8_cache_computes_what_the_kernels_compute(monkey
     native, torch_path = runs
     bound = 8 * (1 / 254) * (native.max() - native.min()).item()
     assert (torch_path - native).abs().max().item() <= bound
-
-
-@pytest.fixture(scope="module")
-def models():
-    model = tiny_model(0, dtype=torch.float32, vocab_size=VOCAB)
-    model.kv_cache_dtype = "int8"
-    draft = noisy_copy(model, seed=1, noise=0.05)
-    return model, draft
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_speculation_equals_plain_decoding_with_an_int8_cache(models, method: str) -> None:
-    target, draft = models
-    assert target.kv_dtype == torch.int8
-    proposer = METHODS[method](target, draft)
-    drafted = accepted = 0
-    for prompt in PROMPTS:
-        expected, _ = generate_ids(target, prompt, max_new_tokens=NEW)
-        out, stats = generate_ids(target, prompt, proposer=proposer, k=4, max_new_tokens=NEW)
-        assert out == expected, f"prompt {prompt}"
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
-    assert 0 < accepted < drafted
 
 
 @pytest.mark.parametrize("name", ["draft", "prompt-lookup-tree"])
