@@ -468,7 +468,7 @@ int specdecode_attention_rows(const float *qs, int q_stride, float *att, int att
         }
         for (int i = 0; i < n; i++)
             for (int h = 0; h < n_heads; h++)
-                q8_scales[i * n_heads + h] = attention_quantize_query(qs + (int64_t)i * q_stride + (int64_t)h * hd,
+                q8_scales[i * n_heads + h] = attention_quantize_row(qs + (int64_t)i * q_stride + (int64_t)h * hd,
                                                                       hd, q8 + ((int64_t)i * n_heads + h) * hd);
     }
     int failed;

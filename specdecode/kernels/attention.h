@@ -37,9 +37,10 @@ static inline int64_t row_at(const Rows *r, int j, int rs) {
     return (int64_t)r->table[j >> r->shift] * r->bstride + r->head + (int64_t)(j & ((1 << r->shift) - 1)) * rs;
 }
 
-/* attention_int8.c: a query head quantized as an int8 row (out: hd bytes; returns its scale), and one quantized
-   query head's scores over int8 keys j0..j1 (p[j]; keys past a contiguous cache's max_len score 0) */
-float attention_quantize_query(const float *q, int hd, int8_t *out);
+/* attention_int8.c: hd floats quantized as an int8 row is (a key, a value, a query head; out: hd bytes; returns the
+   scale), and one quantized query head's scores over int8 keys j0..j1 (p[j]; keys past a contiguous cache's max_len
+   score 0) */
+float attention_quantize_row(const float *q, int hd, int8_t *out);
 void attention_int8_scores(const int8_t *q8, float qscale, const void *keys, const Rows *rows, int max_len, int hd,
                            float scale, float *p, int j0, int j1);
 

@@ -8,9 +8,10 @@
 #include "attention.h"
 #include "simd.h"
 
-/* A query head quantized as an int8 cache row is (models/cache.py's rule: scale max |q| / 127, q / scale rounded to
-   nearest even), so that its products with int8 keys are integers: returns the scale */
-float attention_quantize_query(const float *q, int hd, int8_t *out) {
+/* hd floats quantized as an int8 cache row is (models/cache.py's rule: scale max |q| / 127, q / scale rounded to
+   nearest even; block.c's store_kv writes keys and values with it), so that a query's products with int8 keys are
+   integers: returns the scale */
+float attention_quantize_row(const float *q, int hd, int8_t *out) {
     float amax = 0.0f;
     for (int e = 0; e < hd; e++) amax = fabsf(q[e]) > amax ? fabsf(q[e]) : amax;
     const float qscale = amax / 127.0f;

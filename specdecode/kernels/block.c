@@ -195,25 +195,19 @@ static void add_output(float *x, float *out, const float *norm, float eps, int n
 /* One layer on the n tokens of every span: the norms, matmuls and activations over all of them at once (each token's
    numbers independent of the others), RoPE, the cache writes and the attention span by span */
 /* row (hd floats) into element `at` of a cache block: float32; float16 rounded to nearest even (as PyTorch's
-   conversion rounds, so both paths store the same bits); or int8, as models/cache.py's store_rows computes it:
-   scale = max |x| / 127, q = x / scale rounded to nearest even (IEEE division and rounding: the same bits), all 0 with
-   scale 0 where the row is all zeros */
+   conversion rounds, so both paths store the same bits); or int8, as models/cache.py's store_rows computes it
+   (attention_int8.c's quantization, which the queries meet the keys with: scale = max |x| / 127, q = x / scale
+   rounded to nearest even, IEEE division and rounding: the same bits; all 0 with scale 0 where the row is zeros) */
 static void store_kv(void *base, int64_t at, const float *row, int hd, int kind) {
     if (kind == KV_F32) {
         memcpy((float *)base + at, row, sizeof(float) * hd);
         return;
     }
-    if (kind == KV_I8) {
+    if (kind == KV_I8) {  /* the row's values, zeros to its padding, its scale */
         int8_t *out = (int8_t *)base + at;
         const int rs = kv_row(hd, KV_I8);
-        float amax = 0.0f;
-        for (int e = 0; e < hd; e++) amax = fabsf(row[e]) > amax ? fabsf(row[e]) : amax;
-        const float scale = amax / 127.0f;
-        memset(out, 0, (size_t)rs - 4);
-        for (int e = 0; e < hd && scale > 0.0f; e++) {
-            const float r = nearbyintf(row[e] / scale);
-            out[e] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
-        }
+        memset(out + hd, 0, (size_t)(rs - 4 - hd));
+        const float scale = attention_quantize_row(row, hd, out);
         memcpy(out + rs - 4, &scale, sizeof scale);
         return;
     }
