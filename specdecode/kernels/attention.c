@@ -331,11 +331,11 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
             const int64_t first_head = (int64_t)i * n_heads + (int64_t)g * group;
             for (int j = 0; j < ends; j += KEY_BLOCK) {
                 const int j1 = j + KEY_BLOCK < ends ? j + KEY_BLOCK : ends;
-                for (int h = 0; h < group; h++)
-                    if (q8)
-                        attention_int8_scores(q8 + (first_head + h) * hd, q8_scales[first_head + h], k_cache, &rows,
-                                              max_len, hd, scale, p + h * stride, j, j1);
-                    else
+                if (q8)
+                    attention_int8_scores(q8 + first_head * hd, q8_scales + first_head, group, k_cache, &rows,
+                                          max_len, hd, scale, p, stride, j, j1);
+                else
+                    for (int h = 0; h < group; h++)
                         scores(q + (int64_t)h * hd, k_cache, &rows, kind, end, max_len, hd, scale, p + h * stride,
                                pad, j, j1);
             }
@@ -405,9 +405,10 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
             if (q8) {
                 for (int i = 0; i < n; i++) {
                     const int seen = (ends[i] + 7) & ~7, j1 = j0 + padded < seen ? j0 + padded : seen;
-                    for (int h = g * group; h < (g + 1) * group && j0 < j1; h++)
-                        attention_int8_scores(q8 + ((int64_t)i * n_heads + h) * hd, q8_scales[i * n_heads + h],
-                                              k_cache, &rows, max_len, hd, scale, WEIGHTS(i, h), j0, j1);
+                    const int64_t first_head = (int64_t)i * n_heads + (int64_t)g * group;
+                    if (j0 < j1)
+                        attention_int8_scores(q8 + first_head * hd, q8_scales + first_head, group, k_cache, &rows,
+                                              max_len, hd, scale, WEIGHTS(i, g * group), stride, j0, j1);
                 }
                 continue;
             }

@@ -38,11 +38,11 @@ static inline int64_t row_at(const Rows *r, int j, int rs) {
 }
 
 /* attention_int8.c: hd floats quantized as an int8 row is (a key, a value, a query head; out: hd bytes; returns the
-   scale), and one quantized query head's scores over int8 keys j0..j1 (p[j]; keys past a contiguous cache's max_len
-   score 0) */
+   scale), and `heads` quantized query heads' scores over int8 keys j0..j1 (rows of q8 hd bytes apart, their scales
+   qscales; head h's p[h * p_stride + j]; keys past a contiguous cache's max_len score 0) */
 float attention_quantize_row(const float *q, int hd, int8_t *out);
-void attention_int8_scores(const int8_t *q8, float qscale, const void *keys, const Rows *rows, int max_len, int hd,
-                           float scale, float *p, int j0, int j1);
+void attention_int8_scores(const int8_t *q8, const float *qscales, int heads, const void *keys, const Rows *rows,
+                           int max_len, int hd, float scale, float *p, size_t p_stride, int j0, int j1);
 
 /* Attention of n new queries over the layer's cache (see attention.c); table NULL: each kv head's rows contiguous.
    Returns 1 when scratch memory ran out. */

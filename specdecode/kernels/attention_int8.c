@@ -23,16 +23,10 @@ float attention_quantize_row(const float *q, int hd, int8_t *out) {
 }
 
 #if SPECDECODE_AVX2
-/* acc + the products of 32 int8 pairs, 4 to a lane: |q| (unsigned) times k with q's sign (never saturates: at most
-   2 * 127 * 127 a pair) */
-static inline __m256i dot_i8(__m256i acc, __m256i q_abs, __m256i q, __m256i k) {
-    const __m256i signed_k = _mm256_sign_epi8(k, q);
-#if SPECDECODE_VNNI
-    return dpbusd(acc, q_abs, signed_k);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, signed_k), _mm256_set1_epi16(1)));
-#endif
-}
+/* A true VNNI instruction takes the keys once for every head: k + 128 (unsigned) times q, less 128 * sum(q) after;
+   without one (maddubs would saturate at 255 * 127 * 2) each head takes |q| times k with q's sign. The same
+   integers either way. */
+#define KEYS_OFFSET (SPECDECODE_VNNI == 1 || SPECDECODE_VNNI == 2)
 
 /* lane t: the sum of the 8 lanes of a[t] */
 static inline __m256i hsum8_epi32(const __m256i *a) {
@@ -41,55 +35,105 @@ static inline __m256i hsum8_epi32(const __m256i *a) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
 
-/* lane t: the integer dot product of q (C chunks of 32: its absolute values and signs) and key t's row (rows rs
-   apart from k) */
-static inline __attribute__((always_inline)) __m256i int8_dot8(const __m256i *q_abs, const __m256i *q_vec,
-                                                              const int8_t *k, int64_t rs, const int C) {
-    __m256i a[8];
+/* dots[h] lane t: the integer dot product of head h's query (C chunks of 32 bytes each: q_vec, and q_abs its
+   absolute values) and key t's row (rows rs apart from k), for H heads, each key chunk loaded once for all of them */
+static inline __attribute__((always_inline)) void int8_dot8(const __m256i *q_abs, const __m256i *q_vec,
+                                                           const int32_t *q_sums, const int8_t *k, int64_t rs,
+                                                           const int C, const int H, __m256i *dots) {
+    __m256i a[4][8];
     for (int t = 0; t < 8; t++) {
-        a[t] = _mm256_setzero_si256();
-        for (int c = 0; c < C; c++)
-            a[t] = dot_i8(a[t], q_abs[c], q_vec[c], _mm256_loadu_si256((const __m256i *)(k + t * rs + 32 * c)));
+        for (int h = 0; h < H; h++) a[h][t] = _mm256_setzero_si256();
+        for (int c = 0; c < C; c++) {
+            const __m256i kv = _mm256_loadu_si256((const __m256i *)(k + t * rs + 32 * c));
+#if KEYS_OFFSET
+            const __m256i ku = _mm256_xor_si256(kv, _mm256_set1_epi8((char)0x80));
+            for (int h = 0; h < H; h++) a[h][t] = dpbusd(a[h][t], ku, q_vec[h * C + c]);
+#else
+            for (int h = 0; h < H; h++) {
+                const __m256i signed_k = _mm256_sign_epi8(kv, q_vec[h * C + c]);
+#if SPECDECODE_VNNI
+                a[h][t] = dpbusd(a[h][t], q_abs[h * C + c], signed_k);
+#else
+                a[h][t] = _mm256_add_epi32(a[h][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs[h * C + c], signed_k),
+                                                                      _mm256_set1_epi16(1)));
+#endif
+            }
+#endif
+        }
     }
-    return hsum8_epi32(a);
+    for (int h = 0; h < H; h++) dots[h] = _mm256_sub_epi32(hsum8_epi32(a[h]), _mm256_set1_epi32(q_sums[h]));
+}
+
+/* int8_scores' vector part for H (<= 4) heads with C chunks each: keys j..(a multiple of 8 before j1); returns the
+   key it stopped at */
+static inline __attribute__((always_inline)) int int8_scores8(const int8_t *q8, const float *qscales,
+                                                             const int8_t *base, const Rows *rows, int max_len, int hd,
+                                                             float scale, float *p, size_t p_stride, int j, int j1,
+                                                             const int C, const int H) {
+    const int rs = kv_row(hd, KV_I8);
+    __m256i q_abs[4 * 8], q_vec[4 * 8];
+    int32_t q_sums[4];
+    for (int h = 0; h < H; h++) {
+        int32_t total = 0;
+        for (int e = 0; e < hd; e++) total += q8[h * hd + e];
+        q_sums[h] = KEYS_OFFSET ? 128 * total : 0;
+        for (int c = 0; c < C; c++) {
+            q_vec[h * C + c] = _mm256_loadu_si256((const __m256i *)(q8 + h * hd + 32 * c));
+            q_abs[h * C + c] = _mm256_abs_epi8(q_vec[h * C + c]);
+        }
+    }
+    for (; j + 8 <= j1 && (rows->table || j + 8 <= max_len); j += 8) {
+        const int8_t *k = base + row_at(rows, j, rs);  /* the group's 8 rows are contiguous (attention.h) */
+        __m256i dots[4];
+        int8_dot8(q_abs, q_vec, q_sums, k, rs, C, H, dots);
+        float k_scales[8];
+        for (int t = 0; t < 8; t++) k_scales[t] = kv_scale(k, (int64_t)t * rs, rs);
+        const __m256 ks = _mm256_loadu_ps(k_scales);
+        for (int h = 0; h < H; h++) {
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dots[h]), _mm256_set1_ps(qscales[h]));
+            _mm256_storeu_ps(p + h * p_stride + j, _mm256_mul_ps(_mm256_mul_ps(s, ks), _mm256_set1_ps(scale)));
+        }
+    }
+    return j;
 }
 #endif
 
-/* Scores of one quantized query head (q8, its scale qscale) over int8 keys j0..j1: p[j] = ((q8 . k_j) * qscale) * s_j
-   * scale, the dot an exact integer (so its order of additions cannot matter: every path and build gets the same
-   bits); keys past a contiguous cache's end score 0 (their rows are not read) */
-void attention_int8_scores(const int8_t *q8, float qscale, const void *keys, const Rows *rows, int max_len, int hd,
-                           float scale, float *p, int j0, int j1) {
+/* Scores of `heads` quantized query heads (rows of q8, hd bytes apart; their scales qscales) over int8 keys j0..j1:
+   p[h * p_stride + j] = ((q8_h . k_j) * qscale_h) * s_j * scale, the dot an exact integer (so its order of additions
+   cannot matter: every path and build gets the same bits); keys past a contiguous cache's end score 0 (their rows
+   are not read) */
+void attention_int8_scores(const int8_t *q8, const float *qscales, int heads, const void *keys, const Rows *rows,
+                           int max_len, int hd, float scale, float *p, size_t p_stride, int j0, int j1) {
     const int rs = kv_row(hd, KV_I8);
     const int8_t *base = (const int8_t *)keys;
-    int j = j0;
+    for (int h0 = 0; h0 < heads; h0 += 4) {
+        const int H = heads - h0 < 4 ? heads - h0 : 4;
+        const int8_t *q = q8 + (int64_t)h0 * hd;
+        const float *qs = qscales + h0;
+        float *ph = p + h0 * p_stride;
+        int j = j0;
 #if SPECDECODE_AVX2
-    if (hd % 32 == 0 && hd <= 256) {
-        __m256i q_abs[8], q_vec[8];
-        for (int c = 0; c < hd / 32; c++) {
-            q_vec[c] = _mm256_loadu_si256((const __m256i *)(q8 + 32 * c));
-            q_abs[c] = _mm256_abs_epi8(q_vec[c]);
+        if (hd % 32 == 0 && hd <= 256) {
+#define SCORES(c, h) j = int8_scores8(q, qs, base, rows, max_len, hd, scale, ph, p_stride, j, j1, c, h)
+#define HEADS(c) if (H == 1) SCORES(c, 1); else if (H == 2) SCORES(c, 2); else if (H == 3) SCORES(c, 3); \
+                 else SCORES(c, 4)
+            if (hd == 64) HEADS(2);  /* constants: the loops unroll */
+            else if (hd == 128) HEADS(4);
+            else HEADS(hd / 32);
+#undef HEADS
+#undef SCORES
         }
-        for (; j + 8 <= j1 && (rows->table || j + 8 <= max_len); j += 8) {
-            const int8_t *k = base + row_at(rows, j, rs);  /* the group's 8 rows are contiguous (attention.h) */
-            const __m256i dots = hd == 64    ? int8_dot8(q_abs, q_vec, k, rs, 2)  /* constants: the loops unroll */
-                                 : hd == 128 ? int8_dot8(q_abs, q_vec, k, rs, 4)
-                                             : int8_dot8(q_abs, q_vec, k, rs, hd / 32);
-            float k_scales[8];
-            for (int t = 0; t < 8; t++) k_scales[t] = kv_scale(k, (int64_t)t * rs, rs);
-            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(qscale));
-            _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_mul_ps(s, _mm256_loadu_ps(k_scales)), _mm256_set1_ps(scale)));
-        }
-    }
 #endif
-    for (; j < j1; j++) {
-        if (!rows->table && j >= max_len) {
-            p[j] = 0.0f;
-            continue;
-        }
-        const int64_t row = row_at(rows, j, rs);
-        int32_t dot_q = 0;
-        for (int e = 0; e < hd; e++) dot_q += (int32_t)q8[e] * base[row + e];
-        p[j] = (float)dot_q * qscale * kv_scale(base, row, rs) * scale;
+        for (int h = 0; h < H; h++)
+            for (int t = j; t < j1; t++) {
+                if (!rows->table && t >= max_len) {
+                    ph[h * p_stride + t] = 0.0f;
+                    continue;
+                }
+                const int64_t row = row_at(rows, t, rs);
+                int32_t dot_q = 0;
+                for (int e = 0; e < hd; e++) dot_q += (int32_t)q[h * hd + e] * base[row + e];
+                ph[h * p_stride + t] = (float)dot_q * qs[h] * kv_scale(base, row, rs) * scale;
+            }
     }
 }
