@@ -23,20 +23,35 @@ static inline __attribute__((always_inline)) __m256 load_kv8(const void *base, i
                           : _mm256_loadu_ps((const float *)base + at);
 }
 
-/* q . k_t for the 8 keys k_0..k_7 (rows of hd float32 or float16 elements from element `at` of k, hd a multiple of
-   8): lane t holds key t's product, from the same additions whatever the other lanes hold */
-static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *k, int64_t at, int hd,
-                                                         const int kind) {
-    __m256 a[8];
-    for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+/* out[h] lane t: q_h . k_t for H heads' queries (rows of hd floats from q) and the 8 keys k_0..k_7 (rows of hd float32
+   or float16 elements from element `at` of k, hd a multiple of 8), each key vector widened once for all the heads:
+   lane t of a head holds key t's product, from the same additions whatever the other lanes and heads hold */
+static inline __attribute__((always_inline)) void dot8(const float *q, const void *k, int64_t at, int hd,
+                                                       const int kind, const int H, __m256 *out) {
+    __m256 a[3][8];
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < 8; t++) a[h][t] = _mm256_setzero_ps();
     for (int e = 0; e < hd; e += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + e);
-        for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(qv, load_kv8(k, at + (int64_t)t * hd + e, kind), a[t]);
+        __m256 kv[8];
+        for (int t = 0; t < 8; t++) kv[t] = load_kv8(k, at + (int64_t)t * hd + e, kind);
+        for (int h = 0; h < H; h++) {
+            const __m256 qv = _mm256_loadu_ps(q + h * hd + e);
+            for (int t = 0; t < 8; t++) a[h][t] = _mm256_fmadd_ps(qv, kv[t], a[h][t]);
+        }
     }
-    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+    for (int h = 0; h < H; h++) {
+        const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+        const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[h][4], a[h][5]), _mm256_hadd_ps(a[h][6], a[h][7]));
+        out[h] = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+    }
 }
+/* dot8 for H heads, the kind a constant */
+static inline __attribute__((always_inline)) void dot8_kinds(const float *q, const void *k, int64_t at, int hd,
+                                                             int kind, const int H, __m256 *out) {
+    if (kind == KV_F16) dot8(q, k, at, hd, KV_F16, H, out);
+    else dot8(q, k, at, hd, KV_F32, H, out);
+}
+
 /* The values pass's vectors: 16 floats where the build has AVX-512 (half the instructions a key), else 8; each
    element's sum is the same chain of fmas either way, so both give the same numbers */
 #if SPECDECODE_AVX512
@@ -165,34 +180,45 @@ static void widen_rows(const void *base, int64_t at, int count, int hd, int kind
     for (; e < (int64_t)count * hd; e++) out[e] = kv_at(base, at + e, KV_F16);
 }
 
-/* Scores of one query over float32 or float16 keys (p[j] = q . k_j * scale for j < L), every key's by dot8 where it
-   applies (a key's number never depends on L or n), padding rows of zeros where the cache ends inside a group of 8
-   (pad: 8 * hd floats) */
-static void scores(const float *q, const void *keys, const Rows *rows, int kind, int L, int max_len, int hd,
-                   float scale, float *p, float *pad, int j0, int j1) {
+/* Scores of `heads` query heads (rows of q, hd floats apart) over float32 or float16 keys (head h's p[h * p_stride + j]
+   = q_h . k_j * scale for j < L), every key's by dot8 where it applies (a key's number never depends on L, n or the
+   heads beside it), padding rows of zeros where the cache ends inside a group of 8 (pad: 8 * hd floats) */
+static void scores(const float *q, int heads, const void *keys, const Rows *rows, int kind, int L, int max_len, int hd,
+                   float scale, float *p, size_t p_stride, float *pad, int j0, int j1) {
 #if SPECDECODE_AVX2
     if (hd % 8 == 0) {
-        for (int j = j0; j < j1; j += 8) {
-            __m256 s;
-            if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
-                memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
-                widen_rows(keys, row_at(rows, j, hd), max_len - j, hd, kind, pad);
-                s = dot8(q, pad, 0, hd, KV_F32);
-            } else if (kind == KV_F16) s = dot8(q, keys, row_at(rows, j, hd), hd, KV_F16);
-            else s = dot8(q, keys, row_at(rows, j, hd), hd, KV_F32);
-            _mm256_storeu_ps(p + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+        for (int h0 = 0; h0 < heads; h0 += 3) {  /* up to three heads at a time: their sums fill the registers */
+            const int H = heads - h0 < 3 ? heads - h0 : 3;
+            const float *qh = q + (int64_t)h0 * hd;
+            float *ph = p + h0 * p_stride;
+            for (int j = j0; j < j1; j += 8) {
+                __m256 s[3];
+                const void *k = keys;
+                int64_t at = row_at(rows, j, hd);
+                int k_kind = kind;
+                if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
+                    memset(pad, 0, sizeof(float) * 8 * (size_t)hd);
+                    widen_rows(keys, at, max_len - j, hd, kind, pad);
+                    k = pad, at = 0, k_kind = KV_F32;
+                }
+                if (H == 3) dot8_kinds(qh, k, at, hd, k_kind, 3, s);
+                else if (H == 2) dot8_kinds(qh, k, at, hd, k_kind, 2, s);
+                else dot8_kinds(qh, k, at, hd, k_kind, 1, s);
+                for (int h = 0; h < H; h++) _mm256_storeu_ps(ph + h * p_stride + j, _mm256_mul_ps(s[h], _mm256_set1_ps(scale)));
+            }
         }
         return;
     }
 #endif
-    for (int j = j0; j < j1 && j < L; j++) {
-        const float *k = (const float *)keys + row_at(rows, j, hd);
-        if (kind == KV_F16) {  /* widened into pad first: dot reads floats */
-            widen_rows(keys, row_at(rows, j, hd), 1, hd, KV_F16, pad);
-            k = pad;
+    for (int h = 0; h < heads; h++)
+        for (int j = j0; j < j1 && j < L; j++) {
+            const float *k = (const float *)keys + row_at(rows, j, hd);
+            if (kind == KV_F16) {  /* widened into pad first: dot reads floats */
+                widen_rows(keys, row_at(rows, j, hd), 1, hd, KV_F16, pad);
+                k = pad;
+            }
+            p[h * p_stride + j] = dot(q + (int64_t)h * hd, k, hd) * scale;
         }
-        p[j] = dot(q, k, hd) * scale;
-    }
 }
 
 /* One past the last key query i of the call sees (its own, in a chain; a tree's or a window's mask may say
@@ -335,9 +361,7 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
                     attention_int8_scores(q8 + first_head * hd, q8_scales + first_head, group, k_cache, &rows,
                                           max_len, hd, scale, p, stride, j, j1);
                 else
-                    for (int h = 0; h < group; h++)
-                        scores(q + (int64_t)h * hd, k_cache, &rows, kind, end, max_len, hd, scale, p + h * stride,
-                               pad, j, j1);
+                    scores(q, group, k_cache, &rows, kind, end, max_len, hd, scale, p, stride, pad, j, j1);
             }
             for (int h = 0; h < group; h++) softmax_weights(p + h * stride, L, end, start, n, i, mask, full_mask);
             weigh_heads(p, stride, group, v_cache, &rows, hd, end, 0, hd, kind,
@@ -349,22 +373,11 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
     return failed;
 }
 
-/* count float32 or float16 rows of one kv head from row j0 on, widened to floats into out (exact) */
-static void gather_rows(const void *base, const Rows *rows, int j0, int count, int hd, int kind, float *out) {
-    for (int j = j0; j < j0 + count;) {  /* a run of contiguous rows (a block, or all of them) at a time */
-        int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j0 + count;
-        if (end > j0 + count) end = j0 + count;
-        widen_rows(base, row_at(rows, j, hd), end - j, hd, kind, out + (int64_t)(j - j0) * hd);
-        j = end;
-    }
-}
-
 /* A decode step, or a verification of a few tokens, over a long cache: three passes, each shared out among the
    threads so that both cores stream the cache, and each reading a key or value once for all the queries and query
    heads that share it (grouped-query attention; a tree's tokens):
-   1. scores, a task per (kv head, SHARED_KEYS keys): the keys widened once into floats (int8 keys: read as they are,
-      against the quantized queries), every query and head of the group scored against them (the scores a query
-      computes alone: widening is exact, an int8 dot an integer);
+   1. scores, a task per (kv head, SHARED_KEYS keys): every query and head of the group scored against them, each
+      key vector loaded (and widened) once for a query's heads (the scores a query computes alone: each key's are);
    2. weights, a task per (query, head): the max over its keys and e^(s - max), exact whatever the split;
    3. values, a task per (kv head, elements e0..e0+width of the outputs): weigh_heads for each query, whose element
       sums are each their own (the values' slice stays in L2 from one query to the next).
@@ -390,15 +403,14 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
 #define WEIGHTS(i, h) (p + ((size_t)(i) * n_heads + (h)) * stride)
 #pragma omp parallel
     {
-        float *keys = malloc(sizeof(float) * (SHARED_KEYS + 8) * (size_t)hd);
-        float *pad = keys ? keys + SHARED_KEYS * hd : NULL;
-        if (!keys) {
+        float *pad = malloc(sizeof(float) * 8 * (size_t)hd);
+        if (!pad) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int task = 0; task < n_kv * chunks; task++) {
-            if (!keys) continue;
+            if (!pad) continue;
             const int g = task / chunks, j0 = (task % chunks) * SHARED_KEYS;
             const int count = L - j0 < SHARED_KEYS ? L - j0 : SHARED_KEYS, padded = (count + 7) & ~7;
             const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift};
@@ -412,14 +424,11 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
                 }
                 continue;
             }
-            gather_rows(k_cache, &rows, j0, count, hd, kind, keys);
-            memset(keys + (size_t)count * hd, 0, sizeof(float) * (size_t)(padded - count) * hd);
-            const Rows flat = {NULL, 0, -(int64_t)j0 * hd, 0};  /* key j at (j - j0) * hd of the widened block */
             for (int i = 0; i < n; i++) {
                 const int seen = (ends[i] + 7) & ~7, j1 = j0 + padded < seen ? j0 + padded : seen;
-                for (int h = g * group; h < (g + 1) * group && j0 < j1; h++)
-                    scores(qs + (int64_t)i * q_stride + (int64_t)h * hd, keys, &flat, 0, ends[i], j0 + padded, hd,
-                           scale, WEIGHTS(i, h), pad, j0, j1);
+                if (j0 < j1)
+                    scores(qs + (int64_t)i * q_stride + (int64_t)g * group * hd, group, k_cache, &rows, kind, ends[i],
+                           max_len, hd, scale, WEIGHTS(i, g * group), stride, pad, j0, j1);
             }
         }
 #pragma omp for schedule(static)
@@ -428,14 +437,14 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
                             task / n_heads, mask, full_mask);
 #pragma omp for schedule(static)
         for (int task = 0; task < n_kv * slices; task++) {
-            if (!keys) continue;
+            if (!pad) continue;
             const int g = task / slices;
             const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift};
             for (int i = 0; i < n; i++)
                 weigh_heads(WEIGHTS(i, g * group), stride, group, v_cache, &rows, hd, ends[i], (task % slices) * width,
                             width, kind, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
-        free(keys);
+        free(pad);
     }
 #undef WEIGHTS
     free(p);
