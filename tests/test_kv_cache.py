@@ -53,15 +53,16 @@ def lib(request, monkeypatch):
 
 
 def attention(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: torch.Tensor | None,
-              hd: int | None = None) -> torch.Tensor:
+              hd: int | None = None, full_mask: torch.Tensor | None = None) -> torch.Tensor:
     """block.c's attention of q [n, heads * hd] over kv [2, kv_heads, max_len, row] (float32, float16, or int8 rows
-    of hd values and a scale)."""
+    of hd values and a scale); full_mask [n, start + n] (uint8) where given."""
     hd = hd or kv.shape[3]
     heads = q.shape[1] // hd
     out = torch.empty_like(q)
     failed = lib.specdecode_attention(q.data_ptr(), q.shape[1], out.data_ptr(), out.shape[1], kv[0].data_ptr(),
                                       kv[1].data_ptr(), kv.shape[2], start, n,
-                                      None if mask is None else mask.data_ptr(), None, heads, kv.shape[1], hd,
+                                      None if mask is None else mask.data_ptr(),
+                                      None if full_mask is None else full_mask.data_ptr(), heads, kv.shape[1], hd,
                                       hd**-0.5, KV_KINDS[kv.dtype])
     assert failed == 0
     return out
@@ -166,6 +167,51 @@ def test_long_cache_steps_and_trees_compute_what_a_prefill_computes(lib, hd: int
     torch.testing.assert_close(prefill[-1].double(), expected_attention(q[-1].view(-1, hd), cache,
                                                                         list(range(last + 1)), hd),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("hd", [64, 96])
+@pytest.mark.parametrize("start", [250, 764])  # paths cross a chunk's edge (256, 768): the verify and shared passes
+@pytest.mark.parametrize("window", [None, 600])
+def test_tree_queries_cut_their_value_sums_where_single_steps_do(lib, kv: str, hd: int, start: int,
+                                                                 window: int | None) -> None:
+    """Value sums run over chunks of a query's visible keys (by rank), added in order: a tree's node, whose path
+    lies elsewhere in the cache than one-token steps put it, sums the same keys in the same chunks, bit for bit, also
+    where a chunk's edge falls inside the path and where a sliding window (a full mask) hides the oldest keys."""
+    g = torch.Generator().manual_seed(start + hd)
+    kv_heads, heads_per_kv = 2, 3
+    parents = [-1, 0, 1, 2, 3, 4, 5, 6, 2, 8, 0]  # a chain of depth 7, a branch from node 2, a sibling of node 1
+    n = len(parents)
+    cache = random_cache(g, kv_heads, start + n + 8, hd, "float16" if kv == "float32" else kv)
+    cache = cache.float() if kv == "float32" else cache
+    q = torch.randn(n, heads_per_kv * kv_heads * hd, generator=g)
+    paths = []
+    for i in range(n):
+        path, node = [], i
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1])
+    mask = torch.zeros(n, n, dtype=torch.uint8)
+    for i, path in enumerate(paths):
+        mask[i, path] = 1
+
+    def windowed(positions: torch.Tensor, key_positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
+        if window is None:
+            return None
+        return (seen.bool() & (key_positions[None, :] > positions[:, None] - window)).to(torch.uint8).contiguous()
+
+    depth = torch.tensor([len(p) - 1 for p in paths])
+    full = windowed(start + depth, torch.cat([torch.arange(start), start + depth]),
+                    torch.cat([torch.ones(n, start, dtype=torch.uint8), mask], 1))
+    tree = attention(lib, q, cache, start, n, None if full is not None else mask.contiguous(), hd, full)
+    for i, path in enumerate(paths):
+        steps = cache.clone()  # the path's keys and values where one-token steps write them
+        steps[:, :, start : start + len(path)] = cache[:, :, [start + node for node in path]]
+        at = start + len(path) - 1
+        full_i = windowed(torch.tensor([at]), torch.arange(at + 1), torch.ones(1, at + 1, dtype=torch.uint8))
+        step = attention(lib, q[i : i + 1].contiguous(), steps, at, 1, None, hd, full_i)
+        assert torch.equal(step[0], tree[i]), i
 
 
 def test_keys_and_values_are_rounded_once_as_pytorch_rounds_them(lib, monkeypatch) -> None:

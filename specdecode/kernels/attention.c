@@ -87,23 +87,23 @@ static inline int every_head_sees8(const float *p, size_t p_stride, int j, int H
 }
 
 /* Keys j0..j1 of o_h = sum_j p_hj v_j / sum_j p_hj for H heads (weights p + h * p_stride), over VF NV floats of the
-   keys' value rows from element `at` of a row: the sums carried in acc (H rows of VF NV floats) and totals (H) from
-   the keys before, in registers over the range (H, NV and kind constants at each call: the loops unroll, each value
-   vector is widened once for the H heads; an int8 row's scale multiplies each head's weight, not the totals; runs
-   of 8 keys every head sees skip the per-key tests). Both sums run over the visible keys (p_hj != 0) in cache
-   order, one at a time: a tree's path lies elsewhere in the cache than single steps put it, so sums by lane (j % 8)
-   would round apart. A head's sums are the same whatever ranges its keys are taken in (a range stores and reloads
-   them exactly), whatever heads and elements share the call (an element's sum is its own). */
+   keys' value rows from element `at` of a row: the sums carried in acc (H rows, acc_stride floats apart, of VF NV
+   floats) and totals (H) from the keys before, in registers over the range (H, NV and kind constants at each call:
+   the loops unroll, each value vector is widened once for the H heads; an int8 row's scale multiplies each head's
+   weight, not the totals; runs of 8 keys every head sees skip the per-key tests). Both sums run over the visible keys
+   (p_hj != 0) in cache order, one at a time: a tree's path lies elsewhere in the cache than single steps put it, so
+   sums by lane (j % 8) would round apart. A head's sums are the same whatever ranges its keys are taken in (a range
+   stores and reloads them exactly), whatever heads and elements share the call (an element's sum is its own). */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, size_t p_stride, const void *vals,
                                                                int64_t at, const Rows *rows, int hd, int j0, int j1,
-                                                               float *acc_mem, float *totals, const int H,
-                                                               const int NV, const int kind) {
+                                                               float *acc_mem, int acc_stride, float *totals,
+                                                               const int H, const int NV, const int kind) {
     const int rs = kv_row(hd, kind);
     vfloat acc[16];
     float sum[4];
     for (int h = 0; h < H; h++) {
         sum[h] = totals[h];
-        for (int e = 0; e < NV; e++) acc[h * NV + e] = vf_loadu(acc_mem + (size_t)h * VF * NV + VF * e);
+        for (int e = 0; e < NV; e++) acc[h * NV + e] = vf_loadu(acc_mem + (size_t)h * acc_stride + VF * e);
     }
     for (int j = j0; j < j1;) {  /* a run of keys whose rows are contiguous (a block, or the whole range) at a time */
         int end = rows->table ? ((j >> rows->shift) + 1) << rows->shift : j1;
@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
     }
     for (int h = 0; h < H; h++) {
         totals[h] = sum[h];
-        for (int e = 0; e < NV; e++) vf_storeu(acc_mem + (size_t)h * VF * NV + VF * e, acc[h * NV + e]);
+        for (int e = 0; e < NV; e++) vf_storeu(acc_mem + (size_t)h * acc_stride + VF * e, acc[h * NV + e]);
     }
 }
 #endif
@@ -273,58 +273,94 @@ static void softmax_weights(float *p, int L, int end, int start, int n, int i, c
 #define SHARED_KEYS 64      /* keys a shared scoring task takes (a multiple of 8) */
 #define SHARED_FROM 512     /* cached keys from which a step's passes are shared out (shared_attention) */
 #define SHARED_WEIGHTS (4 << 20) /* weights (floats) the shared passes may hold at once: 16 MB */
-#define SLICE 32       /* value elements a weighing pass holds for each of its heads (fast path: hd a multiple) */
+#define VALUE_CHUNK 256 /* visible keys a values sum takes at a time (see chunk_bounds) */
 
-/* Elements e0..e0+width of the outputs of `heads` heads (rows of out, hd floats apart) from their weights (rows of p,
-   p_stride apart) over the L keys' values: in passes of SLICE elements and up to four heads, each value vector widened
-   once for the pass's heads (see weigh_values). Elements without the fast path: each head's sums one at a time, in
-   the same order (keys in cache order, hidden ones skipped). */
-static void weigh_heads(const float *p, size_t p_stride, int heads, const void *vals, const Rows *rows, int hd, int L,
-                        int e0, int width, int kind, float *out) {
+/* The sums of `heads` heads (weights: rows of p, p_stride apart) over the values of keys j0..j1, from zero: acc (rows
+   of hd floats) and totals. In passes of up to four heads and NV vectors of each head's elements, each value vector
+   widened once for the pass's heads (weigh_values); without the fast path, each head's sums one at a time. Either
+   way, each sum over the range's visible keys (p != 0) in cache order. */
+static void weigh_range(const float *p, size_t p_stride, int heads, const void *vals, const Rows *rows, int hd,
+                        int kind, int j0, int j1, float *acc, float *totals) {
+    memset(acc, 0, sizeof(float) * (size_t)heads * hd);
+    memset(totals, 0, sizeof(float) * (size_t)heads);
 #if SPECDECODE_AVX2
-    if (hd % SLICE == 0) {
-        float acc[4 * SLICE], totals[4];
-        for (int e = e0; e < e0 + width; e += SLICE)
-            for (int h0 = 0; h0 < heads; h0 += 4) {
-                const int H = heads - h0 < 4 ? heads - h0 : 4;
-                const float *ph = p + (size_t)h0 * p_stride;
-                memset(acc, 0, sizeof acc);
-                memset(totals, 0, sizeof totals);
-#define WEIGH(h, k) weigh_values(ph, p_stride, vals, e, rows, hd, 0, L, acc, totals, h, SLICE / VF, k)
-#define KINDS(h) if (kind == KV_I8) WEIGH(h, KV_I8); else if (kind == KV_F16) WEIGH(h, KV_F16); else WEIGH(h, KV_F32)
+    const int NV = hd % (4 * VF) == 0 ? 4 : hd % (2 * VF) == 0 ? 2 : hd % VF == 0 ? 1 : 0;
+    if (NV) {
+        for (int h0 = 0; h0 < heads; h0 += 4) {
+            const int H = heads - h0 < 4 ? heads - h0 : 4;
+            const float *ph = p + (size_t)h0 * p_stride;
+            for (int e = 0; e < hd; e += NV * VF) {
+                float *acc_e = acc + (size_t)h0 * hd + e, again[4] = {0};  /* totals: the first pass's */
+                float *tot = e == 0 ? totals + h0 : again;
+#define WEIGH(h, n, k) weigh_values(ph, p_stride, vals, e, rows, hd, j0, j1, acc_e, hd, tot, h, n, k)
+#define KINDS(h, n) if (kind == KV_I8) WEIGH(h, n, KV_I8); else if (kind == KV_F16) WEIGH(h, n, KV_F16); \
+                    else WEIGH(h, n, KV_F32)
+#define WIDTHS(h) if (NV == 4) { KINDS(h, 4); } else if (NV == 2) { KINDS(h, 2); } else { KINDS(h, 1); }
                 switch (H) {  /* constants at each call: the loops unroll, the loads fold */
-                    case 1: KINDS(1); break;
-                    case 2: KINDS(2); break;
-                    case 3: KINDS(3); break;
-                    default: KINDS(4); break;
+                    case 1: WIDTHS(1); break;
+                    case 2: WIDTHS(2); break;
+                    case 3: WIDTHS(3); break;
+                    default: WIDTHS(4); break;
                 }
+#undef WIDTHS
 #undef KINDS
 #undef WEIGH
-                for (int h = 0; h < H; h++) {
-                    const __m256 inv = _mm256_set1_ps(1.0f / totals[h]);
-                    float *o = out + (int64_t)(h0 + h) * hd + e;
-                    for (int f = 0; f < SLICE; f += 8)
-                        _mm256_storeu_ps(o + f, _mm256_mul_ps(_mm256_loadu_ps(acc + h * SLICE + f), inv));
-                }
             }
+        }
         return;
     }
 #endif
+    const int rs = kv_row(hd, kind);
     for (int h = 0; h < heads; h++) {
         const float *w = p + (size_t)h * p_stride;
-        float *o = out + (int64_t)h * hd;
-        float total = 0.0f;
-        for (int j = 0; j < L; j++) total += w[j];
-        const float inv = 1.0f / total;
-        for (int e = e0; e < e0 + width; e++) o[e] = 0.0f;
-        const int rs = kv_row(hd, kind);
-        for (int j = 0; j < L; j++) {
+        float *o = acc + (size_t)h * hd;
+        for (int j = j0; j < j1; j++) {
             if (w[j] == 0.0f) continue;
             const int64_t vj = row_at(rows, j, rs);
             const float pj = kind == KV_I8 ? w[j] * kv_scale(vals, vj, rs) : w[j];
-            for (int e = e0; e < e0 + width; e++) o[e] += pj * kv_at(vals, vj + e, kind);
+            totals[h] += w[j];
+            for (int e = 0; e < hd; e++) o[e] += pj * kv_at(vals, vj + e, kind);
         }
-        for (int e = e0; e < e0 + width; e++) o[e] *= inv;
+    }
+}
+
+/* Where query i of the call cuts its visible keys into the chunks whose sums add up to its outputs: chunk c holds
+   the visible keys of ranks c * VALUE_CHUNK on (a key's rank: the visible keys before it), keys bounds[c] to
+   bounds[c + 1] (hidden ones among them weigh nothing). A tree's query sees the same keys in the same order as the
+   one-token steps that compute its token (the cached keys, then its path's), so it cuts them in the same places:
+   chunks keep trees bit for bit what steps compute, and share a long cache's values out among threads. Returns the
+   number of chunks (bounds: room for L / VALUE_CHUNK + 2). */
+static int chunk_bounds(int L, int start, int n, int i, int end, const uint8_t *mask, const uint8_t *full_mask,
+                        int *bounds) {
+    int chunks = 0, rank = 0, j = 0;
+    if (!full_mask) {  /* the cached keys all visible: rank = index */
+        for (; chunks * VALUE_CHUNK < start && chunks * VALUE_CHUNK < end; chunks++) bounds[chunks] = chunks * VALUE_CHUNK;
+        rank = j = start < end ? start : end;
+    }
+    for (; j < end; j++) {
+        const int visible = full_mask ? full_mask[(int64_t)i * L + j]
+                            : mask    ? mask[(int64_t)i * n + (j - start)]
+                                      : j - start <= i;
+        if (!visible) continue;
+        if (rank % VALUE_CHUNK == 0) bounds[chunks++] = j;
+        rank++;
+    }
+    if (chunks == 0) bounds[chunks++] = 0;
+    bounds[chunks] = end;
+    return chunks;
+}
+
+/* acc (rows of hd floats) and totals += one chunk's sums, element by element */
+static void add_chunk(float *acc, float *totals, const float *part, const float *part_totals, int heads, int hd) {
+    for (int e = 0; e < heads * hd; e++) acc[e] += part[e];
+    for (int h = 0; h < heads; h++) totals[h] += part_totals[h];
+}
+
+/* out (rows of hd floats, for `heads` heads) = acc / totals */
+static void normalize(const float *acc, const float *totals, int heads, int hd, float *out) {
+    for (int h = 0; h < heads; h++) {
+        const float inv = 1.0f / totals[h];
+        for (int e = 0; e < hd; e++) out[(size_t)h * hd + e] = acc[(size_t)h * hd + e] * inv;
     }
 }
 
@@ -338,18 +374,20 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
                             const int32_t *table, int64_t bstride, int shift, const int8_t *q8,
                             const float *q8_scales) {
     const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv, rs = kv_row(hd, kind);
-    const size_t stride = (size_t)Lp + 8;
+    const size_t stride = (size_t)Lp + 8, sums = (size_t)group * (hd + 1);  /* a group's sums: hd each, a total */
     int failed = 0;
 #pragma omp parallel
     {
-        float *p = malloc(sizeof(float) * (size_t)group * stride), *pad = malloc(sizeof(float) * 8 * (size_t)hd);
-        if (!p || !pad) {
+        float *p = malloc(sizeof(float) * (group * stride + 2 * sums + 8 * (size_t)hd));
+        int *bounds = malloc(sizeof(int) * (size_t)(L / VALUE_CHUNK + 2));
+        float *acc = p ? p + group * stride : NULL, *part = p ? acc + sums : NULL, *pad = p ? part + sums : NULL;
+        if (!p || !bounds) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int task = 0; task < n_kv * n; task++) {
-            if (!p || !pad) continue;  /* this thread's scratch is missing: `failed` says so */
+            if (!p || !bounds) continue;  /* this thread's scratch is missing: `failed` says so */
             const int g = task / n, i = task % n;
             const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift};
             const float *q = qs + (int64_t)i * q_stride + (int64_t)g * group * hd;
@@ -364,23 +402,30 @@ static int verify_attention(const float *qs, int q_stride, float *att, int att_s
                     scores(q, group, k_cache, &rows, kind, end, max_len, hd, scale, p, stride, pad, j, j1);
             }
             for (int h = 0; h < group; h++) softmax_weights(p + h * stride, L, end, start, n, i, mask, full_mask);
-            weigh_heads(p, stride, group, v_cache, &rows, hd, end, 0, hd, kind,
-                        att + (int64_t)i * att_stride + (int64_t)g * group * hd);
+            const int chunks = chunk_bounds(L, start, n, i, end, mask, full_mask, bounds);
+            memset(acc, 0, sizeof(float) * sums);
+            for (int c = 0; c < chunks; c++) {
+                weigh_range(p, stride, group, v_cache, &rows, hd, kind, bounds[c], bounds[c + 1], part,
+                            part + group * hd);
+                add_chunk(acc, acc + group * hd, part, part + group * hd, group, hd);
+            }
+            normalize(acc, acc + group * hd, group, hd, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
         free(p);
-        free(pad);
+        free(bounds);
     }
     return failed;
 }
 
-/* A decode step, or a verification of a few tokens, over a long cache: three passes, each shared out among the
+/* A decode step, or a verification of a few tokens, over a long cache: four passes, each shared out among the
    threads so that both cores stream the cache, and each reading a key or value once for all the queries and query
    heads that share it (grouped-query attention; a tree's tokens):
    1. scores, a task per (kv head, SHARED_KEYS keys): every query and head of the group scored against them, each
       key vector loaded (and widened) once for a query's heads (the scores a query computes alone: each key's are);
    2. weights, a task per (query, head): the max over its keys and e^(s - max), exact whatever the split;
-   3. values, a task per (kv head, elements e0..e0+width of the outputs): weigh_heads for each query, whose element
-      sums are each their own (the values' slice stays in L2 from one query to the next).
+   3. values, a task per (kv head, chunk of VALUE_CHUNK visible keys: chunk_bounds): each query's sums over the
+      chunk's values (the chunk's rows stay in L2 from one query to the next);
+   4. a task per (query, kv head): the chunks' sums added in order, over the totals.
    Query i's weights are the row (i * n_heads + h) of p. Returns 1 when memory ran out. */
 static int shared_attention(const float *qs, int q_stride, float *att, int att_stride, const void *k_cache,
                             const void *v_cache, int max_len, int start, int n, const uint8_t *mask,
@@ -388,22 +433,29 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
                             const int32_t *table, int64_t bstride, int shift, const int8_t *q8,
                             const float *q8_scales) {
     const int L = start + n, Lp = (L + 7) & ~7, group = n_heads / n_kv, chunks = (L + SHARED_KEYS - 1) / SHARED_KEYS;
-    const int rs = kv_row(hd, kind);
-    const int slices = hd % SLICE == 0 ? hd / SLICE : 1, width = hd / slices;
-    const size_t stride = (size_t)Lp + 8;
+    const int rs = kv_row(hd, kind), most = L / VALUE_CHUNK + 2;  /* most: room for a query's chunk bounds */
+    const size_t stride = (size_t)Lp + 8, sums = (size_t)n_heads * (hd + 1);  /* a query's sums: hd a head, totals */
     float *p = malloc(sizeof(float) * (size_t)n * n_heads * stride);
-    int *ends = malloc(sizeof(int) * (size_t)n);
-    if (!p || !ends) {
+    int *ends = malloc(sizeof(int) * (size_t)n * (most + 2)), *counts = ends ? ends + n : NULL;
+    int *bounds = counts ? counts + n : NULL, widest = 1;
+    for (int i = 0; ends && i < n; i++) {
+        ends[i] = visible_end(L, start, n, i, mask, full_mask);
+        counts[i] = chunk_bounds(L, start, n, i, ends[i], mask, full_mask, bounds + (size_t)i * most);
+        widest = counts[i] > widest ? counts[i] : widest;
+    }
+    float *parts = ends ? malloc(sizeof(float) * (size_t)n * widest * sums) : NULL;  /* each chunk's sums */
+    if (!p || !ends || !parts) {
         free(p);
         free(ends);
+        free(parts);
         return 1;
     }
-    for (int i = 0; i < n; i++) ends[i] = visible_end(L, start, n, i, mask, full_mask);
     int failed = 0;
 #define WEIGHTS(i, h) (p + ((size_t)(i) * n_heads + (h)) * stride)
+#define PART(i, c) (parts + ((size_t)(i) * widest + (c)) * sums)  /* heads' sums, then their totals */
 #pragma omp parallel
     {
-        float *pad = malloc(sizeof(float) * 8 * (size_t)hd);
+        float *pad = malloc(sizeof(float) * (8 * (size_t)hd + sums));
         if (!pad) {
 #pragma omp atomic write
             failed = 1;
@@ -436,19 +488,36 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
             softmax_weights(WEIGHTS(task / n_heads, task % n_heads), L, ends[task / n_heads], start, n,
                             task / n_heads, mask, full_mask);
 #pragma omp for schedule(static)
-        for (int task = 0; task < n_kv * slices; task++) {
+        for (int task = 0; task < n_kv * widest; task++) {
             if (!pad) continue;
-            const int g = task / slices;
+            const int g = task / widest, c = task % widest;
             const Rows rows = {table, bstride, (int64_t)g * max_len * rs, shift};
-            for (int i = 0; i < n; i++)
-                weigh_heads(WEIGHTS(i, g * group), stride, group, v_cache, &rows, hd, ends[i], (task % slices) * width,
-                            width, kind, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
+            for (int i = 0; i < n; i++) {
+                const int *b = bounds + (size_t)i * most;
+                float *part = PART(i, c);
+                if (c < counts[i])
+                    weigh_range(WEIGHTS(i, g * group), stride, group, v_cache, &rows, hd, kind, b[c], b[c + 1],
+                                part + (size_t)g * group * hd, part + (size_t)n_heads * hd + g * group);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < n * n_kv; task++) {  /* each query's chunks added in order */
+            if (!pad) continue;
+            const int i = task / n_kv, g = task % n_kv;
+            float *acc = pad + 8 * hd, *totals = acc + (size_t)group * hd;
+            memset(acc, 0, sizeof(float) * (size_t)group * (hd + 1));
+            for (int c = 0; c < counts[i]; c++)
+                add_chunk(acc, totals, PART(i, c) + (size_t)g * group * hd, PART(i, c) + (size_t)n_heads * hd + g * group,
+                          group, hd);
+            normalize(acc, totals, group, hd, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
         free(pad);
     }
+#undef PART
 #undef WEIGHTS
     free(p);
     free(ends);
+    free(parts);
     return failed;
 }
 
