@@ -257,7 +257,15 @@ static void softmax_weights(float *p, int L, int end, int start, int n, int i, c
     }
     for (int j = end; j < ((end + 7) & ~7); j++) p[j] = -INFINITY;
 #if SPECDECODE_AVX2
-    for (int j = 0; j < end; j += 8) {
+    int j = 0;
+#ifdef __AVX512F__
+    for (; j + 16 <= ((end + 7) & ~7); j += 16) {
+        const __m512 v = _mm512_loadu_ps(p + j);
+        const __mmask16 hidden = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        _mm512_storeu_ps(p + j, _mm512_maskz_mov_ps(~hidden, exp16(_mm512_sub_ps(v, _mm512_set1_ps(best)))));
+    }
+#endif
+    for (; j < end; j += 8) {
         const __m256 v = _mm256_loadu_ps(p + j);
         const __m256 hidden = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
         const __m256 e = exp8(_mm256_sub_ps(v, _mm256_set1_ps(best)));
