@@ -99,6 +99,28 @@ def _nothing_read_outside_the_checkout() -> Iterator[None]:
         pytest.fail(f"read outside the checkout: {sorted(set(outside_reads[seen:]))}", pytrace=False)
 
 
+@pytest.fixture(params=["", "portable"], ids=["native", "portable"])
+def lib(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """The native kernels built for this CPU, then as plain C (what a CPU without AVX2 runs). A build that fails
+    where a C compiler exists fails the test: a skip would hide a kernel source that no longer compiles."""
+    from specdecode import kernels
+
+    monkeypatch.setenv("SPECDECODE_NATIVE", request.param or "1")
+    kernels.reset()
+    try:
+        found = kernels.native()
+        if found is None:
+            if kernels._compiler() is None:  # noqa: SLF001 - the build's own compiler lookup
+                pytest.skip("no C compiler here")
+            pytest.fail("the native kernels did not build here: the warning 'native quantized kernels unavailable' "
+                        "says why")
+        if kernels.simd() == "scalar" and request.param != "portable":
+            pytest.skip("this CPU lacks AVX2: the portable build only")
+        yield found
+    finally:
+        kernels.reset()
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_for_tiny_models(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tiny models are dominated by per-op overhead; extra intra-op threads only add contention.

@@ -22,8 +22,6 @@ from specdecode.models.cache import KV_KINDS, KVCache, kv_dtype, read_rows, stor
 from .helpers import assert_tree_matches_steps, noisy_copy, tiny_model
 from .test_lossless import METHODS, NEW, PROMPTS, VOCAB
 
-BUILDS = ["", "portable"]  # this CPU's (AVX2/AVX-512: F16C conversions) and plain C
-
 
 def test_cache_dtype_follows_the_model_and_the_option() -> None:
     assert kv_dtype(torch.float32) == torch.float16  # the default: half the memory
@@ -39,17 +37,6 @@ def test_cache_dtype_follows_the_model_and_the_option() -> None:
     model.kv_cache_dtype = "float32"
     assert model.new_cache(8).kv.dtype == torch.float32
     assert tiny_model(0).new_cache(8).kv.dtype == torch.float64
-
-
-@pytest.fixture(params=BUILDS, ids=["native", "portable"])
-def lib(request, monkeypatch):
-    monkeypatch.setenv("SPECDECODE_NATIVE", request.param or "1")
-    kernels.reset()
-    found = kernels.native()
-    if found is None or (kernels.simd() == "scalar" and request.param != "portable"):
-        pytest.skip("no native kernels (or no AVX2 here: the portable build only)")
-    yield found
-    kernels.reset()
 
 
 def attention(lib, q: torch.Tensor, kv: torch.Tensor, start: int, n: int, mask: torch.Tensor | None,

@@ -246,19 +246,6 @@ def test_trees_are_verified_through_the_block_table():
         torch.testing.assert_close(out.logits[b], single_logits(model, kept[b], second[b]), rtol=1e-10, atol=1e-10)
 
 
-@pytest.fixture(params=["", "portable"], ids=["native", "portable"])
-def lib(request, monkeypatch):
-    from specdecode import kernels
-
-    monkeypatch.setenv("SPECDECODE_NATIVE", request.param or "1")
-    kernels.reset()
-    found = kernels.native()
-    if found is None or (kernels.simd() == "scalar" and request.param != "portable"):
-        pytest.skip("no native kernels (or no AVX2 here: the portable build only)")
-    yield found
-    kernels.reset()
-
-
 @pytest.mark.parametrize("kv", ["float16", "float32", "int8"])
 def test_native_blocks_read_through_the_block_table_bit_for_bit(lib, kv):
     """A float32 model's batch in the native kernel over a paged cache (blocks scattered, rows preempted and prefilled
