@@ -204,7 +204,8 @@ static void scores(const float *q, int heads, const void *keys, const Rows *rows
                 if (H == 3) dot8_kinds(qh, k, at, hd, k_kind, 3, s);
                 else if (H == 2) dot8_kinds(qh, k, at, hd, k_kind, 2, s);
                 else dot8_kinds(qh, k, at, hd, k_kind, 1, s);
-                for (int h = 0; h < H; h++) _mm256_storeu_ps(ph + h * p_stride + j, _mm256_mul_ps(s[h], _mm256_set1_ps(scale)));
+                for (int h = 0; h < H; h++)
+                    _mm256_storeu_ps(ph + h * p_stride + j, _mm256_mul_ps(s[h], _mm256_set1_ps(scale)));
             }
         }
         return;
@@ -232,6 +233,14 @@ static int visible_end(int L, int start, int n, int i, const uint8_t *mask, cons
     return end;
 }
 
+/* Whether query i of the call sees key j (a Span's visibility: full_mask [n, L]; else every cached key and, among
+   the call's, mask [n, n]'s or a causal chain's) */
+static inline int sees(int L, int start, int n, int i, int j, const uint8_t *mask, const uint8_t *full_mask) {
+    if (full_mask) return full_mask[(int64_t)i * L + j];
+    if (j < start) return 1;
+    return mask ? mask[(int64_t)i * n + (j - start)] : j - start <= i;
+}
+
 /* p (the scores of query i of the call over keys 0..end) -> e^(p - max) over the keys it sees, 0 elsewhere; padded
    with zeros to a multiple of 8 */
 static void softmax_weights(float *p, int L, int end, int start, int n, int i, const uint8_t *mask,
@@ -248,11 +257,7 @@ static void softmax_weights(float *p, int L, int end, int start, int n, int i, c
     }
 #endif
     for (int j = j0; j < end; j++) {
-        int visible;
-        if (full_mask) visible = full_mask[(int64_t)i * L + j];
-        else if (j < start) visible = 1;
-        else visible = mask ? mask[(int64_t)i * n + (j - start)] : (j - start <= i);
-        if (!visible) p[j] = -INFINITY;
+        if (!sees(L, start, n, i, j, mask, full_mask)) p[j] = -INFINITY;
         else if (p[j] > best) best = p[j];
     }
     for (int j = end; j < ((end + 7) & ~7); j++) p[j] = -INFINITY;
@@ -342,14 +347,12 @@ static int chunk_bounds(int L, int start, int n, int i, int end, const uint8_t *
                         int *bounds) {
     int chunks = 0, rank = 0, j = 0;
     if (!full_mask) {  /* the cached keys all visible: rank = index */
-        for (; chunks * VALUE_CHUNK < start && chunks * VALUE_CHUNK < end; chunks++) bounds[chunks] = chunks * VALUE_CHUNK;
+        for (; chunks * VALUE_CHUNK < start && chunks * VALUE_CHUNK < end; chunks++)
+            bounds[chunks] = chunks * VALUE_CHUNK;
         rank = j = start < end ? start : end;
     }
     for (; j < end; j++) {
-        const int visible = full_mask ? full_mask[(int64_t)i * L + j]
-                            : mask    ? mask[(int64_t)i * n + (j - start)]
-                                      : j - start <= i;
-        if (!visible) continue;
+        if (!sees(L, start, n, i, j, mask, full_mask)) continue;
         if (rank % VALUE_CHUNK == 0) bounds[chunks++] = j;
         rank++;
     }
@@ -515,8 +518,8 @@ static int shared_attention(const float *qs, int q_stride, float *att, int att_s
             float *acc = pad + 8 * hd, *totals = acc + (size_t)group * hd;
             memset(acc, 0, sizeof(float) * (size_t)group * (hd + 1));
             for (int c = 0; c < counts[i]; c++)
-                add_chunk(acc, totals, PART(i, c) + (size_t)g * group * hd, PART(i, c) + (size_t)n_heads * hd + g * group,
-                          group, hd);
+                add_chunk(acc, totals, PART(i, c) + (size_t)g * group * hd,
+                          PART(i, c) + (size_t)n_heads * hd + g * group, group, hd);
             normalize(acc, totals, group, hd, att + (int64_t)i * att_stride + (int64_t)g * group * hd);
         }
         free(pad);
