@@ -23,7 +23,7 @@ from specdecode.models.paged import BlockPool
 
 from .helpers import noisy_copy, tiny_model
 from .test_distribution import CASES, PROMPT, V, chi_square, exact_joint
-from .test_kv_cache import attention, expected_attention, lib, random_cache  # noqa: F401 - lib: the fixture
+from .test_kv_cache import attention, expected_attention, random_cache
 from .test_lossless import VOCAB
 
 
