@@ -262,12 +262,8 @@ def assert_tree_matches_steps(model: Transformer, cache, prefix: list[int], tree
     start = cache.length
     tree_logits = model.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
                                 tree_mask=tree.attention_mask()).logits[0]
-    for node in range(len(tree)):
-        path, i = [], node
-        while i > 0:
-            path.append(tree.tokens[i])
-            i = tree.parents[i]
+    for node, path in enumerate(tree.node_paths()):
         cache.rollback(start)
-        for token in [prefix[-1], *path[::-1]]:  # one token per forward, as plain decoding runs
+        for token in [prefix[-1], *path]:  # one token per forward, as plain decoding runs
             step = model.forward(torch.tensor([[token]]), cache).logits[0, -1]
         assert torch.equal(step, tree_logits[node]), f"node {node}"

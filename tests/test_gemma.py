@@ -146,12 +146,8 @@ def test_token_by_token_and_tree_see_the_window_the_target_would(checkpoint) -> 
     start = cache.length
     tree_logits = ours.forward(torch.tensor([tree.tokens]), cache, positions=start + tree.depths(),
                                tree_mask=tree.attention_mask()).logits[0]
-    for node in range(len(tree)):
-        path_tokens, i = [], node
-        while i > 0:
-            path_tokens.append(tree.tokens[i])
-            i = tree.parents[i]
-        chain = prefix + path_tokens[::-1]
+    for node, path in enumerate(tree.node_paths()):
+        chain = prefix + path
         with torch.inference_mode():
             expected = reference(torch.tensor([chain])).logits[0, -1]
         torch.testing.assert_close(tree_logits[node], expected, atol=1e-5, rtol=1e-5, msg=f"node {node}")

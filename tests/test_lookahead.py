@@ -75,12 +75,8 @@ def test_window_mask_and_positions(target: Transformer, window: int, ngram: int)
     target.forward(torch.tensor([prompt[:-1]]), cache, logits_at=None)
     logits = target.forward(torch.tensor([tokens]), cache, positions=positions, tree_mask=mask).logits[0]
 
-    for i in range(1, len(tree)):  # guesses see their ancestors only, never the window
-        path, node = [], i
-        while node > 0:
-            path.append(tree.tokens[node])
-            node = tree.parents[node]
-        torch.testing.assert_close(logits[i], last_logits(target, prompt + path[::-1]), atol=1e-9, rtol=0)
+    for i, path in enumerate(tree.node_paths()[1:], start=1):  # guesses see their ancestors only, never the window
+        torch.testing.assert_close(logits[i], last_logits(target, prompt + path), atol=1e-9, rtol=0)
 
     n, levels = len(tree), [extra.tokens[r * window : (r + 1) * window] for r in range(ngram - 1)]
     top = []

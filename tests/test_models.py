@@ -121,12 +121,8 @@ def test_tree_forward_equals_each_root_to_node_chain() -> None:
     ).logits[0]
     assert cache.length == start + len(tree)
 
-    for node in range(len(tree)):
-        path, i = [], node
-        while i > 0:
-            path.append(tree.tokens[i])
-            i = tree.parents[i]
-        chain = prefix + path[::-1]
+    for node, path in enumerate(tree.node_paths()):
+        chain = prefix + path
         expected = model.forward(torch.tensor([chain]), model.new_cache(64), logits_at=slice(-1, None)).logits[0, 0]
         torch.testing.assert_close(tree_logits[node], expected, atol=1e-10, rtol=1e-10, msg=f"node {node}")
 

@@ -51,12 +51,8 @@ def test_each_tree_node_is_processed_with_its_own_history(params: SamplingParams
     tree = DraftTree.from_paths(tokens[-1], [[3, 3, 5], [3, 9], [4, 3, 3, 3], [tokens[2]]])
     logits = torch.randn(len(tree), vocab, generator=torch.Generator().manual_seed(1))
     got = process(logits, tree, tokens, prompt_len, params, stop_token_ids=(5, 9))
-    for node in range(len(tree)):
-        path, i = [], node
-        while i > 0:
-            path.append(tree.tokens[i])
-            i = tree.parents[i]
-        expected = reference(logits[node], tokens + path[::-1], prompt_len, params, stops=(5, 9))
+    for node, path in enumerate(tree.node_paths()):
+        expected = reference(logits[node], tokens + path, prompt_len, params, stops=(5, 9))
         torch.testing.assert_close(got[node].double(), expected, rtol=1e-5, atol=1e-5, msg=f"node {node}")
     assert process(logits, tree, tokens, prompt_len, SamplingParams()) is logits  # nothing asked: untouched
 
