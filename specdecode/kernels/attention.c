@@ -278,7 +278,7 @@ static void softmax_weights(float *p, int L, int end, int start, int n, int i, c
     }
 #else
     for (int j = 0; j < end; j++)  /* 0 below -87.3, as exp8 (subnormal weights take the CPU's slow path) */
-        p[j] = p[j] == -INFINITY || p[j] - best < -87.3f ? 0.0f : expf(p[j] - best);
+        p[j] = p[j] == -INFINITY || p[j] - best < EXP_LOWEST ? 0.0f : expf(p[j] - best);
 #endif
 }
 

@@ -80,23 +80,36 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+/* exp8's and exp16's constants, written once: the lowest argument kept (also the plain-C softmax's), log2(e), ln 2
+   in two parts, the polynomial's coefficients */
+#define EXP_LOWEST -87.3f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P5 1.9875691500e-4f
+#define EXP_P4 1.3981999507e-3f
+#define EXP_P3 8.3334519073e-3f
+#define EXP_P2 4.1665795894e-2f
+#define EXP_P1 1.6666665459e-1f
+#define EXP_P0 5.0000001201e-1f
+
 #if SPECDECODE_AVX2
 /* e^x for x <= 0, 8 at a time (Cephes' expf: range reduction by ln 2, a degree-5 polynomial), to ~2 ulp; 0 below
    -87.3, where e^x leaves float's normal range: an attention weight of ~1e-38 makes its products with the values
    subnormal, and each multiply-add on a subnormal takes the CPU's slow path */
 static inline __m256 exp8(__m256 x) {
-    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LOWEST), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LOWEST));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_HI)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_LO)));
+    __m256 y = _mm256_set1_ps(EXP_P5);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P0));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(normal, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)));
@@ -104,20 +117,20 @@ static inline __m256 exp8(__m256 x) {
 #endif
 
 #if SPECDECODE_AVX2 && defined(__AVX512F__)
-/* exp8's numbers 16 at a time (each lane by the same operations: the same bits) */
+/* exp8's numbers 16 at a time (each lane by the same operations and constants: the same bits) */
 static inline __m512 exp16(__m512 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LOWEST), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LOWEST));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_HI)));
+    x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_LO)));
+    __m512 y = _mm512_set1_ps(EXP_P5);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P0));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mov_ps(normal, _mm512_mul_ps(y, _mm512_castsi512_ps(pow2)));
