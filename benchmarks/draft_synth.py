@@ -38,6 +38,7 @@ import specdecode  # noqa: E402
 from specdecode import kernels  # noqa: E402
 from specdecode.api import check_same_tokenizer  # noqa: E402
 from specdecode.bench.emulated import EmulatedDraft  # noqa: E402
+from specdecode.bench.hardware import sharing_note  # noqa: E402
 from specdecode.core.acceptance import AcceptanceStats  # noqa: E402
 from specdecode.engine.loop import generate_ids  # noqa: E402
 from specdecode.models.loading import registry_file  # noqa: E402
@@ -192,9 +193,8 @@ def report(args, paths: dict[str, Path], configs: list[Config], plain_times: lis
     lines = [
         f"# Draft speculation at an emulated acceptance: {args.target} {args.layout} target ({date.today()})", "",
         "Command: `python benchmarks/draft_synth.py " + " ".join(sys.argv[1:]) + "`", "",
-        f"Machine: {os.cpu_count()} cores, {args.threads} threads, kernels {kernels.simd()}; SHARED with other "
-        f"sessions (load average {os.getloadavg()[1]:.1f} over the last 5 minutes at the end): read the paired "
-        "ratios, not the absolute tok/s.", "",
+        f"Machine: {os.cpu_count()} cores, {args.threads} threads, kernels {kernels.simd()}; "
+        f"{sharing_note(args.threads)}. Speeds are paired ratios.", "",
         "Files: " + ", ".join(f"{name} {p.name} ({p.stat().st_size / 2**20:.0f} MiB)" for name, p in paths.items()),
         "",
         f"Plain decoding: median {plain_tps:.2f} tok/s over {len(plain_times)} runs of {args.tokens} tokens.", "",

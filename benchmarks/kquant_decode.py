@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specdecode import kernels
+from specdecode.bench.hardware import sharing_note
 from specdecode.core.sampling import SamplingParams
 from specdecode.engine.loop import generate_ids
 from specdecode.models.loading import load_gguf
@@ -249,9 +250,8 @@ def main() -> None:
         f"(shape: {shape}; {args.rounds} interleaved rounds of {args.tokens} greedy tokens, prefill taken off)",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, kernels "
-        f"{kernels.simd()}; SHARED with other sessions running tests at the same time (load average "
-        f"{os.getloadavg()[1]:.1f} over the last 5 minutes at the end), so absolute numbers are noisy: read the "
-        "ratios (same process, runs alternated). "
+        f"{kernels.simd()}; {sharing_note(torch.get_num_threads())}: read the ratios (same process, runs "
+        "alternated). "
         f"CPU flags: `{kernels.cpu_flags()}`",
         "",
         f"Synthetic Q4_K_M-like file ({file_mb:.0f} MiB; Q4_K, with attn_v / ffn_down on llama.cpp's more-bits "

@@ -44,6 +44,7 @@ from llamacpp_files import (  # noqa: E402
 )
 
 from specdecode import kernels  # noqa: E402
+from specdecode.bench.hardware import sharing_note  # noqa: E402
 from specdecode.models.loading import gguf_source, load_gguf, load_model  # noqa: E402
 
 # llama.cpp's file-type numbers (llama_ftype) of the mixes, written to general.file_type
@@ -185,9 +186,8 @@ def report(results: list[dict], args, command: str) -> str:
     peer = "NOT RUN (--no-peer)" if args.bins is None else f"llama-bench from {args.bins}"
     lines = [f"# Decode speed vs llama.cpp's own binaries ({date.today()})", "", f"Command: `{command}`", "",
              f"Machine: {os.cpu_count()} cores, kernels {kernels.simd()}, {args.threads} threads on both sides; "
-             f"llama.cpp: {peer} (scripts/build_llamacpp.sh: llama-cpp-python 0.3.36's "
-             "vendored llama.cpp, GGML_NATIVE=ON). SHARED with other sessions working at the same time (load average "
-             f"{os.getloadavg()[1]:.1f} at the end), so read the paired ratios: each round runs llama-bench tg"
+             f"llama.cpp: {peer} (scripts/build_llamacpp.sh: llama-cpp-python 0.3.36's vendored llama.cpp, "
+             f"GGML_NATIVE=ON). {sharing_note(args.threads)}; paired: each round runs llama-bench tg"
              f"{args.tokens} (one repetition, after its warm-up) then our plain greedy decoding of {args.tokens} "
              "tokens (prefill taken off), in the same minute. CPU flags (AVX and co.): "
              f"`{' '.join(sorted({f for f in kernels.cpu_flags().split() if f.startswith(('avx', 'fma', 'f16c'))}))}`",

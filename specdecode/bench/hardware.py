@@ -45,3 +45,15 @@ def machine_description() -> str:
             if f in flags]
     return (f"{cpu} ({' '.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
             f"Python {platform.python_version()}")
+
+
+def sharing_note(threads: int) -> str:
+    """What the machine's load says about a run of `threads` threads, for a report's machine line: quiet apart from
+    the run, or shared (a load average beyond the run's own threads: other work took cores, read paired ratios)."""
+    import os
+
+    load = os.getloadavg()[1]
+    if load <= threads + 0.75:  # the run's own threads, and the odd daemon
+        return f"quiet apart from this run (load average {load:.1f} over the last 5 minutes at the end)"
+    return (f"SHARED with other work (load average {load:.1f} over the last 5 minutes at the end, above this run's "
+            f"{threads} threads), so read the paired ratios")
