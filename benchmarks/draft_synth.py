@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_spec  # noqa: E402
 import synthetic_llama  # noqa: E402
 
 import specdecode  # noqa: E402
@@ -72,6 +73,17 @@ class Config:
     @property
     def name(self) -> str:
         return f"{self.draft} a={self.rate:.1f} k={self.k}"
+
+
+@dataclass
+class Peer:
+    """llama.cpp's runs of a fixed-k configuration (benchmarks/llamacpp_spec.py)."""
+
+    config: Config
+    times: list[float] = field(default_factory=list)
+    plain: list[float] = field(default_factory=list)  # its own plain decoding, paired as ours is
+    drafted: int = 0
+    accepted: int = 0
 
 
 def decode_seconds(stats) -> float:
@@ -185,10 +197,39 @@ def main() -> None:
                     elapsed = time.perf_counter() - started
                     print(f"  {done}/{total} runs, {elapsed:.0f} s, about {elapsed / done * (total - done):.0f} s "
                           f"left (load {os.getloadavg()[0]:.1f})", flush=True)
-    report(args, paths, configs, plain_times)
+    peers, peer_plain = llamacpp_side(args, paths, prompts, configs) if args.llama_bin else ([], [])
+    report(args, paths, configs, plain_times, peers, peer_plain)
 
 
-def report(args, paths: dict[str, Path], configs: list[Config], plain_times: list[float]) -> None:
+def llamacpp_side(args, paths: dict[str, Path], prompts: list[list[int]], configs: list[Config]
+                  ) -> tuple[list[Peer], list[float]]:
+    """llama.cpp's draft speculation for each fixed-k configuration, a server each, every run paired with the plain
+    runs (a server on the target alone) just before and after it."""
+    bins, target = Path(args.llama_bin), paths[args.target]
+    peers = [Peer(c) for c in configs if c.k != "auto"]
+    plain_times: list[float] = []
+    with llamacpp_spec.server(bins, target, args.threads, args.tokens) as plain_url:
+        llamacpp_spec.decode(plain_url, prompts[0], 4, 0)  # warm-up
+        for n, peer in enumerate(peers, 1):
+            c = peer.config
+            print(f"llama.cpp {n}/{len(peers)}: {c.name}", flush=True)
+            extra = llamacpp_spec.spec_args(paths[c.draft], c.rate, int(c.k), args.threads)
+            with llamacpp_spec.server(bins, target, args.threads, args.tokens, extra) as url:
+                llamacpp_spec.decode(url, prompts[0], 4, 0)
+                for r in range(args.rounds):
+                    for i, prompt in enumerate(prompts):
+                        before = llamacpp_spec.decode(plain_url, prompt, args.tokens, 0).seconds
+                        run = llamacpp_spec.decode(url, prompt, args.tokens, zlib.crc32(f"{c.name}|{r}|{i}".encode()))
+                        after = llamacpp_spec.decode(plain_url, prompt, args.tokens, 0).seconds
+                        plain_times += [before, after]
+                        peer.times.append(run.seconds)
+                        peer.plain.append((before + after) / 2)
+                        peer.drafted, peer.accepted = peer.drafted + run.drafted, peer.accepted + run.accepted
+    return peers, plain_times
+
+
+def report(args, paths: dict[str, Path], configs: list[Config], plain_times: list[float], peers: list[Peer],
+           peer_plain: list[float]) -> None:
     plain_tps = args.tokens / statistics.median(plain_times)
     lines = [
         f"# Draft speculation at an emulated acceptance: {args.target} {args.layout} target ({date.today()})", "",
@@ -210,6 +251,20 @@ def report(args, paths: dict[str, Path], configs: list[Config], plain_times: lis
                      f"| {measured:.2f} ({c.verified}) | {c.accepted}/{c.drafted} | "
                      f"{args.tokens * len(c.times) / max(c.forwards, 1):.2f} | {c.draft_seconds / sum(c.times):.0%} | "
                      f"{args.tokens * len(c.times) / sum(c.times):.2f} |")
+    if peers:
+        peer_tps = args.tokens / statistics.median(peer_plain)
+        ours = {c.name: args.tokens * len(c.times) / sum(c.times) for c in configs}
+        lines += ["", f"llama.cpp (llama-server, the same files, {args.threads} threads, draft threads the same; "
+                  f"benchmarks/llamacpp_spec.py): plain decoding median {peer_tps:.2f} tok/s over {len(peer_plain)} "
+                  f"runs (ours / llama.cpp, plain: {plain_tps / peer_tps:.2f}x)", "",
+                  "| draft | a | k | llama.cpp speedup vs its plain (paired) | per-run min-max | accepted / drafted | "
+                  "llama.cpp tok/s | ours tok/s | ours / llama.cpp |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for peer in peers:
+            c, ratios = peer.config, [p / t for p, t in zip(peer.plain, peer.times, strict=True)]
+            tps = args.tokens * len(peer.times) / sum(peer.times)
+            lines.append(f"| {c.draft} | {c.rate:.1f} | {c.k} | **{sum(peer.plain) / sum(peer.times):.2f}x** | "
+                         f"{min(ratios):.2f}-{max(ratios):.2f} | {peer.accepted}/{peer.drafted} | {tps:.2f} | "
+                         f"{ours[c.name]:.2f} | **{ours[c.name] / tps:.2f}x** |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -170,13 +170,14 @@ def healthy(proc: subprocess.Popen, port: int, name: str, seconds: float) -> str
 LLAMACPP = "llama.cpp"
 
 
-def start_llama_server(bins: Path, gguf: Path, slots: int, max_tokens: int, threads: int | None
-                       ) -> tuple[subprocess.Popen, str]:
+def start_llama_server(bins: Path, gguf: Path, slots: int, max_tokens: int, threads: int | None,
+                       extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """llama.cpp's own server on the GGUF file, `slots` requests at once (each slot a context of 4,096 positions:
-    a Spec-Bench prompt and its answer), once its /health answers."""
+    a Spec-Bench prompt and its answer), with `extra` arguments, once its /health answers."""
     port = free_port()
     cmd = [str(bins / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * 4096), "-n", str(max_tokens), "--no-webui", *(["-t", str(threads)] if threads else [])]
+           "-c", str(slots * 4096), "-n", str(max_tokens), "--no-webui", *(["-t", str(threads)] if threads else []),
+           *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print("starting llama-server...", file=sys.stderr)
     return proc, healthy(proc, port, "llama-server", 300)
