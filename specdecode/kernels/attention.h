@@ -37,6 +37,14 @@ static inline int64_t row_at(const Rows *r, int j, int rs) {
     return (int64_t)r->table[j >> r->shift] * r->bstride + r->head + (int64_t)(j & ((1 << r->shift) - 1)) * rs;
 }
 
+/* Key (or value) rows a pass reads PREFETCH_KEYS keys ahead are asked for now: a key's row is loaded 16 or 32 bytes
+   at a time across the heads' loops, and those loads otherwise wait on the cache, which the hardware's prefetchers
+   fill too late for passes of a few dozen keys (`bytes` bytes from `first` on) */
+#define PREFETCH_KEYS 32
+static inline void prefetch_bytes(const void *first, int bytes) {
+    for (int line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)first + line, 0, 3);
+}
+
 /* attention_int8.c: hd floats quantized as an int8 row is (a key, a value, a query head; out: hd bytes; returns the
    scale), and `heads` quantized query heads' scores over int8 keys j0..j1 (rows of q8 hd bytes apart, their scales
    qscales; head h's p[h * p_stride + j]; keys past a contiguous cache's max_len score 0) */

@@ -84,6 +84,8 @@ static inline __attribute__((always_inline)) int int8_scores8(const int8_t *q8, 
     }
     for (; j + 8 <= j1 && (rows->table || j + 8 <= max_len); j += 8) {
         const int8_t *k = base + row_at(rows, j, rs);  /* the group's 8 rows are contiguous (attention.h) */
+        if (j + PREFETCH_KEYS + 8 <= (rows->table ? j1 : max_len))
+            prefetch_bytes(base + row_at(rows, j + PREFETCH_KEYS, rs), 8 * rs);
         __m256i dots[4];
         int8_dot8(q_abs, q_vec, q_sums, k, rs, C, H, dots);
         float k_scales[8];
