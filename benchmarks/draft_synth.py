@@ -159,7 +159,7 @@ def main() -> None:
         started = time.perf_counter()
         print(f"the target's cost table for k='auto' ({args.cost_rounds} rounds; the steps refine it) ...",
               flush=True)
-        cost = CostModel.measure(target, args.cost_rounds, sizes=COST_SIZES, long=512, sparse_above=None,
+        cost = CostModel.measure(target, args.cost_rounds, sizes=COST_SIZES, long=(512,), sparse_above=None,
                                  bounded=True, description="timing target forwards")
         print(f"  {time.perf_counter() - started:.0f} s", flush=True)
         for c in configs:  # each configuration's long-run statistics, as a server keeps them per method

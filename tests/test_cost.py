@@ -20,6 +20,7 @@ from specdecode.policy.cost import (
     REGIME_STEPS,
     REPRICE,
     SPREAD,
+    TABLE_VERSION,
     THOROUGH_ROUNDS,
     WEIGHT_CAP,
     CostModel,
@@ -100,13 +101,54 @@ def test_a_calibration_under_heavy_load_is_physical_and_doubted(monkeypatch, noi
         assert max(cost.weight[1:]) < 1 and cost.margin(4) > 0.1  # doubted: the first real steps outweigh it
 
 
-def test_a_thorough_table_from_an_earlier_version_is_read_as_exact(tmp_path) -> None:
+def test_prices_follow_the_slope_of_the_contexts_they_lie_between() -> None:
+    """Three measured contexts: a price between two of them is interpolated on their segment, past the last
+    extrapolated from the last segment's slope (not the first's), and every way of asking gives the same price."""
+    sizes = [1, 2, 4, 8]
+    per_context = {64: [1.0, 1.1, 1.3, 1.6], 512: [1.5, 1.7, 2.1, 2.9], 2048: [2.5, 3.2, 4.6, 7.5]}
+    cost = CostModel(sizes, list(per_context), list(per_context.values()))
+    assert cost.table_seconds(8, 288) == pytest.approx((1.6 + 2.9) / 2)  # halfway along the first segment
+    assert cost.table_seconds(8, 1280) == pytest.approx((2.9 + 7.5) / 2)  # halfway along the second
+    assert cost.table_seconds(8, 3584) == pytest.approx(7.5 + (7.5 - 2.9))  # one more segment's rise
+    assert cost.table_seconds(1, 3584) == pytest.approx(2.5 + (2.5 - 1.5))
+    assert cost.table_seconds(8, 3584) / cost.table_seconds(1, 3584) > 3.4  # the first segment's slopes: 2.4
+    for context in (0, 64, 300, 512, 1000, 2048, 8000):
+        many = cost.forward_seconds_many(np.arange(1, 11), context)
+        upto = cost.forward_seconds_upto(10, context)
+        assert list(many) == pytest.approx(upto, rel=1e-12)
+        assert upto == pytest.approx([cost.forward_seconds(n, context) for n in range(1, 11)], rel=1e-12)
+
+
+def test_calibration_times_a_long_context_where_the_model_reaches_it(monkeypatch) -> None:
+    """Where the model's positions allow, the first-use table is timed after 64, 512 and 2,048 cached tokens."""
+    import specdecode.policy.timing as timing
+
+    contexts: list[int] = []
+    real = timing.cached_context
+
+    def recorded(model, context, room, g):
+        contexts.append(context)
+        return real(model, context, room, g)
+
+    monkeypatch.setattr(timing, "cached_context", recorded)
+    cost = CostModel.calibrate(tiny_model(0, vocab_size=40, max_position_embeddings=4096), rounds=1)
+    assert cost.contexts == [64, 512, 2048] and len(cost.seconds) == 3
+    assert contexts[:3] == [64, 512, 2048]
+
+
+@pytest.mark.parametrize("version", [4, 6])
+def test_a_table_of_two_contexts_from_an_earlier_version_is_timed_again(tmp_path, version) -> None:
+    """Tables before version 7 extrapolated every price past 512 (1,024) cached tokens: read, they would keep
+    pricing deep verifications too cheap at long contexts."""
     model = tiny_model(0, vocab_size=40)
     table = shaped(0.1)
-    table.version = 4
+    table.version = version
+    CostModel.save(model, table, tmp_path)
+    assert CostModel.cached(model, tmp_path) is None
+    table.version = TABLE_VERSION
     CostModel.save(model, table, tmp_path)
     read = CostModel.cached(model, tmp_path)
-    assert read is not None and read.weight is None and read.forward_seconds(4, 100) == table.table_seconds(4, 100)
+    assert read is not None and read.forward_seconds(4, 100) == table.forward_seconds(4, 100)
 
 
 def test_server_batch_tables_take_a_bounded_number_of_forwards(monkeypatch) -> None:

@@ -48,9 +48,10 @@ DOUBTED = 8.0  # after a change of regime each size counts for at most this many
 # medians, up to 10% optimistic for small sizes at long context; version 3 forced the table non-decreasing,
 # pricing 2 tokens 14% under and 3-6 tokens 5% over what they cost); version 5 adds each size's weight
 # (version 4 tables are thorough ones, read as they are); version 6 adds the one-thread shape (version 5 tables are
-# timed again, in seconds)
-TABLE_VERSION = 6
-READABLE_VERSIONS = (4, 6)
+# timed again, in seconds); version 7 adds a long context (2,048 tokens, 4,096 thorough) where two contexts were
+# extrapolated past 512 (1,024), pricing deep verifications far too cheap (version 4 and 6 tables are timed again)
+TABLE_VERSION = 7
+READABLE_VERSIONS = (7,)
 
 
 class ForwardCost(Protocol):
@@ -178,13 +179,15 @@ class CostModel:
         count of its ranked guesses each step: a call per count through the batch's layers was a fifth of suffix
         decoding's proposing time). `_price`'s arithmetic, inlined: a call per count cost a measurable share of a
         step (tests hold the two equal float for float)."""
-        (r0, b0), (r1, b1) = self._upper_rows
-        c0, c1 = self.contexts
+        i, f = self._segment(context)
+        (r0, b0), (r1, b1) = self._upper_rows[i], self._upper_rows[i + 1]
+        floor_row, floor_beyond = self._upper_rows[0]
         last, load, out = self.sizes[-1], self.load, []
         for tokens in range(1, most + 1):
             inside = min(tokens, last)
             t0, t1 = r0[inside] + b0 * (tokens - inside), r1[inside] + b1 * (tokens - inside)
-            out.append(max(t0 + (t1 - t0) / (c1 - c0) * (context - c0), 0.2 * t0) * load)
+            floor = 0.2 * (floor_row[inside] + floor_beyond * (tokens - inside))
+            out.append(max(t0 + (t1 - t0) * f, floor) * load)
         return out
 
     def plain_seconds(self, context: int) -> float:
@@ -270,35 +273,48 @@ class CostModel:
         """The table's price (no load, no margin)."""
         return self._price(self._rows, tokens, context)
 
+    def _segment(self, context: int) -> tuple[int, float]:
+        """The two measured contexts a context is priced between (i, i + 1; below the first or past the last, the
+        nearest two, extrapolated) and where it lies: 0 at contexts[i], 1 at contexts[i + 1]. Attention grows with
+        the context, but not at one slope: a decode step's reads of the cache are bandwidth-bound, a verification's
+        queries over a long cache compute-bound, and past the caches of the CPU every key comes from memory, so a
+        price extrapolated far from where it was measured is wrong by the shape (priced from 64 and 512 cached
+        tokens, a few guesses' verification at 2,000-8,000 looked 1.4 plain steps where it cost over 2)."""
+        c = self.contexts
+        i = 0
+        while i + 2 < len(c) and context > c[i + 1]:
+            i += 1
+        return i, (context - c[i]) / (c[i + 1] - c[i])
+
     def _price(self, rows: list[tuple[list[float], float]], tokens: int, context: int) -> float:
         """_table_many for one size, in plain Python: numpy's few-element operations are dear right after a
         forward, and every step prices its own size."""
         inside = min(tokens, self.sizes[-1])
-        t0, t1 = (row[inside] + beyond * (tokens - inside) for row, beyond in rows)
-        c0, c1 = self.contexts
-        return max(t0 + (t1 - t0) / (c1 - c0) * (context - c0), 0.2 * t0)
+        i, f = self._segment(context)
+        t0, t1, first = (row[inside] + beyond * (tokens - inside) for row, beyond in (rows[i], rows[i + 1], rows[0]))
+        return max(t0 + (t1 - t0) * f, 0.2 * first)
 
     def _table_many(self, tokens: np.ndarray, context: int) -> np.ndarray:
         inside = np.minimum(tokens, self.sizes[-1])  # past the largest size measured: linear
+        i, f = self._segment(context)
         dense, beyond = (np.array(part) for part in zip(*self._upper_rows, strict=True))
-        t0, t1 = dense[:, inside] + beyond[:, None] * (tokens - inside)
-        c0, c1 = self.contexts
-        slope = (t1 - t0) / (c1 - c0)  # attention grows with the context; extrapolate linearly
-        return np.maximum(t0 + slope * (context - c0), 0.2 * t0)
+        priced = dense[:, inside] + beyond[:, None] * (tokens - inside)
+        t0, t1 = priced[i], priced[i + 1]
+        return np.maximum(t0 + (t1 - t0) * f, 0.2 * priced[0])
 
     @classmethod
     def calibrate(cls, model: Transformer, rounds: int = CALIBRATION_ROUNDS) -> CostModel:
-        """A table good enough to start, in seconds: CALIBRATION_SIZES after a short and a 512-token context,
-        `rounds` paired timings each (the engine's steps refine it)."""
-        return cls.measure(model, rounds, sizes=CALIBRATION_SIZES, long=512, sparse_above=None, bounded=True,
+        """A table good enough to start, in seconds: CALIBRATION_SIZES after a short, a 512-token and a 2,048-token
+        context (as far as the model's positions go), `rounds` paired timings each (the engine's steps refine it)."""
+        return cls.measure(model, rounds, sizes=CALIBRATION_SIZES, long=(512, 2048), sparse_above=None, bounded=True,
                            description="timing target forwards (once per model and machine)")
 
     @classmethod
     def measure(cls, model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: tuple[int, ...] = COST_SIZES,
-                long: int = 1024, sparse_above: int | None = 16, bounded: bool = False,
+                long: tuple[int, ...] = (1024, 4096), sparse_above: int | None = 16, bounded: bool = False,
                 description: str = "timing target forwards") -> CostModel:
-        """The table of `sizes` timed on this machine, paired with plain forwards (see cost_timing.time_forwards;
-        `specdecode tune cost` runs it with THOROUGH_ROUNDS)."""
+        """The table of `sizes` timed on this machine after a short context and each of the `long` ones, paired
+        with plain forwards (see timing.time_forwards; `specdecode tune cost` runs it with THOROUGH_ROUNDS)."""
         contexts, seconds, weight = time_forwards(model, repeats, sizes=sizes, long=long, sparse_above=sparse_above,
                                                   bounded=bounded, description=description)
         one_thread = None

@@ -49,10 +49,11 @@ def timed_forward(model: Transformer, cache: KVCache, context: int, n: int, g: t
 
 
 def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: tuple[int, ...] = COST_SIZES,
-                  long: int = 1024, sparse_above: int | None = 16, bounded: bool = False,
+                  long: tuple[int, ...] = (1024, 4096), sparse_above: int | None = 16, bounded: bool = False,
                   description: str = "timing target forwards") -> tuple[list[int], list[list[float]], list[float]]:
-    """Time forwards of each size after a short and a long cached context, each next to a 1-token forward:
-    (contexts, seconds [context][size], weight per size: how many paired timings it is worth).
+    """Time forwards of each size after a short cached context and each `long` one (as far as the model's positions
+    go), each next to a 1-token forward: (contexts, seconds [context][size], weight per size: how many paired
+    timings it is worth).
 
     A size's price is the 1-token median times the median of its paired ratios: the machine's speed drifts
     within seconds, and unpaired medians of 10 rounds were off by up to 10% for 3-4 tokens at long context
@@ -73,10 +74,10 @@ def time_forwards(model: Transformer, repeats: int = THOROUGH_ROUNDS, *, sizes: 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     limit = model.config.max_position_embeddings
-    long = min(long, limit - sizes[-1])
-    if long < 8:
+    longs = sorted({min(c, limit - sizes[-1]) for c in long})
+    if longs[0] < 8:
         raise ValueError(f"context of {limit} tokens is too short to measure forward costs")
-    contexts = [min(64, long // 4), long]
+    contexts = [min(64, longs[0] // 4), *longs]
     g = torch.Generator().manual_seed(0)
 
     def sparse(n: int) -> bool:
