@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -50,8 +51,6 @@ def machine_description() -> str:
 def sharing_note(threads: int) -> str:
     """What the machine's load says about a run of `threads` threads, for a report's machine line: quiet apart from
     the run, or shared (a load average beyond the run's own threads: other work took cores, read paired ratios)."""
-    import os
-
     load = os.getloadavg()[1]
     if load <= threads + 0.75:  # the run's own threads, and the odd daemon
         return f"quiet apart from this run (load average {load:.1f} over the last 5 minutes at the end)"

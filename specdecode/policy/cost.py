@@ -278,8 +278,8 @@ class CostModel:
         nearest two, extrapolated) and where it lies: 0 at contexts[i], 1 at contexts[i + 1]. Attention grows with
         the context, but not at one slope: a decode step's reads of the cache are bandwidth-bound, a verification's
         queries over a long cache compute-bound, and past the caches of the CPU every key comes from memory, so a
-        price extrapolated far from where it was measured is wrong by the shape (priced from 64 and 512 cached
-        tokens, a few guesses' verification at 2,000-8,000 looked 1.4 plain steps where it cost over 2)."""
+        price extrapolated far from where it was measured is wrong by the shape (two contexts, 64 and 512, made deep
+        verifications look cheap at thousands of tokens: long-context-smollm2-2026-11-29 in benchmarks/results)."""
         c = self.contexts
         i = 0
         while i + 2 < len(c) and context > c[i + 1]:
