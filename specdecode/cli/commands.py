@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -170,25 +172,61 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--out", required=True, help="output folder: results.json, report.md, plots")
 
 
+class CtrlC:
+    """SIGINT's handler while a command runs: Python's own (KeyboardInterrupt), and a note that it came. An interrupt
+    that lands inside an import can surface as another error: numpy's lazy submodules, cut short, recurse until
+    RecursionError, and transformers re-raises that as its own import failure. Whatever a command raises after
+    Ctrl-C, the user stopped it."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    @contextmanager
+    def installed(self) -> Iterator[CtrlC]:
+        """This handler for the block, where signals can be handled (the main thread); the previous one after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = command_of(argv)
-    try:
-        # everything after this line may import torch and load a model (seconds to a minute): Ctrl-C anywhere in it
-        # is one line and exit code 130, never a traceback
-        args = build_parser(command if command in COMMANDS else "").parse_args(argv)
-        args.argv = argv  # `train --nproc N` hands them to its workers
-        check_before_loading(args)
-        return run_command(args)
-    except (ValueError, FileNotFoundError) as e:
-        # one logical line, wrapped by the terminal, never broken into the message (paths stay copyable)
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (what was streamed stays on the screen)
-        print(flush=True)
-        name = f"specdecode {command}" if command in COMMANDS else "specdecode"
-        err.print(f"interrupted: {name} stopped (Ctrl-C)")
-        return INTERRUPTED
+    with CtrlC().installed() as ctrl_c:
+        try:
+            # everything after this line may import torch and load a model (seconds to a minute): Ctrl-C anywhere in
+            # it is one line and exit code 130, never a traceback
+            args = build_parser(command if command in COMMANDS else "").parse_args(argv)
+            args.argv = argv  # `train --nproc N` hands them to its workers
+            check_before_loading(args)
+            return run_command(args)
+        except KeyboardInterrupt:
+            return interrupted(command)
+        except Exception as e:
+            if ctrl_c.pressed:  # the interrupt cut an import short, which failed in its own words
+                return interrupted(command)
+            if not isinstance(e, (ValueError, FileNotFoundError)):
+                raise
+            # one logical line, wrapped by the terminal, never broken into the message (paths stay copyable)
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            return 2
+
+
+def interrupted(command: str | None) -> int:
+    """Ctrl-C: a line, not a traceback (what was streamed stays on the screen)."""
+    print(flush=True)
+    name = f"specdecode {command}" if command in COMMANDS else "specdecode"
+    err.print(f"interrupted: {name} stopped (Ctrl-C)")
+    return INTERRUPTED
 
 
 def run_command(args: argparse.Namespace) -> int:
