@@ -151,6 +151,18 @@ def test_a_table_of_two_contexts_from_an_earlier_version_is_timed_again(tmp_path
     assert read is not None and read.forward_seconds(4, 100) == table.forward_seconds(4, 100)
 
 
+@pytest.mark.parametrize(("budget", "long"), [(512 * 2**20, 2048), (2**20, 1016)])
+def test_server_batch_tables_time_a_long_context_within_a_memory_budget(monkeypatch, budget, long) -> None:
+    """Batched tables take a long context beside 64 and 512, as one sequence's do, as long as a full batch's cache
+    at it fits the budget (the tiny model's rows: 2 layers x 2 (k, v) x 2 kv heads x 16 float64 = 1,024 bytes)."""
+    import specdecode.policy.batch_cost as batch_cost
+
+    monkeypatch.setattr(batch_cost, "LONG_CONTEXT_BYTES", budget)
+    model = tiny_model(5, vocab_size=24, max_position_embeddings=4096)
+    cost = BatchCost.measure(model, 1, ragged=True, repeats=1)
+    assert all(t.contexts == [64, 512, long] for t in cost.tables)
+
+
 def test_server_batch_tables_take_a_bounded_number_of_forwards(monkeypatch) -> None:
     model = tiny_model(5, vocab_size=24, max_position_embeddings=64)
     calls: list[tuple[int, int]] = []

@@ -25,6 +25,7 @@ import torch
 
 from ..common.progress import progress_bar
 from ..models import BatchKVCache, Transformer
+from ..models.cache import row_width
 from .cost import WEIGHT_CAP, CostModel, ForwardCost
 from .timing import machine_key, nondecreasing, table_path
 
@@ -35,7 +36,10 @@ STEP_SIZES = (1, 2, 4, 8)
 # full batch makes are about its first few dozen guessed tokens, which a per-row grid (16, 32, 64 tokens for 16 rows)
 # priced only by interpolation; past the last, linear
 EXTRA_TOKENS = (1, 2, 4, 8, 16, 32)
-BATCH_TABLE_VERSION = 4  # 1: padded only, fastest of 2 unpaired timings; 2: ragged, per size; 3: few weights
+# 1: padded only, fastest of 2 unpaired timings; 2: ragged, per size; 3: few weights; 5: a third, long context
+BATCH_TABLE_VERSION = 5
+# the long context's cache (a full batch of rows at it) may take at most this much memory while the tables are timed
+LONG_CONTEXT_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -164,13 +168,18 @@ class BatchCost:
             ragged = bool(model.native_kernels)
         room = 8 if ragged else sizes[-1]  # tokens a row at most
         limit = model.config.max_position_embeddings
-        contexts = [min(64, limit // 8), min(512, limit - room)]
         batch_sizes = [b for b in cls.sizes_up_to(max_batch) if b >= smallest]
+        cfg = model.config
+        row_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * row_width(cfg.head_dim, model.kv_dtype)
+                     * torch.empty((), dtype=model.kv_dtype).element_size())
+        # as one sequence's table (CostModel.calibrate): a long context beside 512, where the slope of attention with
+        # the context is no longer the short one's, as far as the positions and the batch cache's memory allow
+        long = min(2048, limit - room, LONG_CONTEXT_BYTES // (row_bytes * batch_sizes[-1]) - room)
+        contexts = sorted({min(64, limit // 8), min(512, limit - room), max(long, min(512, limit - room))})
         grid = {b: [1, *(1 + e for e in EXTRA_TOKENS if e <= (room - 1) * b)] if ragged else list(sizes)
                 for b in batch_sizes}
         vocab = model.config.vocab_size
         g = torch.Generator().manual_seed(0)
-        cfg = model.config
         cache = BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, contexts[-1] + room,
                              batch_size=batch_sizes[-1], dtype=model.kv_dtype, device=model.device)
 
