@@ -111,11 +111,9 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, s
         const int64_t first = at + row_at(rows, j, rs) - (int64_t)j * rs;
         while (j < end) {
             if (j + 8 <= end && every_head_sees8(p, p_stride, j, H)) {  /* the usual case: no test a key */
-                if (!rows->table || j + PREFETCH_KEYS + 8 <= end) {  /* past a block's end the rows lie elsewhere */
-                    const int size = kind == KV_I8 ? 1 : kind == KV_F16 ? 2 : 4;
-                    prefetch_bytes((const char *)vals + (first + (int64_t)(j + PREFETCH_KEYS) * rs) * size,
-                                   8 * rs * size);
-                }
+                if (!rows->table || j + PREFETCH_KEYS + 8 <= end)  /* past a block's end the rows lie elsewhere */
+                    prefetch_bytes((const char *)vals + (first + (int64_t)(j + PREFETCH_KEYS) * rs) * kv_esize(kind),
+                                   8 * rs * kv_esize(kind));
                 for (int t = j; t < j + 8; t++) {
                     const int64_t vj = first + (int64_t)t * rs;
                     const float sj = kind == KV_I8 ? kv_scale(vals, vj - at, rs) : 1.0f;
@@ -200,10 +198,9 @@ static void scores(const float *q, int heads, const void *keys, const Rows *rows
                 __m256 s[3];
                 const void *k = keys;
                 int64_t at = row_at(rows, j, hd);
-                if (j + PREFETCH_KEYS + 8 <= (rows->table ? L : max_len)) {  /* a group's 8 rows: contiguous */
-                    const int size = kind == KV_F16 ? 2 : 4;
-                    prefetch_bytes((const char *)keys + row_at(rows, j + PREFETCH_KEYS, hd) * size, 8 * hd * size);
-                }
+                if (j + PREFETCH_KEYS + 8 <= (rows->table ? L : max_len))  /* a group's 8 rows: contiguous */
+                    prefetch_bytes((const char *)keys + row_at(rows, j + PREFETCH_KEYS, hd) * kv_esize(kind),
+                                   8 * hd * kv_esize(kind));
                 int k_kind = kind;
                 if (!rows->table && j + 8 > max_len) {  /* the cache ends inside this group: zero rows past its end */
                     memset(pad, 0, sizeof(float) * 8 * (size_t)hd);

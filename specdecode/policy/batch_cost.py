@@ -25,7 +25,7 @@ import torch
 
 from ..common.progress import progress_bar
 from ..models import BatchKVCache, Transformer
-from ..models.cache import row_width
+from ..models.paged import BlockPool
 from .cost import WEIGHT_CAP, CostModel, ForwardCost
 from .timing import machine_key, nondecreasing, table_path
 
@@ -170,8 +170,7 @@ class BatchCost:
         limit = model.config.max_position_embeddings
         batch_sizes = [b for b in cls.sizes_up_to(max_batch) if b >= smallest]
         cfg = model.config
-        row_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * row_width(cfg.head_dim, model.kv_dtype)
-                     * torch.empty((), dtype=model.kv_dtype).element_size())
+        row_bytes = BlockPool.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, model.kv_dtype)
         # as one sequence's table (CostModel.calibrate): a long context beside 512, where the slope of attention with
         # the context is no longer the short one's, as far as the positions and the batch cache's memory allow
         long = min(2048, limit - room, LONG_CONTEXT_BYTES // (row_bytes * batch_sizes[-1]) - room)
