@@ -12,6 +12,7 @@ import torch
 from specdecode.core.acceptance import SCORE_AHEAD, AcceptanceStats, ProposalScorer
 from specdecode.core.tree import DraftTree, ExtraNodes
 from specdecode.engine.loop import generate_ids
+from specdecode.policy import timing
 from specdecode.policy.batch_cost import BatchCost, RowCost, nondecreasing
 from specdecode.policy.cost import TABLE_VERSION, CostModel
 from specdecode.policy.speculation import (
@@ -167,6 +168,19 @@ def test_calibration_times_the_one_thread_shape_where_the_thread_count_may_chang
     assert timed.one_thread[0] == 1.0 and all(x > 0 for x in timed.one_thread)
     monkeypatch.setenv("SPECDECODE_ADAPTIVE_THREADS", "0")  # the count never changes: nothing to time
     assert CostModel.calibrate(model, rounds=1).one_thread is None
+
+
+def test_the_one_thread_shape_stays_within_what_the_threads_allow(monkeypatch) -> None:
+    """Timings spoiled by another busy process must not price a size on one thread at 4x (or 0.3x) its steepness on
+    two: one thread is at most two times slower than two, and no faster."""
+    model = tiny_model(0, vocab_size=40)
+    threads = {"now": 2}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads["now"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.update(now=n))
+    steep = {1: {1: 1.0, 2: 9.0, 4: 0.1}, 2: {1: 1.0, 2: 1.0, 4: 1.0}}  # [threads][tokens]: seconds
+    monkeypatch.setattr(timing, "timed_forward", lambda model, cache, context, n, g: steep[threads["now"]][n])
+    assert timing.time_one_thread_shape(model, (1, 2, 4), 8, 2) == [1.0, 2.0, 0.5]
+    assert threads["now"] == 2  # restored
 
 
 # ----------------------------------------------------------------------------------------- acceptance
@@ -341,6 +355,16 @@ def test_costly_drafts_probe_with_backoff() -> None:
     assert AdaptiveK(linear_cost(0.0), shared, cheap=False).probe_every == 12
 
 
+def test_a_step_with_no_room_for_a_guess_is_no_evidence_against_guessing() -> None:
+    """A request's last token leaves no room for a guess: that plain step must not start a wait for the next probe
+    (a policy reused for the next request began it with probe_every - 1 plain steps)."""
+    policy = AdaptiveK(linear_cost(0.0), confident(0.9), cheap=False)
+    policy.draft_per_guess = 0.01
+    assert policy.depth_to_propose(10, 20) > 0
+    assert policy.depth_to_propose(10, 0) == 0
+    assert policy.depth_to_propose(10, 20) > 0
+
+
 def test_cheap_proposals_that_cost_time_are_skipped_while_they_do_not_pay() -> None:
     policy = AdaptiveK(linear_cost(0.05), confident(0.05), cheap=True)
     tree = DraftTree.chain(5, [6, 7])
@@ -431,6 +455,25 @@ def test_observe_learns_real_step_costs_and_draft_cost() -> None:
         cost.observe(1, 10, 1.0)
     assert cost.forward_seconds(1, 10) == pytest.approx(1.0, rel=0.01)
     assert cost.load * cost.table_seconds(3, 10) == pytest.approx(1.0, rel=0.01)
+
+
+def test_one_stalled_draft_call_does_not_price_the_draft_out() -> None:
+    """Only steps that guess time the draft again: one call 13x its usual time (a garbage collection) moves the
+    estimate by a fifth at most, so a draft that pays keeps guessing; a lasting change is followed within steps."""
+    policy = AdaptiveK(linear_cost(0.0), confident(0.7), cheap=False)
+    tree = DraftTree.chain(5, [6, 7])
+
+    def step(per_guess: float) -> None:
+        policy.observe(StepRecord(tree, tree, 3, [1, 2, 5, 6, 7, 8], 10, 2 * per_guess, seconds_per_guess=per_guess))
+
+    for _ in range(20):
+        step(0.25)
+    step(3.3)
+    assert policy.draft_per_guess == pytest.approx(0.3)
+    assert policy.depth_to_propose(10, 20) > 0
+    for _ in range(12):
+        step(1.0)
+    assert policy.draft_per_guess == pytest.approx(1.0, rel=0.1)
 
 
 def test_a_spike_in_one_step_leaves_no_trace() -> None:

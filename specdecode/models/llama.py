@@ -190,7 +190,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # drawn as nn.Embedding draws it, except on the meta device (a checkpoint's skeleton, its weights read after):
+        # there PyTorch's normal_ imports torch._dynamo, ~1 s and ~70 MiB of every load for numbers never used
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if table.device.type != "meta":
+            nn.init.normal_(table)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -194,8 +194,11 @@ def learned(name: str) -> property:
 
 
 def smoothed(old: float | None, new: float) -> float:
-    """Exponential smoothing of a timing: the first sample as is, then 80% old and 20% new."""
-    return new if old is None else 0.8 * old + 0.2 * new
+    """Exponential smoothing of a timing: the first sample as is, then 80% old and 20% new, the new one counted at
+    no more than twice the old (nor under half): only steps that guess time a draft again, so one stalled call (a
+    garbage collection, a page fault) that tripled the estimate priced a 360M draft as dear as its target and it was
+    never asked again; a real change is followed within a few steps."""
+    return new if old is None else 0.8 * old + 0.2 * min(max(new, 0.5 * old), 2.0 * old)
 
 
 class AdaptiveK(Policy):
@@ -254,6 +257,8 @@ class AdaptiveK(Policy):
         if self.cheap:
             self.asked = self._cheap_depth(context, min(self.max_k, limit))
             return self.asked
+        if limit < 1:  # no room for a guess (a request's last token): no evidence either way, the probes stand
+            return 0
         if self.draft_per_guess is None:  # nothing measured yet: a short draft to learn its cost
             return min(2, limit)
         if self._between_probes():

@@ -126,7 +126,9 @@ def time_one_thread_shape(model: Transformer, sizes: tuple[int, ...], context: i
     ratio to a 1-token forward on 1 thread over the same on all of them (1.0 for the plain step), `rounds` of
     each, interleaved. Beside a busy core the forwards run on the cores left free (threads.py), and there the
     sizes are not priced alike: a many-token forward costs more plain steps on 1 thread than on 2 (a
-    verification is compute the second core shared; a plain step is mostly reading the weights)."""
+    verification is compute the second core shared; a plain step is mostly reading the weights). Each factor is
+    kept within what the threads allow, [1 / threads, threads] (a forward runs at most `threads` times faster on
+    all of them than on one, and no slower): a few rounds beside another busy process once read 0.3 and 4.2."""
     most = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     cache = cached_context(model, context, sizes[-1], g)
@@ -147,7 +149,8 @@ def time_one_thread_shape(model: Transformer, sizes: tuple[int, ...], context: i
                         ratios[t, n].append(took[n] / took[1])
     finally:
         torch.set_num_threads(most)
-    return [1.0 if n == 1 else statistics.median(ratios[1, n]) / statistics.median(ratios[most, n]) for n in sizes]
+    factors = [1.0 if n == 1 else statistics.median(ratios[1, n]) / statistics.median(ratios[most, n]) for n in sizes]
+    return [min(max(f, 1 / most), float(most)) for f in factors]
 
 
 def spread(ratios: list[list[list[float]]]) -> float:
