@@ -33,12 +33,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from transformers import AutoTokenizer  # noqa: E402
+
 from specdecode.api import LLM  # noqa: E402
 from specdecode.core.sampling import SamplingParams  # noqa: E402
 from specdecode.engine.loop import Engine, generate_ids  # noqa: E402
 from specdecode.engine.prefix_cache import PrefixCache  # noqa: E402
 from specdecode.engine.request import Request  # noqa: E402
 from specdecode.models import ModelConfig, Transformer  # noqa: E402
+from specdecode.models.loading import load_model  # noqa: E402
 from specdecode.policy.batch_cost import BatchCost  # noqa: E402
 from specdecode.policy.cost import CostModel  # noqa: E402
 from specdecode.policy.speculation import FixedK  # noqa: E402
@@ -143,15 +146,16 @@ def burst(llm, args, docs: list[int]) -> dict:
         if i % 8 == 7:
             print(f"  {i + 1}/{len(jobs)} alone", flush=True)
     weights = weights_bytes(model)
-    runtime = args.runtime_rss
+    runtime = args.runtime_rss + args.libraries_rss  # the interpreter and the libraries: torch, transformers
     return dict(requests=args.requests, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                 kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                 pool_blocks=engine.cache.pool.num_blocks, most_running_at_once=most_running,
                 admitted_in_turn=len(set(admitted_at)) > 1, admitted_at_step=admitted_at,
                 preemptions=engine.paging.preemptions,
                 failed=failed, unequal=unequal, seconds=seconds, weights_bytes=weights, rss_before=before,
-                peak_rss_sampled=peak, vm_hwm=hwm, runtime_rss=runtime,
-                # what the process holds beyond the interpreter and torch's libraries, against budget + weights + 20%
+                peak_rss_sampled=peak, vm_hwm=hwm, runtime_rss=runtime, libraries_rss=args.libraries_rss,
+                # what the process holds beyond the interpreter and its libraries (torch; transformers for the
+                # tokenizer), against budget + weights + 20%
                 held=hwm - runtime, limit=int((args.kv_cache_memory + weights) * 1.2),
                 within_limit=hwm - runtime <= (args.kv_cache_memory + weights) * 1.2)
 
@@ -237,7 +241,17 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     args.runtime_rss = runtime = rss()  # the interpreter and torch, before any model
-    llm = tiny_llm(args.tiny) if args.tiny else LLM.load(args.model, kv_cache_dtype=args.kv_cache_dtype)
+    args.libraries_rss = 0
+    if args.tiny:
+        llm = tiny_llm(args.tiny)
+    else:  # LLM.load's two parts, measured apart: the weights, then the tokenizer and the libraries it imports
+        model, path = load_model(args.model, dtype=torch.float32, quantization="auto")
+        loaded = rss()
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        args.libraries_rss = rss() - loaded  # transformers' tokenizer and its imports (accelerate, sympy, ...)
+        llm = LLM(model, tokenizer, name=args.model)
+        print(f"weights resident {(loaded - runtime) >> 20} MiB; tokenizer and its libraries "
+              f"{args.libraries_rss >> 20} MiB", flush=True)
     llm.model.kv_cache_dtype = args.kv_cache_dtype
     docs = llm.tokenizer.encode(doc_text())
     name = f"tiny-random-{args.tiny}-layers" if args.tiny else args.model

@@ -191,7 +191,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         # drawn as nn.Embedding draws it, except on the meta device (a checkpoint's skeleton, its weights read after):
-        # there PyTorch's normal_ imports torch._dynamo, ~1 s and ~70 MiB of every load for numbers never used
+        # there PyTorch's normal_ imports torch._dynamo (and sympy), a second's imports for numbers never used
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         if table.device.type != "meta":
             nn.init.normal_(table)

@@ -128,7 +128,7 @@ def time_one_thread_shape(model: Transformer, sizes: tuple[int, ...], context: i
     sizes are not priced alike: a many-token forward costs more plain steps on 1 thread than on 2 (a
     verification is compute the second core shared; a plain step is mostly reading the weights). Each factor is
     kept within what the threads allow, [1 / threads, threads] (a forward runs at most `threads` times faster on
-    all of them than on one, and no slower): a few rounds beside another busy process once read 0.3 and 4.2."""
+    all of them than on one, and no slower): a few rounds beside another busy process read factors far outside it."""
     most = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     cache = cached_context(model, context, sizes[-1], g)
