@@ -108,13 +108,13 @@ def files(folder: Path, target: str, layout: str, drafts: list[str]) -> dict[str
 
 
 def run_config(target, draft_model, config: Config, prompt: list[int], truth: list[int], tokens: int,
-               stats: dict[str, AcceptanceStats], cost: CostModel | None) -> float:
+               acceptance: dict[str, AcceptanceStats], cost: CostModel | None) -> float:
     # coins of its own for each configuration and run (configurations sharing coins would share their luck)
     seed = zlib.crc32(f"{config.name}|{len(config.times)}|{truth[:8]}".encode())
     emulated = EmulatedDraft(DraftModelProposer(draft_model, target.config.vocab_size), truth, config.rate, seed)
     # k='auto': a policy of its own for each request, from the configuration's long-run statistics (as policy_for
     # makes them; one policy across requests carried its last step's plain streak into the next request's first steps)
-    k: int | AdaptiveK = int(config.k) if config.k != "auto" else AdaptiveK(cost, stats[config.name], cheap=False)
+    k: int | AdaptiveK = int(config.k) if config.k != "auto" else AdaptiveK(cost, acceptance[config.name], cheap=False)
     out, stats = generate_ids(target, prompt, proposer=emulated, k=k, max_new_tokens=tokens)
     if prompt + out != truth[: len(prompt) + tokens]:
         raise AssertionError(f"{config.name}: output differs from plain decoding")
@@ -156,7 +156,7 @@ def main() -> None:
     prompts = [llm.encode(p, chat=True) for p in PROMPTS[: args.prompts]]
     configs = [Config(d, float(a), k) for d in drafts for a in args.rates.split(",") for k in args.ks.split(",")]
     cost = None
-    stats: dict[str, AcceptanceStats] = {}
+    acceptance: dict[str, AcceptanceStats] = {}
     if any(c.k == "auto" for c in configs):
         started = time.perf_counter()
         print(f"the target's cost table for k='auto' ({args.cost_rounds} rounds; the steps refine it) ...",
@@ -166,13 +166,13 @@ def main() -> None:
         print(f"  {time.perf_counter() - started:.0f} s", flush=True)
         for c in configs:  # each configuration's long-run statistics, as a server keeps them per method
             if c.k == "auto":
-                stats[c.name] = AcceptanceStats()
+                acceptance[c.name] = AcceptanceStats()
     for model in (target, *(d.model for d in draft_llms.values())):  # warm: kernels built, weights tiled
         generate_ids(model, prompts[0], max_new_tokens=4, k=0)
     truths = [p + generate_ids(target, p, max_new_tokens=args.tokens, k=0)[0] for p in prompts]
     for c in configs:  # a short untimed request each: k='auto' learns the draft's cost and acceptance first
         if c.k == "auto":
-            run_config(target, draft_llms[c.draft].model, c, prompts[0], truths[0], 16, stats, cost)
+            run_config(target, draft_llms[c.draft].model, c, prompts[0], truths[0], 16, acceptance, cost)
             c.accepted = c.drafted = c.verified = c.right = c.forwards = 0
             c.draft_seconds = 0.0
     plain_times: list[float] = []
@@ -187,7 +187,7 @@ def main() -> None:
             pending: list[tuple[Config, float]] = []
             for j, c in enumerate(order):
                 pending.append((c, run_config(target, draft_llms[c.draft].model, c, prompt, truth, args.tokens,
-                                              stats, cost)))
+                                              acceptance, cost)))
                 done += 1
                 if len(pending) == args.plain_every or j == len(order) - 1:
                     plain = decode_seconds(generate_ids(target, prompt, max_new_tokens=args.tokens, k=0)[1])
