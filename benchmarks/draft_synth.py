@@ -172,7 +172,8 @@ def main() -> None:
     truths = [p + generate_ids(target, p, max_new_tokens=args.tokens, k=0)[0] for p in prompts]
     for c in configs:  # a short untimed request each: k='auto' learns the draft's cost and acceptance first
         if c.k == "auto":
-            run_config(target, draft_llms[c.draft].model, c, prompts[0], truths[0], 16, acceptance, cost)
+            run_config(target, draft_llms[c.draft].model, c, prompts[0], truths[0], min(16, args.tokens), acceptance,
+                       cost)
             c.accepted = c.drafted = c.verified = c.right = c.forwards = 0
             c.draft_seconds = 0.0
     plain_times: list[float] = []
