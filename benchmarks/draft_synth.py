@@ -44,7 +44,7 @@ from specdecode.core.acceptance import AcceptanceStats  # noqa: E402
 from specdecode.engine.loop import generate_ids  # noqa: E402
 from specdecode.models.loading import registry_file  # noqa: E402
 from specdecode.policy.cost import CostModel  # noqa: E402
-from specdecode.policy.speculation import AdaptiveK  # noqa: E402
+from specdecode.policy.speculation import Policy, Pricing, policy_for  # noqa: E402
 from specdecode.proposers import DraftModelProposer  # noqa: E402
 
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8)  # the forwards k='auto' prices here (a chain of up to 7 guesses)
@@ -112,9 +112,14 @@ def run_config(target, draft_model, config: Config, prompt: list[int], truth: li
     # coins of its own for each configuration and run (configurations sharing coins would share their luck)
     seed = zlib.crc32(f"{config.name}|{len(config.times)}|{truth[:8]}".encode())
     emulated = EmulatedDraft(DraftModelProposer(draft_model, target.config.vocab_size), truth, config.rate, seed)
-    # k='auto': a policy of its own for each request, from the configuration's long-run statistics (as policy_for
-    # makes them; one policy across requests carried its last step's plain streak into the next request's first steps)
-    k: int | AdaptiveK = int(config.k) if config.k != "auto" else AdaptiveK(cost, acceptance[config.name], cheap=False)
+    # k='auto': a policy of its own for each request, from the configuration's long-run statistics, as a request of
+    # the library gets it (one policy across requests carried its last step's plain streak into the next request)
+    k: int | Policy
+    if config.k == "auto":
+        assert cost is not None  # timed whenever a configuration is 'auto'
+        k = policy_for("auto", emulated.guessing, Pricing(cost, lambda part: acceptance[config.name]))
+    else:
+        k = int(config.k)
     out, stats = generate_ids(target, prompt, proposer=emulated, k=k, max_new_tokens=tokens)
     if prompt + out != truth[: len(prompt) + tokens]:
         raise AssertionError(f"{config.name}: output differs from plain decoding")
